@@ -92,7 +92,7 @@ ALL_PROMPTS = {
     "questioner_doc_mc_history": {"documents", "examples", "correct_letter"},
     "responder_doc_qa": {"documents", "question"}, "responder_fin_math": {"documents", "question"},
     "responder_doc_mc": {"documents", "question", "choice_A", "choice_B", "choice_C", "choice_D"},
-    "verifier": {"question", "answer_1", "answer_2"},
+    "verifier": {"question", "answer_1", "answer_2"}, "judge": {"question", "prediction", "reference"},
 }
 
 
