@@ -726,7 +726,7 @@ def lm_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     """Log-probs and entropies (fp32, (N,) each) of targets under softmax(hidden @ weight.T / temperature).
 
     impl "torch": kernels' chunked torch twin (bounded [chunk, V] logits); "triton": the fused kernel
-    (kernels/logprob.py) that never materialises logits. Both are pinned to token_logprobs by tests.
+    (kernels/logprob.py) that never materialises logits. test_kernels.py pins both to a float64 reference.
     """
     from kernels import fused_logprob
     return fused_logprob(hidden.contiguous(), weight, targets, temperature, backend=impl)
