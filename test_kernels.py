@@ -84,9 +84,10 @@ def errors(got, want):
     return stat + grad
 
 
-def check_against_reference(fn, dtype, logits, tau, grads, seed=0, **kw):
-    x, w, y = make_inputs(dtype, logits, seed)
-    g, gh, mask = make_upstream()
+def check_against_reference(fn, dtype, logits, tau, grads, seed=0, shape=(T, V, H), **kw):
+    t, v, h = shape
+    x, w, y = make_inputs(dtype, logits, seed, t=t, v=v, h=h)
+    g, gh, mask = make_upstream(t=t)
     want = run_op(fused_logprob_reference, x, w, y, tau, g, gh, grads, dtype=torch.float64)
     fp32 = run_op(fused_logprob_reference, x, w, y, tau, g, gh, grads, dtype=torch.float32)
     got = run_op(fn, x, w, y, tau, g, gh, grads, **kw)
@@ -125,6 +126,14 @@ CASES = [
 def test_triton_matches_fp64_reference(dtype, logits, tau, grads, ws):
     check_against_reference(fused_logprob, dtype, logits, tau, grads, backend="triton",
                             workspace_bytes=ws)
+
+
+@needs_triton
+def test_triton_matches_fp64_reference_at_tokenizer_vocabulary():
+    """V >= 16384 switches the interpreter to its wide tiles (2048 columns, 8192-column splits), the
+    ones a real tokenizer's vocabulary runs on: V = 20000 spans three splits and ends in a masked tail."""
+    check_against_reference(fused_logprob, torch.float32, "randn", 0.7, "both", shape=(40, 20_000, 128),
+                            backend="triton")
 
 
 @needs_triton
