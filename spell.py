@@ -108,6 +108,7 @@ class RolloutConfig:
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
+    sleep_level: int = 1  # GPU: vLLM sleeps during the update; 1 keeps weights in host RAM, 2 drops them, 0 = off
 
 
 @dataclass
@@ -240,6 +241,7 @@ def check_config(cfg: Config) -> None:
         (cfg.rollout.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a baseline)"),
         (cfg.rollout.docs_per_question >= 1, "rollout.docs_per_question must be >= 1"),
         (cfg.rollout.history_size >= 0, "rollout.history_size must be >= 0"),
+        (cfg.rollout.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0, 1 or 2"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (log-probs divide by it)"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (cfg.train.loss_norm in ("group", "token", "sequence"), "train.loss_norm must be group|token|sequence"),
@@ -2447,7 +2449,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
                      seed=cfg.train.seed + rank, dtype="bfloat16" if on_gpu else "float32",
-                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                     enable_sleep_mode=on_gpu and cfg.rollout.sleep_level > 0)
     seed_everything(cfg.train.seed + rank)  # vLLM reseeded the global RNGs while it started
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
                                                   attn_implementation=attention_implementation(cfg, on_gpu))
@@ -2498,12 +2501,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         # 2. role-specific dynamic sampling, advantages and loss weights, on global data
         summaries = all_gather_objects([rollout_summary(r) for r in rollouts])
         items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
-        # 3. one update of the sharded policy (an empty batch still joins the collectives)
+        # 3. one update of the sharded policy (an empty batch still joins the collectives); on GPU the
+        #    engine sleeps meanwhile, so its KV cache (and at level 2 its weights) free device memory
+        sleeping = on_gpu and cfg.rollout.sleep_level > 0
+        if sleeping:
+            llm.sleep(level=cfg.rollout.sleep_level)
         seqs = training_sequences(items, rollouts, rank)
         train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
         t2 = time.perf_counter()
-        # 4. weight sync into every rank's vLLM engine
-        sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if items else 0.0
+        # 4. weight sync into every rank's vLLM engine: wake the weights, overwrite them all (after a
+        #    level-2 sleep they hold garbage, so even a step without update syncs), then the KV cache
+        if sleeping:
+            torch.cuda.empty_cache()
+            llm.wake_up(tags=["weights"])
+        must_sync = bool(items) or (sleeping and cfg.rollout.sleep_level == 2)
+        sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if must_sync else 0.0
+        if sleeping:
+            llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step
         times = {"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                  "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}

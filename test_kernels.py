@@ -3,7 +3,7 @@
 CPU: the Triton kernels run under TRITON_INTERPRET=1 on small irregular shapes (about a minute in
 all on 2 cores). GPU-only tests (bf16 tensor-core dots, bigger shapes) skip without CUDA.
 
-    .venv/bin/python -m pytest -q test_kernels_wip.py
+    .venv/bin/python -m pytest -q test_kernels.py
 
 Accuracy is always measured against a float64 evaluation of the textbook formula on the same
 (dtype-rounded) inputs. Tolerances, per dtype, are TOL[dtype] plus 4x the error of the plain fp32

@@ -350,22 +350,30 @@ def backward_blocks(T: int, V: int, elem_bytes: int, workspace_bytes: int, tiles
     return min(T, _round_down(chunk, tiles.bm)), tiles.bn
 
 
+def _gemm_operands(x, w):
+    """(dZ and GEMM operand dtype, X and W in it): fp32 on CPU for 16-bit inputs, whose GEMMs
+    cannot accumulate in fp32 there; the inputs themselves otherwise."""
+    cdt = operand_dtype(x)
+    return (cdt, x.to(cdt), w.to(cdt)) if cdt != x.dtype else (cdt, x, w)
+
+
+def _grad_outputs(x, w, need_dx, need_dw, one_chunk):
+    """dX, dW, dW32. When several token chunks add into each dW row, the sums go to an fp32 buffer
+    dW32 (V H 4 bytes) and dW is made from it at the end."""
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.empty_like(w) if need_dw and one_chunk else None
+    dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw and not one_chunk else None
+    return dx, dw, dw32
+
+
 def _backward(x, w, y, norm, ent, g, gh, inv_tau, need_dx, need_dw, workspace_bytes, tiles):
     """dX, dW of sum_t g_t logp_t + gh_t H_t, recomputing logits block by block (8THV in all)."""
     T, H = x.shape
     V = w.shape[0]
-    cdt = operand_dtype(x)                         # dZ and GEMM operand dtype (fp32 if no fp32-out GEMM)
-    if cdt != x.dtype:                             # CPU 16-bit: fp32 operands for fp32 accumulation
-        x_op, w_op = x.to(cdt), w.to(cdt)
-    else:
-        x_op, w_op = x, w
+    cdt, x_op, w_op = _gemm_operands(x, w)
     tc, vs = backward_blocks(T, V, torch.finfo(cdt).bits // 8, workspace_bytes, tiles)
     workspace = torch.empty(tc * vs, dtype=cdt, device=x.device)
-    dx = torch.empty_like(x) if need_dx else None
-    one_chunk = tc >= T
-    # Several token chunks add into each dW row, so those sums need an fp32 buffer (V H 4 bytes).
-    dw = torch.empty_like(w) if need_dw and one_chunk else None
-    dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw and not one_chunk else None
+    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, one_chunk=tc >= T)
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)
         x_c, x_c_op = x[t0:t1], x_op[t0:t1]
@@ -406,15 +414,11 @@ def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, til
     V = w.shape[0]
     logp = torch.empty(T, dtype=torch.float32, device=x.device)
     ent = torch.empty_like(logp)
-    cdt = operand_dtype(x)
-    x_op, w_op = (x.to(cdt), w.to(cdt)) if cdt != x.dtype else (x, w)
+    cdt, x_op, w_op = _gemm_operands(x, w)
     tc = loss_chunk_tokens(T, V, torch.finfo(cdt).bits // 8, workspace_bytes, tiles)
     z_buf = torch.empty(tc * V, dtype=torch.float32, device=x.device)
     dz_buf = torch.empty(tc * V, dtype=cdt, device=x.device)
-    dx = torch.empty_like(x) if need_dx else None
-    one_chunk = tc >= T
-    dw = torch.empty_like(w) if need_dw and one_chunk else None
-    dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw and not one_chunk else None
+    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, one_chunk=tc >= T)
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)
         n = t1 - t0
