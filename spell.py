@@ -2542,4 +2542,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, CorpusError, CheckpointError, EvalDataError) as e:  # bad input: one clear line
+        sys.exit(f"spell.py: {type(e).__name__}: {e}")
