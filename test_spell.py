@@ -848,6 +848,37 @@ def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_pa
     assert diff == 0.0
 
 
+def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
+    """SIGTERM (what a scheduler sends before it kills a job) to every process of the run: the ranks
+    finish the step they are in, save a checkpoint, export and exit; nothing of the 50 steps is lost."""
+    out_dir = tmp_path / "run"
+    args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
+                     "--train.logprob_impl=torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # wait until step 1 is logged, then signal torchrun and both ranks
+            seen.append(line)
+            if line.startswith("step 1/50"):
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        seen.append(proc.communicate(timeout=TORCHRUN_TIMEOUT_S)[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(seen)
+    assert "SIGTERM: checkpoint saved, exiting" in output, output[-6000:]
+    # torchrun itself exits non-zero on the signal (its own SignalException); the ranks stopped cleanly
+    steps = [m["step"] for m in read_metrics(out_dir)]
+    last = f"step_{steps[-1]:06d}"
+    assert 1 <= len(steps) < 50 and steps == list(range(1, len(steps) + 1))
+    assert (out_dir / "checkpoints" / "latest").read_text() == last
+    spell.check_checkpoint(out_dir / "checkpoints" / last, world=2)
+    assert spell.export_is_complete(str(out_dir / "hf"))
+
+
 def update_batch() -> list[tuple]:
     """12 sequences of a global batch (vocabulary 1000): (prompt, completion, advantage, weight),
     with the Eq. 12 weights of three responder groups, two questioner samples and a verifier group."""
@@ -1031,7 +1062,7 @@ def test_pass_at_k_rejects_bad_arguments(n, c, k, error):
 
 
 # ------------------------------------------------------------------------------------------------
-# middle truncation
+# Eval: middle truncation
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("length, max_len, head, tail", [
@@ -1061,7 +1092,7 @@ def test_middle_truncate_rejects_empty_budget():
 
 
 # ------------------------------------------------------------------------------------------------
-# loaders: native layouts, inference of the benchmark, errors naming file / position / field
+# Eval: loaders, native layouts, inference of the benchmark, errors naming file / position / field
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", FIXTURE_FILES)
@@ -1243,7 +1274,7 @@ def test_parquet(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# metrics and the table
+# Eval: metrics and the table
 # ------------------------------------------------------------------------------------------------
 
 def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None) -> dict:
@@ -1280,7 +1311,7 @@ def test_eval_metrics_guards():
 
 
 # ------------------------------------------------------------------------------------------------
-# the driver with a scripted engine: who gets judged, how scores combine, what is written
+# Eval: the driver with a scripted engine; who gets judged, how scores combine, what is written
 # ------------------------------------------------------------------------------------------------
 
 class FakeCompletion(NamedTuple):
