@@ -2447,10 +2447,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if not on_gpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
+    sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only
     llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
                      seed=cfg.train.seed + rank, dtype="bfloat16" if on_gpu else "float32",
                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                     enable_sleep_mode=on_gpu and cfg.rollout.sleep_level > 0)
+                     enable_sleep_mode=sleep_level > 0)
     seed_everything(cfg.train.seed + rank)  # vLLM reseeded the global RNGs while it started
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
                                                   attn_implementation=attention_implementation(cfg, on_gpu))
@@ -2503,20 +2504,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
         # 3. one update of the sharded policy (an empty batch still joins the collectives); on GPU the
         #    engine sleeps meanwhile, so its KV cache (and at level 2 its weights) free device memory
-        sleeping = on_gpu and cfg.rollout.sleep_level > 0
-        if sleeping:
-            llm.sleep(level=cfg.rollout.sleep_level)
+        if sleep_level:
+            llm.sleep(level=sleep_level)
         seqs = training_sequences(items, rollouts, rank)
         train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
         t2 = time.perf_counter()
         # 4. weight sync into every rank's vLLM engine: wake the weights, overwrite them all (after a
         #    level-2 sleep they hold garbage, so even a step without update syncs), then the KV cache
-        if sleeping:
+        if sleep_level:
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
-        must_sync = bool(items) or (sleeping and cfg.rollout.sleep_level == 2)
+        must_sync = bool(items) or sleep_level == 2
         sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if must_sync else 0.0
-        if sleeping:
+        if sleep_level:
             llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step
         times = {"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,

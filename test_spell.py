@@ -493,13 +493,19 @@ TORCHRUN_TIMEOUT_S = 900
 TEMPERATURE = 0.7
 
 
-def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=nproc args...` from the repository root; fails the test with the
-    output's tail on a non-zero exit (check) or a timeout, killing the whole process group."""
+def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
+    """Start `torchrun --nproc_per_node=nproc args...` from the repository root, output (stdout and
+    stderr) on a text pipe, in its own process group so one signal reaches torchrun and its ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # own group: a timeout kills torchrun and its ranks
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run start_torchrun to the end; fail the test with the output's tail on a non-zero exit (check)
+    or a timeout, killing the whole process group."""
+    proc = start_torchrun(nproc, *args)
     try:
         out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -508,7 +514,7 @@ def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.Completed
         pytest.fail(f"{' '.join(args)}: timed out after {TORCHRUN_TIMEOUT_S}s\n{out[-12000:]}")
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(args)}: exit {proc.returncode}\n{out[-12000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
 def metrics(output: str) -> dict[str, float]:
@@ -856,9 +862,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     out_dir = tmp_path / "run"
     args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
                      "--train.logprob_impl=torch")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_torchrun(2, *args)
     seen = []
     try:
         for line in proc.stdout:  # wait until step 1 is logged, then signal torchrun and both ranks
