@@ -35,10 +35,14 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose:
      votes as a third class and break ties by order of appearance).
   7. A group of one sample gets advantage 0 (the authors give it A = r); std uses the unbiased
      estimator with eps = 1e-6 in the denominator, as theirs does.
-  8. The loss normaliser is computed over the global batch before backward (tokens per group,
-     Eq. 12), so the gradient does not depend on micro-batch size or the number of ranks; the
-     authors average per-micro-batch token means.
+  8. The loss normaliser is computed over the global batch before backward, so the gradient does not
+     depend on micro-batch size or the number of ranks; the authors average per-micro-batch token
+     means. By default it reads Eq. 10 as written: one Eq. 12 objective per role, summed
+     (loss_weights "role"), so the questioner never outweighs the responder; Eq. 12 over the whole
+     batch ("group") would give the questioner's one-sample groups 64 % of the paper's batch.
   9. No reference model is loaded: beta = 0 in the paper and in the authors' runs.
+ 10. A generation cut at max_new_tokens is scored as unfinished (reward.overlong): no answer, an
+     abstaining vote, or a format error; the paper does not say how it treats them.
 """
 
 from __future__ import annotations
@@ -120,6 +124,11 @@ class RewardConfig:
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
+    # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an unfinished
+    # answer earns (responder: no answer, r = 0; verifier: an abstention; questioner: a format error)
+    # and trains with that reward | mask: the same rewards, but cut outputs stay out of the loss (DAPO's
+    # overlong filtering) | keep: scored as if the cut text were finished (what this code did before)
+    overlong: str = "zero"
 
 
 @dataclass
@@ -132,7 +141,7 @@ class TrainConfig:
     clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
-    loss_norm: str = "group"  # group: tokens per group (Eq. 12) | token: batch token mean (DAPO) | sequence (GRPO Eq. 2)
+    loss_norm: str = "role"  # role: Eq. 12 per role, roles summed (Eq. 10) | group | token (DAPO) | sequence (see loss_weights)
     advantage: str = "zscore"  # zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean, no std)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     logprob_impl: str = "torch"  # torch: chunked reference | triton: kernels.fused_logprob
@@ -244,7 +253,7 @@ def check_config(cfg: Config) -> None:
         (cfg.rollout.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0, 1 or 2"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (log-probs divide by it)"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (cfg.train.loss_norm in ("group", "token", "sequence"), "train.loss_norm must be group|token|sequence"),
+        (cfg.train.loss_norm in ("role", "group", "token", "sequence"), "train.loss_norm must be role|group|token|sequence"),
         (cfg.train.advantage in ("zscore", "mean"), "train.advantage must be zscore|mean"),
         (cfg.train.logprob_impl in ("torch", "triton"), "train.logprob_impl must be torch|triton"),
         (cfg.train.ppo_epochs >= 1, "train.ppo_epochs must be >= 1"),
@@ -253,6 +262,7 @@ def check_config(cfg: Config) -> None:
          "data.task_weights must be three non-negative numbers, not all zero"),
         (cfg.reward.sigma > 0, "reward.sigma must be > 0"),
         (0 <= cfg.reward.verifier_share, "reward.verifier_share must be >= 0"),
+        (cfg.reward.overlong in ("zero", "mask", "keep"), "reward.overlong must be zero|mask|keep"),
         (cfg.eval.n >= 1, "eval.n must be >= 1"),
         (cfg.eval.temperature >= 0 and 0 < cfg.eval.top_p <= 1, "eval.temperature >= 0 and 0 < eval.top_p <= 1"),
         (cfg.eval.max_input_len >= 1 and cfg.eval.max_output_len >= 1, "eval lengths must be >= 1"),
@@ -619,6 +629,7 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.d
 
     if gradient_checkpointing:  # non-reentrant checkpointing is the variant that works with FSDP2's hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train_mode_without_dropout(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -629,6 +640,23 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.d
     model.completion_logprobs = types.MethodType(completion_logprobs, model)
     register_fsdp_forward_method(model, "completion_logprobs")
     return model
+
+
+def train_mode_without_dropout(model) -> None:
+    """Put the policy in train mode, with every dropout at 0.
+
+    transformers recomputes a decoder layer in the backward only when `gradient_checkpointing and
+    self.training`, and `from_pretrained` returns a model in eval mode: left there, checkpointing is
+    silently off and a 7B model at 16K tokens keeps every layer's activations (~100 GB a sequence).
+    Train mode must not change the forward, though: the trainer's log-probs are those of the policy
+    that vLLM sampled from, so dropout (0 in Llama and Qwen configs anyway) is forced to 0.
+    """
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
+            module.attention_dropout = 0.0
 
 
 def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1301,13 +1329,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None].long())[:, 0]
 
 
-def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str) -> list[float]:
+def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str,
+                 roles: Sequence[str] | None = None) -> list[float]:
     """Per-sequence token weight = 1 / normaliser, computed once over the whole global batch.
 
-    group    (Eq. 12, default): each group's tokens sum to 1/#groups -> every token of a group counts
-             the same and every group counts the same. Questioner samples are groups of one.
-    token    (DAPO): 1 / all tokens of the batch.
+    role     (Eq. 10 + Eq. 12, default): J = J_que + J_res + J_ver, each role's objective an Eq. 12
+             mean over that role's own groups: within a role every group counts the same and every
+             token of a group counts the same, and each role's weights sum to 1, whatever the number
+             of its samples. `roles` names each sequence's role.
+    group    (Eq. 12 over the whole batch): each group's tokens sum to 1/#groups. A questioner sample
+             is a group of one, so with the paper's batch the questioner gets 64 % of the objective.
+    token    (DAPO): 1 / all tokens of the batch; roles weigh by their token counts.
     sequence (GRPO, Eq. 2): 1 / (|y_i| * #sequences).
+    The role split of each mode on the paper's batch shape is printed by
+    test_loss_weights_role_split_of_a_paper_shaped_batch (and given in the README).
     """
     if mode == "token":
         total = sum(seq_lens)
@@ -1319,6 +1354,16 @@ def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str) -
         for n, g in zip(seq_lens, group_ids):
             tokens_per_group[g] += n
         return [1.0 / (tokens_per_group[g] * len(tokens_per_group)) for g in group_ids]
+    if mode == "role":
+        if roles is None or len(roles) != len(seq_lens):
+            raise ValueError("loss_weights(mode='role') needs the role of every sequence")
+        weights = [0.0] * len(seq_lens)
+        for role in set(roles):  # Eq. 12 within the role, the roles added up (Eq. 10)
+            members = [i for i, r in enumerate(roles) if r == role]
+            for i, w in zip(members, loss_weights([seq_lens[i] for i in members],
+                                                  [(role, group_ids[i]) for i in members], "group")):
+                weights[i] = w
+        return weights
     raise ValueError(f"unknown loss normalisation {mode!r}")
 
 
@@ -1352,6 +1397,7 @@ class Rollout:
     que_prompt: list[int]
     que_completion: list[int] = field(default_factory=list)
     que_text: str = ""
+    que_cut: bool = False  # the questioner's output hit max_new_tokens
     question: dict | None = None  # parsed (q, a); None = format error
     status: str = "format"  # format | ungrounded | skipped (prompt too long) | ok
     res_prompt: list[int] = field(default_factory=list)
@@ -1370,6 +1416,12 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt, tokenised once on the trainer side."""
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               tokenize=True, return_dict=False))
+
+
+def finished(c: Completion, cfg: Config) -> bool:
+    """Whether a completion is scored as a finished output: not cut at max_new_tokens, unless
+    reward.overlong = "keep" scores cut text as it stands."""
+    return c.finish_reason != "length" or cfg.reward.overlong == "keep"
 
 
 def request_seeds(*key: Any, count: int) -> list[int]:
@@ -1421,8 +1473,8 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)], **sampling(cfg),
                     desc="questioner")
     for r, letter, (c,) in zip(rollouts, letters, outs):
-        r.que_completion, r.que_text = c.token_ids, c.text
-        r.question = parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
+        r.que_completion, r.que_text, r.que_cut = c.token_ids, c.text, c.finish_reason == "length"
+        r.question = parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words) if finished(c, cfg) else None
         r.status = "format" if r.question is None else "ok"
     return rollouts
 
@@ -1433,7 +1485,7 @@ def run_grounding(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
     prompts = [chat_ids(tok, responder_prompt(r.task, None, r.question)) for r in todo]
     outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], **sampling(cfg), desc="grounding")
     for r, (c,) in zip(todo, outs):
-        if rule_reward(c.text, r.question["answer"], r.task) == 1.0:
+        if finished(c, cfg) and rule_reward(c.text, r.question["answer"], r.task) == 1.0:
             r.status = "ungrounded"
 
 
@@ -1452,7 +1504,7 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
                     **sampling(cfg), desc="responder")
     for r, cs in zip(todo, outs):
         r.responses = cs
-        r.rules = [rule_reward(c.text, r.question["answer"], r.task) for c in cs]
+        r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0 for c in cs]
 
 
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
@@ -1461,7 +1513,7 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
     for r in (r for r in rollouts if r.status == "ok"):
         r.ver_prompts, r.verdicts = [None] * len(r.responses), [[] for _ in r.responses]
         for i, c in enumerate(r.responses):
-            predicted = extract_answer(c.text, r.task)
+            predicted = extract_answer(c.text, r.task) if finished(c, cfg) else None
             if predicted is not None:  # no answer to compare: the rule's 0 stands, nothing to verify
                 r.ver_prompts[i] = chat_ids(tok, verifier_prompt(r.question, predicted, r.question["answer"]))
                 jobs.append((r, i))
@@ -1482,7 +1534,7 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
                                              mu=rc.mu, sigma=rc.sigma, ungrounded_penalty=rc.ungrounded_penalty,
                                              format_penalty=rc.format_penalty)
             continue
-        r.votes = [[parse_verdict(v.text) for v in vs] for vs in r.verdicts]
+        r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs] for vs in r.verdicts]
         r.majorities = [majority_vote(v) for v in r.votes]
         r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
         r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
@@ -1514,11 +1566,13 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
 
 def rollout_summary(r: Rollout) -> dict:
     """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
+    cut = lambda c: c.finish_reason == "length"  # noqa: E731
     return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_completion),
-            "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
-            "res_len": [len(c.token_ids) for c in r.responses],
+            "que_cut": r.que_cut, "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
+            "res_len": [len(c.token_ids) for c in r.responses], "res_cut": [cut(c) for c in r.responses],
             "ver": [verifier_rewards(v, m) if m is not None else None for v, m in zip(r.votes, r.majorities)],
-            "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts]}
+            "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts],
+            "ver_cut": [[cut(c) for c in vs] for vs in r.verdicts]}
 
 
 @dataclass
@@ -1532,6 +1586,7 @@ class TrainItem:
     advantage: float
     group: tuple
     length: int
+    cut: bool = False  # the generation hit max_new_tokens
     weight: float = 0.0
 
 
@@ -1543,17 +1598,20 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     """
     flat = [(rank, idx, s) for rank, ss in enumerate(summaries) for idx, s in enumerate(ss)]
     G = cfg.rollout.group_size
-    # responder: groups with reward variance, the first batch_groups of them in (rank, idx) order
+    # responder: groups with reward variance; batch_groups of them at random when there are more. The
+    # shuffle uses the step's shared generator: taking them in (rank, idx) order would cut the last
+    # ranks' groups first, and each rank samples a fixed shard of the corpus
     ok = [k for k, (_, _, s) in enumerate(flat) if s["status"] == "ok"]
-    res_keep = [ok[i] for i in responder_groups_to_keep([flat[k][2]["res"] for k in ok])][:cfg.train.batch_groups]
+    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2]["res"] for k in ok])]
+    res_keep = sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist()) if eligible else []
     items: list[TrainItem] = []
     if res_keep:
         adv = group_advantages(torch.tensor([flat[k][2]["res"] for k in res_keep]),
                                scale=cfg.train.advantage == "zscore")  # (B, G)
         for b, k in enumerate(res_keep):
             rank, idx, s = flat[k]
-            items += [TrainItem(rank, idx, "res", i, 0, adv[b, i].item(), ("res", rank, idx), s["res_len"][i])
-                      for i in range(G)]
+            items += [TrainItem(rank, idx, "res", i, 0, adv[b, i].item(), ("res", rank, idx), s["res_len"][i],
+                                s["res_cut"][i]) for i in range(G)]
     # questioner: positives are the kept groups' questions, negatives have r_que <= 0 (Eq. 7)
     pool = [k for k, (_, _, s) in enumerate(flat) if s["status"] != "skipped"]
     pos = [pool.index(k) for k in res_keep]
@@ -1565,7 +1623,7 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
                                scale=cfg.train.advantage == "zscore")  # (N,)
         for a, k in zip(adv.tolist(), kept):
             rank, idx, s = flat[k]
-            items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s["que_len"]))
+            items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s["que_len"], s["que_cut"]))
     # verifier: one group per (question, response), majority consistent with the rule, capped [code]
     cands = [(k, i) for k in ok for i in range(len(flat[k][2]["maj"])) if flat[k][2]["ver"][i] is not None]
     max_groups = int(cfg.reward.verifier_share * len(res_keep) * G) // G  # a share of responder trajectories, in groups
@@ -1578,11 +1636,13 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
         for b, c in enumerate(ver_keep):
             k, i = cands[c]
             rank, idx, s = flat[k]
-            items += [TrainItem(rank, idx, "ver", i, j, adv[b, j].item(), ("ver", rank, idx, i), s["ver_len"][i][j])
-                      for j in range(len(s["ver_len"][i]))]
-    items = [it for it in items if it.length > 0]  # an empty completion has no token to train
-    for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm)
-                     if items else []):
+            items += [TrainItem(rank, idx, "ver", i, j, adv[b, j].item(), ("ver", rank, idx, i), s["ver_len"][i][j],
+                                s["ver_cut"][i][j]) for j in range(len(s["ver_len"][i]))]
+    # an empty completion has no token to train; with overlong = "mask", an output cut at max_new_tokens
+    # stays out of the loss (DAPO's overlong filtering) though its reward counted in its group's baseline
+    items = [it for it in items if it.length > 0 and not (it.cut and cfg.reward.overlong == "mask")]
+    for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm,
+                                         [it.role for it in items]) if items else []):
         it.weight = w
     counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_neg": len(que_keep) - len(pos),
               "ver_groups": len(ver_keep), "ver_candidates": len(cands), "sequences": len(items)}
@@ -1815,6 +1875,7 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
 
 def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: dict) -> dict:
     """Namespaced metrics (que/ res/ ver/ train/ perf/) from the gathered rollout summaries."""
+    rate = lambda flags: sum(flags) / max(len(flags), 1)  # noqa: E731
     flat = [s for ss in summaries for s in ss]
     ok = [s for s in flat if s["status"] == "ok"]
     res = [x for s in ok for x in s["res"]]
@@ -1835,6 +1896,10 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
         "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
+        # share of generations cut at rollout.max_new_tokens, per role (scored as reward.overlong says)
+        "que/truncated": rate([s["que_cut"] for s in flat if s["status"] != "skipped"]),
+        "res/truncated": rate([c for s in ok for c in s["res_cut"]]),
+        "ver/truncated": rate([c for s in ok for cs in s["ver_cut"] for c in cs]),
         "train/sequences": counts["sequences"],
     }
     m.update({f"train/{k}": v for k, v in train.items() if k != "entropy_sum"})

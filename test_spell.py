@@ -397,6 +397,92 @@ def test_verifier_groups_to_keep():
     assert len(capped) == 2 and set(capped) <= {0, 1, 5}
 
 
+def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0.5) -> dict:
+    """A rollout_summary of a valid question whose G responses earned `res`, verified by a 3-of-4 vote."""
+    votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
+    maj = [spell.majority_vote(v) for v in votes]
+    return {"task": task, "status": "ok", "r_que": r_que, "que_len": 30, "que_cut": False, "res": res,
+            "rule": res, "maj": maj, "agree": [spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
+            "res_len": [20] * G, "res_cut": [False] * G,
+            "ver": [verifier_rewards(v, m) for v, m in zip(votes, maj)], "ver_len": [[5] * 4 for _ in res],
+            "ver_cut": [[False] * 4 for _ in res]}
+
+
+def test_select_batch_spreads_kept_groups_over_ranks():
+    """8 ranks with 22 trainable groups each and room for 128: every rank keeps about 16. Taken in
+    rank order, as before, the first five ranks filled the batch and the last ones kept nothing."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.train.batch_groups = 4, 128
+    summaries = [[summary([1.0, 0.0, 1.0, 0.0]) for _ in range(22)] for _ in range(8)]
+    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))
+    assert counts["res_groups"] == 128
+    per_rank = [len({it.idx for it in items if it.role == "res" and it.rank == r}) for r in range(8)]
+    print(f"METRIC kept_groups_per_rank={per_rank}")
+    # hypergeometric: mean 22 * 128 / 176 = 16, sd 2.0; 6 sd either side would still catch the old order
+    assert sum(per_rank) == 128 and all(16 - 12 <= k <= 22 for k in per_rank), per_rank
+    assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]  # same on every rank
+
+
+class ScriptedRollouts:
+    """A stand-in for spell.generate in the rollout phases: each phase (the `desc` a rollout function
+    passes) answers with a script of (text, finish_reason), sample j getting entry j (cycled)."""
+
+    def __init__(self, script: dict[str, list[tuple[str, str]]]):
+        self.script, self.calls = script, []
+
+    def __call__(self, llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False, desc=""):
+        self.calls.append((desc, len(prompts), n))
+        outs = self.script[desc]
+        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None, outs[j % len(outs)][1])
+                 for j in range(n)] for _ in prompts]
+
+
+CUT_SCRIPT = {  # what each phase writes; "length" = cut at max_new_tokens
+    "questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "length")],
+    "grounding": [("I cannot tell without the text.", "stop")],
+    "responder": [("The correct answer is blue.", "stop"), ("The correct answer is blue.", "length"),
+                  ("The correct answer is red.", "stop"), ("The correct answer is red.", "stop")],
+    "verifier": [("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "length"), ("Decision: [[YES]]", "stop"),
+                 ("Decision: [[NO]]", "stop")],
+}
+
+
+@pytest.mark.parametrize("overlong", ["zero", "mask", "keep"])
+def test_truncated_generations(monkeypatch, overlong):
+    """A generation cut at max_new_tokens is unfinished (zero, mask): the cut question is a format
+    error, the cut answer earns nothing and is not verified, the cut verdict abstains; mask also keeps
+    cut outputs out of the loss; keep scores the cut text as if finished."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.overlong = 4, overlong
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(CUT_SCRIPT))
+    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
+    rollouts = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
+                                   np.random.default_rng(0), key=(0, 1, 0, 0))
+    [r] = rollouts
+    assert r.que_cut
+    if overlong == "keep":
+        assert r.status == "ok" and r.rules == [1.0, 1.0, 0.0, 0.0]
+        return
+    assert r.status == "format" and r.question is None and r.que_reward == cfg.reward.format_penalty
+    # the questioner's cut output is still a training sample (a negative), except under mask
+    script = dict(CUT_SCRIPT, questioner=[(CUT_SCRIPT["questioner"][0][0], "stop")])
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.status == "ok" and r.rules == [1.0, 0.0, 0.0, 0.0]  # response 1 was cut: no answer
+    assert r.verdicts[1] == [] and all(len(v) == 4 for i, v in enumerate(r.verdicts) if i != 1)
+    assert [v[1] for i, v in enumerate(r.votes) if i != 1] == [None] * 3  # every cut verdict abstains
+    s = spell.rollout_summary(r)
+    assert s["res_cut"] == [False, True, False, False] and s["ver_cut"][0] == [False, True, False, False]
+    items, _ = spell.select_batch([[s]], cfg, np.random.default_rng(0))
+    trained = {(it.role, it.i, it.j) for it in items}
+    assert (("res", 1, 0) in trained) == (overlong == "zero")
+    assert ("res", 0, 0) in trained
+    metrics = spell.step_metrics([[s]], {"que_pos": 0, "que_neg": 0, "res_groups": 1, "ver_groups": 0,
+                                         "ver_candidates": 0, "sequences": len(items)}, {}, {})
+    assert metrics["res/truncated"] == 0.25 and metrics["que/truncated"] == 0.0
+
+
 # ------------------------------------------------------------------------------------------------
 # Advantages
 # ------------------------------------------------------------------------------------------------
@@ -434,18 +520,19 @@ def test_token_logprobs_matches_definition():
     assert torch.allclose(lp.double(), probs[torch.arange(7), targets].log(), atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["group", "token", "sequence"])
+@pytest.mark.parametrize("mode", ["role", "group", "token", "sequence"])
 @pytest.mark.parametrize("ratio_offset", [0.0, 0.3])
 def test_policy_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     """Loss and d loss / d logits against a per-token Python loop, for every normaliser."""
     torch.manual_seed(1)
-    lens, groups = [3, 5, 2, 4, 1], ["g0", "g0", "g1", "g1", "q"]
-    advs = [0.7, -0.7, 1.2, -1.2, 0.4]
+    lens, groups = [3, 5, 2, 4, 1, 2], ["g0", "g0", "g1", "g1", "q0", "q1"]
+    roles = ["res", "res", "ver", "ver", "que", "que"]
+    advs = [0.7, -0.7, 1.2, -1.2, 0.4, -0.4]
     V, T = 9, sum(lens)
     logits = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (T,))
     old = (token_logprobs(logits, targets, 0.7) + ratio_offset * torch.randn(T, dtype=torch.float64)).detach()
-    w_seq = loss_weights(lens, groups, mode)
+    w_seq = loss_weights(lens, groups, mode, roles)
     weights = torch.tensor([w for w, n in zip(w_seq, lens) for _ in range(n)], dtype=torch.float64)
     adv_tok = torch.tensor([a for a, n in zip(advs, lens) for _ in range(n)], dtype=torch.float64)
     loss, _ = policy_loss(token_logprobs(logits, targets, 0.7), old, adv_tok, weights)
@@ -457,12 +544,17 @@ def test_policy_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     for i, n in enumerate(lens):
         if mode == "group":
             norm = sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i]) * len(set(groups))
+        elif mode == "role":  # Eq. 12 inside the role: the group's tokens times the role's number of groups
+            norm = (sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
+                    * len({groups[j] for j in range(len(lens)) if roles[j] == roles[i]}))
         elif mode == "token":
             norm = T
         else:
             norm = n * len(lens)
         for _ in range(n):
-            lp = torch.log_softmax(logits[t] / 0.7, -1)[targets[t]]
+            # the same float32 log-prob as policy_loss gets (token_logprobs, one row at a time), so the two
+            # sides differ only by the order of float64 sums (~T * 1e-16): what is checked is the assembly
+            lp = token_logprobs(logits[t:t + 1], targets[t:t + 1], 0.7)[0].double()
             ratio = torch.exp(lp - old[t])
             obj = torch.minimum(ratio * advs[i], ratio.clamp(0.8, 1.2) * advs[i])
             naive = naive - obj / norm
@@ -478,6 +570,56 @@ def test_loss_weights_group_mode_sums_to_one_per_group():
     w = loss_weights([3, 5, 2], ["a", "a", "b"], "group")
     assert w[0] == w[1] == pytest.approx(1 / (8 * 2)) and w[2] == pytest.approx(1 / (2 * 2))
     assert 3 * w[0] + 5 * w[1] + 2 * w[2] == pytest.approx(1.0)
+
+
+def paper_shaped_batch(res_len: int, que_len: int, ver_len: int) -> tuple[list[int], list[tuple], list[str]]:
+    """The batch of §5.1 with G = 8: 128 responder groups, 128 + 128 questioner samples, 16 verifier
+    groups (1/8 of the responder trajectories [code]); every output of a role has the given length."""
+    seqs = ([(res_len, ("res", b), "res") for b in range(128) for _ in range(8)]
+            + [(que_len, ("que", q), "que") for q in range(256)]
+            + [(ver_len, ("ver", b), "ver") for b in range(16) for _ in range(8)])
+    lens, groups, roles = zip(*seqs)
+    return list(lens), list(groups), list(roles)
+
+
+def role_split(lens, groups, roles, mode) -> dict[str, float]:
+    """Each role's share of the objective's total weight, sum over its tokens of w."""
+    w = loss_weights(lens, groups, mode, roles)
+    total = sum(wi * n for wi, n in zip(w, lens))
+    return {r: sum(wi * n for wi, n, ri in zip(w, lens, roles) if ri == r) / total for r in ("que", "res", "ver")}
+
+
+def test_loss_weights_role_split_of_a_paper_shaped_batch():
+    """How much of the objective each role gets in each normaliser mode (printed with -s; the README
+    quotes this table). Equal lengths, then outputs like the paper's (long answers, questions with a
+    derivation, short verdicts)."""
+    lengths = {"equal lengths": (100, 100, 100), "res 600, que 400, ver 150 tokens": (600, 400, 150)}
+    for label, (lr, lq, lv) in lengths.items():
+        lens, groups, roles = paper_shaped_batch(lr, lq, lv)
+        for mode in ("role", "group", "token", "sequence"):
+            split = role_split(lens, groups, roles, mode)
+            print(f"METRIC role_split {label:32s} {mode:8s} " + " ".join(f"{r} {100 * v:5.1f}%" for r, v in split.items()))
+    lens, groups, roles = paper_shaped_batch(100, 100, 100)
+    # group (Eq. 12 over the batch): a questioner sample is a group of its own, 256 of the 400 groups
+    assert role_split(lens, groups, roles, "group") == pytest.approx({"que": 256 / 400, "res": 128 / 400, "ver": 16 / 400})
+    assert role_split(lens, groups, roles, "sequence") == pytest.approx({"que": 256 / 1408, "res": 1024 / 1408,
+                                                                         "ver": 128 / 1408})
+    # role (Eq. 10 as the sum of one Eq. 12 objective per role): thirds, whatever the lengths or counts
+    for lr, lq, lv in lengths.values():
+        assert role_split(*paper_shaped_batch(lr, lq, lv), "role") == pytest.approx({"que": 1 / 3, "res": 1 / 3,
+                                                                                     "ver": 1 / 3})
+    # the default never lets the questioner outweigh the responder, on any batch with both
+    assert spell.Config().train.loss_norm == "role"
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n_res, n_que, G = rng.integers(1, 20), rng.integers(1, 60), rng.integers(2, 9)
+        lens = rng.integers(1, 500, n_res * G + n_que).tolist()
+        groups = [("res", b) for b in range(n_res) for _ in range(G)] + [("que", q) for q in range(n_que)]
+        roles = [g[0] for g in groups]
+        split = role_split(lens, groups, roles, "role")
+        assert split["que"] == pytest.approx(split["res"])
+    with pytest.raises(ValueError, match="needs the role"):
+        loss_weights([1, 2], ["a", "b"], "role")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -898,9 +1040,10 @@ def update_batch() -> list[tuple]:
             for (p, c), a, w in zip(lens, advantages, weights)]
 
 
-# (name, micro-batch token budget, log-prob implementation, optimiser)
-UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd"), ("sgd_all_in_one", 4096, "torch", "sgd"),
-                   ("sgd_triton", 64, "triton", "sgd"), ("adamw_clipped", 64, "torch", "adamw")]
+# (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing)
+UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False),
+                   ("sgd_all_in_one", 4096, "torch", "sgd", False), ("sgd_triton", 64, "triton", "sgd", False),
+                   ("sgd_checkpointed", 64, "torch", "sgd", True), ("adamw_clipped", 64, "torch", "adamw", False)]
 
 
 def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
@@ -922,10 +1065,17 @@ def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
     scale = max(t.abs().max().item() for t in want.values())
     assert scale > 1e-3
     for nproc, res in results.items():
-        for name, *_ in UPDATE_VARIANTS[:3]:
+        for name, budget, _, opt, _ in UPDATE_VARIANTS:
+            if opt != "sgd":
+                continue
             diff = max((res[name][n] - want[n]).abs().max().item() for n in want)
             print(f"METRIC {name}_{nproc}rank_max_abs_diff={diff:.3g} (gradient scale {scale:.3g})")
             assert diff < 1e-5, (nproc, name)
+        # gradient checkpointing really recomputes: every decoder layer runs twice per micro-batch (the
+        # forward, then again in the backward), although the model came in eval mode as from_pretrained
+        # returns it; without checkpointing, once
+        calls = res["layer_calls"]
+        assert calls["sgd_checkpointed"] == 2 * calls["sgd_triton"] > 0, calls
     # AdamW with an active gradient clip: the same parameters on 1 and 2 ranks
     a, b = results[1]["adamw_clipped"], results[2]["adamw_clipped"]
     diff = max((a[n] - b[n]).abs().max().item() for n in a)
@@ -1669,18 +1819,22 @@ def worker_update(out_file: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     batch = update_batch()
-    results = {}
-    for name, budget, impl, opt in UPDATE_VARIANTS:
+    results = {"layer_calls": {}}
+    for name, budget, impl, opt, checkpointing in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
         cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
-        model = tiny_llama()
+        model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        policy = spell.shard_policy(model, mesh, param_dtype=torch.float32, gradient_checkpointing=False)
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *_: calls.append(1))
+        policy = spell.shard_policy(model, mesh, param_dtype=torch.float32, gradient_checkpointing=checkpointing)
         optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
         stats = spell.update_policy(policy, optimizer, batch[rank::world], cfg, world, torch.device("cpu"))
+        results["layer_calls"][name] = len(calls)
         after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
         results[name] = {n: after[n] - before[n] if opt == "sgd" else after[n] for n in after}
         if opt == "adamw":
