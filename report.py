@@ -1,0 +1,338 @@
+"""Reports on SPELL runs: learning curves from metrics.jsonl, and a paired bootstrap between two evals.
+
+    python report.py plot RUN_DIR [--out DIR] [--smooth N]
+        RUN_DIR/metrics.jsonl (one JSON object per step, written by spell.py) -> RUN_DIR/plots/:
+        one PNG per role (questioner.png, responder.png, verifier.png), training.png and
+        throughput.png. The questioner's figure adds two quantities computed from logged keys: the
+        valid-question rate and Figure 4's difficulty, 1 - pass@1 of the responders on its questions.
+        Absent keys are skipped; a logged key no figure lists gets a panel of its own (a new
+        namespace goes to other.png), so metrics added later still show up.
+
+    python report.py compare BASE_EVAL_DIR TRAINED_EVAL_DIR [--metric rule|score] [--boot 10000] [--seed 0]
+        Two `spell.py eval` output folders (eval_samples.jsonl each) on the same questions -> pass@1
+        of each model with a 95 % bootstrap confidence interval over questions, and the paired
+        difference (trained - base) with its 95 % interval and the share of draws <= 0.
+
+pass@1 of a question is the mean of its n samples' scores (Appendix C.2, Eq. 11 with k = 1); the
+rule metric is the rule score alone (cover exact match for doc_qa), score is max(rule, judge).
+The bootstrap resamples questions with replacement and takes percentile intervals; the paired
+difference resamples the same questions for both models, which is what makes it paired.
+
+Needs numpy; `plot` also needs matplotlib (requirements.txt, requirements-cpu.txt). Importing this file
+runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+class ReportError(Exception):
+    """Bad input files: missing, empty, or two evals that do not cover the same questions."""
+
+
+# ==================================================================================================
+# plot: metrics.jsonl -> PNG figures
+# ==================================================================================================
+
+# One figure per file name: (title, key prefix it owns, panels); a panel is (title, [keys]). Keys of
+# the prefix that no panel lists are appended as panels of their own; keys that are absent are skipped.
+# The keys are those of spell.step_metrics, plus the two that add_derived computes from them.
+FIGURES = {
+    "questioner": ("Questioner (§4.1; reward Eq. 7)", "que/", [
+        ("valid questions (well-formed and grounded) / drawn", ["que/valid_rate"]),
+        # Figure 4: the questioner learns to ask harder questions, so this should rise over training
+        ("difficulty 1 - pass@1 of the responders on its valid questions (Figure 4)", ["que/difficulty"]),
+        ("reward r_que", ["que/reward"]),
+        ("kept samples: positive / negative (§4.3)", ["que/pos", "que/neg"]),
+        ("format error / ungrounded rate", ["que/format_error", "que/ungrounded"]),
+        ("questions: drawn / skipped (too long)", ["que/questions", "que/skipped"]),
+        ("generations cut at max_new_tokens", ["que/truncated"]),
+    ]),
+    "responder": ("Responder (§4.1; reward Eq. 6)", "res/", [
+        ("reward max(rule, vote) / rule pass rate", ["res/reward", "res/rule_pass"]),
+        ("groups: valid / kept / all solved / none solved", ["res/groups", "res/kept_groups",
+                                                            "res/all_solved", "res/none_solved"]),
+        ("response length (tokens)", ["res/length"]),
+        ("generations cut at max_new_tokens", ["res/truncated"]),
+    ]),
+    "verifier": ("Verifier (§4.1; majority vote Eq. 4)", "ver/", [
+        ("majority rate / majority agrees with the rule", ["ver/majority_rate", "ver/agrees_with_rule"]),
+        ("kept groups / candidates", ["ver/kept_groups", "ver/candidates"]),
+        ("generations cut at max_new_tokens", ["ver/truncated"]),
+    ]),
+    "training": ("Policy update (Eq. 10)", "train/", [
+        ("loss", ["train/loss"]),
+        ("gradient norm (before clipping)", ["train/grad_norm"]),
+        ("entropy (nats per token)", ["train/entropy"]),
+        ("clip fraction", ["train/clipfrac"]),
+        ("sequences / micro-batches", ["train/sequences", "train/micro_batches"]),
+        ("tokens", ["train/tokens"]),
+    ]),
+    "throughput": ("Throughput", "perf/", [
+        ("seconds per step, by phase", ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/step_s"]),
+        ("trained tokens per second", ["perf/train_tokens_per_s"]),
+    ]),
+}
+
+
+def add_derived(row: dict) -> dict:
+    """The row plus que/valid_rate and que/difficulty (1 - pass@1, Figure 4) where their inputs are logged."""
+    row = dict(row)
+    drawn, valid, reward = (number(row.get(k)) for k in ("que/questions", "res/groups", "res/reward"))
+    if drawn > 0 and math.isfinite(valid):
+        row["que/valid_rate"] = valid / drawn
+    if valid > 0 and math.isfinite(reward):  # with no valid question res/reward is a placeholder 0
+        row["que/difficulty"] = 1.0 - reward
+    return row
+
+
+def number(v) -> float:
+    """v as a float; NaN for a missing value, a bool or a non-number."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """step -> metrics; a step logged twice (a resumed run) keeps its last line; a torn line is skipped."""
+    rows, skipped = {}, 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1  # a run killed mid-write leaves a partial last line
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows[row["step"]] = add_derived(row)
+            else:
+                skipped += 1
+    if skipped:
+        print(f"{path}: skipped {skipped} line(s) that are not a JSON object with an integer step", file=sys.stderr)
+    if not rows:
+        raise ReportError(f"{path}: no metrics rows")
+    return dict(sorted(rows.items()))
+
+
+def series(rows: dict[int, dict], key: str) -> np.ndarray:
+    """The key's value at every step, NaN where a step lacks it or holds a non-number."""
+    return np.array([number(row.get(key)) for row in rows.values()], dtype=float)
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean of the finite values among the last `window` steps; the first steps use fewer."""
+    ok = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(ok, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    hi = np.arange(1, len(values) + 1)
+    lo = np.maximum(hi - window, 0)
+    n = counts[hi] - counts[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, (sums[hi] - sums[lo]) / np.maximum(n, 1), np.nan)
+
+
+def figure_panels(name: str, keys: set[str]) -> list[tuple[str, list[str]]]:
+    """The figure's panels restricted to present keys, then one panel per unlisted key of its prefix."""
+    _, prefix, panels = FIGURES[name]
+    out = [(title, [k for k in ks if k in keys]) for title, ks in panels]
+    out = [(title, ks) for title, ks in out if ks]
+    listed = {k for _, ks in panels for k in ks}
+    out += [(k, [k]) for k in sorted(keys) if k.startswith(prefix) and k not in listed]
+    return out
+
+
+def other_keys(keys: set[str]) -> list[str]:
+    """Keys no figure owns (a new namespace); they go to other.png."""
+    prefixes = tuple(prefix for _, prefix, _ in FIGURES.values())
+    return sorted(k for k in keys if k != "step" and not k.startswith(prefixes))
+
+
+def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict], smooth: int, path: Path):
+    """One PNG: a grid of panels (two columns), each key a line; a rolling mean over it when smooth > 1."""
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
+    for ax, (panel_title, keys) in zip(axes.flat, panels):
+        for i, key in enumerate(keys):
+            color, y = f"C{i}", series(rows, key)
+            ok = np.isfinite(y)
+            if smooth > 1:  # raw values faint, the trend bold
+                ax.plot(steps[ok], y[ok], color=color, alpha=0.25, linewidth=0.8)
+                trend = rolling_mean(y, smooth)
+                ax.plot(steps[ok], trend[ok], color=color, linewidth=1.8, label=f"{key} (mean of {smooth})")
+            else:
+                ax.plot(steps[ok], y[ok], color=color, marker="." if ok.sum() < 30 else None, label=key)
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None, smooth: int | None = None) -> list[Path]:
+    """Write the figures of one run; figures with no key present are skipped. Returns the PNG paths."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = np.array(list(rows), dtype=float)
+    if smooth is None:  # a rolling mean once there are enough steps for noise to hide the trend
+        smooth = max(5, len(steps) // 20) if len(steps) >= 20 else 1
+    keys = {k for row in rows.values() for k in row}
+    out_dir = out_dir or run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = [(name, FIGURES[name][0], figure_panels(name, keys)) for name in FIGURES]
+    figures.append(("other", "Other metrics", [(k, [k]) for k in other_keys(keys)]))
+    written = []
+    for name, title, panels in figures:
+        if panels:
+            draw_figure(plt, title, panels, steps, rows, smooth, out_dir / f"{name}.png")
+            written.append(out_dir / f"{name}.png")
+    return written
+
+
+# ==================================================================================================
+# compare: two evals -> pass@1 with bootstrap intervals and the paired difference
+# ==================================================================================================
+
+def read_eval_samples(path: Path, metric: str = "rule") -> dict[tuple[str, str], list[float]]:
+    """(benchmark, id) -> the metric of each sample, from eval_samples.jsonl (a folder holding it, or the file)."""
+    file = path / "eval_samples.jsonl" if path.is_dir() else path
+    if not file.exists():
+        raise ReportError(f"{file}: not found (expected the eval_samples.jsonl of a `spell.py eval` run)")
+    scores: dict[tuple[str, str], list[float]] = {}
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                sample = json.loads(line)
+                value = float(sample[metric])
+                key = (str(sample["benchmark"]), str(sample["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ReportError(f"{file}, line {lineno}: not a sample with benchmark, id and a numeric "
+                                  f"{metric!r} ({type(e).__name__}: {e})") from None
+            scores.setdefault(key, []).append(value)
+    if not scores:
+        raise ReportError(f"{file}: no samples")
+    return scores
+
+
+def pass_at_1(scores: dict[tuple[str, str], list[float]], keys: list[tuple[str, str]]) -> np.ndarray:
+    """pass@1 per question (Eq. 11, k = 1): the mean of its samples' scores, in the order of keys."""
+    return np.array([np.mean(scores[k]) for k in keys], dtype=float)
+
+
+def matched_questions(base: dict, trained: dict) -> list[tuple[str, str]]:
+    """The shared (benchmark, id) keys, sorted; an error naming a few keys if the two sets differ."""
+    only = {"base": sorted(set(base) - set(trained)), "trained": sorted(set(trained) - set(base))}
+    if only["base"] or only["trained"]:
+        parts = [f"{len(keys)} only in {side}" + (f" (e.g. {keys[:3]})" if keys else "") for side, keys in only.items()]
+        raise ReportError("the two evals cover different questions: " + ", ".join(parts))
+    return sorted(base)
+
+
+def bootstrap_means(per_question: np.ndarray, boot: int, seed: int, chunk: int = 1000) -> np.ndarray:
+    """Means of `boot` resamples of the questions, drawn with replacement; each row of per_question
+    is one model (or the paired difference), and every row is resampled with the same indices."""
+    per_question = np.atleast_2d(per_question)                      # (M, Q)
+    rng = np.random.default_rng(seed)
+    q = per_question.shape[1]
+    out = []
+    for start in range(0, boot, chunk):  # chunks keep memory at chunk x Q indices for large benchmarks
+        idx = rng.integers(0, q, size=(min(chunk, boot - start), q))  # (b, Q)
+        out.append(per_question[:, idx].mean(axis=2))              # (M, b)
+    return np.concatenate(out, axis=1)                             # (M, boot)
+
+
+def percentile_ci(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile bootstrap interval: the (1-level)/2 and (1+level)/2 quantiles of the draws."""
+    lo, hi = np.percentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+def compare(base: dict, trained: dict, boot: int = 10000, seed: int = 0) -> dict:
+    """pass@1 of both models with 95 % intervals, and the paired difference with its interval and
+    P(draw <= 0), the one-sided bootstrap p-value of "trained is no better than base"."""
+    if boot < 1:
+        raise ReportError(f"--boot must be >= 1, got {boot}")
+    keys = matched_questions(base, trained)
+    b, t = pass_at_1(base, keys), pass_at_1(trained, keys)
+    draws = bootstrap_means(np.stack([b, t, t - b]), boot, seed)   # (3, boot)
+    return {
+        "questions": len(keys),
+        "samples": (sorted({len(base[k]) for k in keys}), sorted({len(trained[k]) for k in keys})),
+        "base": (float(b.mean()), *percentile_ci(draws[0])),
+        "trained": (float(t.mean()), *percentile_ci(draws[1])),
+        "diff": (float((t - b).mean()), *percentile_ci(draws[2])),
+        "p_le_0": float(np.mean(draws[2] <= 0)),
+    }
+
+
+def compare_table(result: dict, names: tuple[str, str], metric: str, boot: int, seed: int) -> str:
+    """The comparison as a Markdown table in percent."""
+    def ns(counts: list[int]) -> str:
+        return "/".join(map(str, counts))
+
+    n = result["questions"]
+    scored = {"rule": "the rule score alone", "score": "max(rule, judge)"}[metric]
+    lines = [f"pass@1 of {scored} (per question the mean over its samples), {n} questions; 95 % percentile "
+             f"bootstrap intervals over questions, {boot} draws, seed {seed}.", "",
+             "| model | questions | samples per question | pass@1 % | 95 % CI |", "|---|---:|---:|---:|---|"]
+    for label, name, counts in (("base", names[0], result["samples"][0]), ("trained", names[1], result["samples"][1])):
+        mean, lo, hi = result[label]
+        lines.append(f"| {label}: {name} | {n} | {ns(counts)} | {100 * mean:.1f} | [{100 * lo:.1f}, {100 * hi:.1f}] |")
+    mean, lo, hi = result["diff"]
+    lines.append(f"| trained - base (paired) | {n} | | {100 * mean:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+    lines += ["", f"share of bootstrap draws with difference <= 0 (one-sided p): {result['p_le_0']:.4f}"]
+    return "\n".join(lines)
+
+
+# ==================================================================================================
+# command line
+# ==================================================================================================
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plot", help="PNG learning curves from RUN_DIR/metrics.jsonl")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
+    p.add_argument("--smooth", type=int, default=None,
+                   help="rolling-mean window in steps (default: none under 20 steps, else max(5, steps/20))")
+    c = sub.add_parser("compare", help="pass@1 of two evals with bootstrap intervals and the paired difference")
+    c.add_argument("base", type=Path, help="eval output folder of the base model (eval_samples.jsonl)")
+    c.add_argument("trained", type=Path, help="eval output folder of the trained model")
+    c.add_argument("--metric", choices=("rule", "score"), default="rule",
+                   help="rule: the rule score alone; score: max(rule, judge) (default %(default)s)")
+    c.add_argument("--boot", type=int, default=10000, help="bootstrap draws (default %(default)s)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the bootstrap draws (default %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plot":
+            for path in plot_run(args.run_dir, args.out, args.smooth):
+                print(path)
+        else:
+            base = read_eval_samples(args.base, args.metric)
+            trained = read_eval_samples(args.trained, args.metric)
+            result = compare(base, trained, args.boot, args.seed)
+            print(compare_table(result, (str(args.base), str(args.trained)), args.metric, args.boot, args.seed))
+    except (ReportError, OSError) as e:  # bad input: one clear line, no traceback
+        sys.exit(f"report.py: {e}")
+
+
+if __name__ == "__main__":
+    main()
