@@ -50,7 +50,7 @@ FIGURES = {
         # Figure 4: the questioner learns to ask harder questions, so this should rise over training
         ("difficulty 1 - pass@1 of the responders on its valid questions (Figure 4)", ["que/difficulty"]),
         ("reward r_que", ["que/reward"]),
-        ("kept samples: positive / negative (§4.3)", ["que/pos", "que/neg"]),
+        ("kept samples: positive / floor (bootstrapping) / negative (§4.3)", ["que/pos", "que/floor", "que/neg"]),
         ("format error / ungrounded rate", ["que/format_error", "que/ungrounded"]),
         ("questions: drawn / skipped (too long)", ["que/questions", "que/skipped"]),
         ("generations cut at max_new_tokens", ["que/truncated"]),
@@ -74,9 +74,13 @@ FIGURES = {
         ("clip fraction", ["train/clipfrac"]),
         ("sequences / micro-batches", ["train/sequences", "train/micro_batches"]),
         ("tokens", ["train/tokens"]),
+        ("mean |log-prob trainer - vLLM| per token", ["train/rollout_logp_gap"]),
     ]),
     "throughput": ("Throughput", "perf/", [
         ("seconds per step, by phase", ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/step_s"]),
+        ("rollout seconds per step, by role", ["perf/que_s", "perf/ground_s", "perf/res_s", "perf/ver_s"]),
+        ("generated tokens per second, by role", ["perf/que_tokens_per_s", "perf/res_tokens_per_s",
+                                                  "perf/ver_tokens_per_s"]),
         ("trained tokens per second", ["perf/train_tokens_per_s"]),
     ]),
 }

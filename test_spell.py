@@ -1855,13 +1855,16 @@ def test_rolling_mean_hand_worked():
 def logged_metrics(step: int) -> dict:
     """A metrics.jsonl row as main() writes it: spell.step_metrics of two questions, one valid, one
     malformed. The train and times keys are those update_policy and main() pass in."""
-    ok = {"status": "ok", "r_que": 0.5, "que_cut": False, "res": [1.0, 0.0, 0.0, 0.0], "rule": [1.0, 0.0, 0.0, 0.0],
-          "maj": [1, None, 0, 0], "res_len": [10, 20, 30, 40], "res_cut": [False] * 4, "ver_cut": [[False] * 4] * 4}
-    bad = {"status": "format", "r_que": -1.0, "que_cut": False}
-    counts = {"que_pos": 1, "que_neg": 1, "res_groups": 1, "ver_groups": 1, "ver_candidates": 3, "sequences": 9}
+    ok = {"status": "ok", "r_que": 0.5, "que_len": 30, "que_cut": False, "res": [1.0, 0.0, 0.0, 0.0],
+          "rule": [1.0, 0.0, 0.0, 0.0], "maj": [1, None, 0, 0], "res_len": [10, 20, 30, 40], "res_cut": [False] * 4,
+          "ver_len": [[5] * 4] * 4, "ver_cut": [[False] * 4] * 4}
+    bad = {"status": "format", "r_que": -1.0, "que_len": 50, "que_cut": False}
+    counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1, "ver_candidates": 3,
+              "sequences": 9}
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100, "grad_norm": 1.0,
-             "micro_batches": 2}
-    times = {"rollout_s": 2.0, "update_s": 1.0, "sync_s": 0.1, "step_s": 3.1, "train_tokens_per_s": 100.0}
+             "micro_batches": 2, "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100}
+    times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rollout_s": 2.0, "update_s": 1.0,
+             "sync_s": 0.1, "step_s": 3.1, "train_tokens_per_s": 100.0}
     return {"step": step, **spell.step_metrics([[ok, bad]], counts, train, times)}
 
 
