@@ -174,6 +174,7 @@ class LogConfig:
     save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
     sample_every: int = 5  # print a table of sample rollouts every N steps
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
+    tensorboard: bool = False  # also write every metric to <out_dir>/tensorboard (offline; `tensorboard --logdir`)
 
 
 @dataclass
@@ -2019,6 +2020,15 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
     return m
 
 
+def tensorboard_writer(cfg: Config, rank: int):
+    """A TensorBoard SummaryWriter into <out_dir>/tensorboard on rank 0 if log.tensorboard, else None."""
+    if not cfg.log.tensorboard or rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+    return SummaryWriter(str(Path(cfg.log.out_dir) / "tensorboard"))
+
+
 def log_line(step: int, steps: int, m: dict) -> str:
     """The per-step console line: each role's reward and what it put in the batch, then the clock."""
     phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver") if f"perf/{p}_s" in m)
@@ -2668,6 +2678,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "rng": rng.bit_generator.state, "rng_state": rng_state()}
 
     metrics_file = out / "metrics.jsonl"
+    board = tensorboard_writer(cfg, rank)
     per_round = max(1, cfg.rollout.clusters_per_round // world)
     while state["step"] < cfg.train.steps:
         step = state["step"] + 1
@@ -2711,6 +2722,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(log_line(step, cfg.train.steps, m), flush=True)
             with open(metrics_file, "a") as f:
                 f.write(json.dumps({"step": step, **m}) + "\n")
+            if board is not None:
+                for key, value in m.items():
+                    board.add_scalar(key, value, step)
+                board.flush()
         if cfg.log.sample_every and step % cfg.log.sample_every == 0:
             print0(sample_table(rollouts))
         if not items:

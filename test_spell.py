@@ -1879,6 +1879,28 @@ def test_plot_figures_list_every_key_spell_logs_and_derive_figure_4_difficulty()
     assert report.add_derived({"step": 1}) == {"step": 1}  # nothing to derive from: nothing added
 
 
+def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
+    """log.tensorboard: the scalars main() writes read back, per step, with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = spell.Config()
+    cfg.log.out_dir = str(tmp_path)
+    assert spell.tensorboard_writer(cfg, 0) is None  # off by default
+    cfg.log.tensorboard = True
+    assert spell.tensorboard_writer(cfg, 1) is None  # rank 0 only
+    board = spell.tensorboard_writer(cfg, 0)
+    rows = {step: logged_metrics(step) for step in (1, 2)}
+    for step, row in rows.items():
+        for key, value in row.items():
+            if key != "step":
+                board.add_scalar(key, value, step)
+    board.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert set(events.Tags()["scalars"]) == set(rows[1]) - {"step"}
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]  # float32 storage: rel 1e-6 default
+
+
 def test_plot_reads_the_last_line_of_a_step_and_writes_one_png_per_figure(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="report.py plot needs matplotlib (requirements-cpu.txt); compare does not")
     run = tmp_path / "run"
