@@ -1148,6 +1148,23 @@ GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Anoth
     ([{"id": "b", "task": "doc_qa"}], [], spell.CorpusError, "corpus.jsonl:1: missing field 'documents'"),
     ([GOOD_CLUSTER], ["--train.lrr=1e-6"], spell.ConfigError, "unknown key train.lrr"),
     ([GOOD_CLUSTER], ["--rollout.group_size=1"], spell.ConfigError, "rollout.group_size must be >= 2"),
+    # issue #10 item 11: each of these used to pass the check and fail (or not) much later
+    ([GOOD_CLUSTER], ["--log.save_every=0"], spell.ConfigError, "log.save_every must be >= 1, got 0"),
+    ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], spell.ConfigError, "reward.negative_ratio must be >= 0"),
+    ([GOOD_CLUSTER], ["--reward.verifier_share=nan"], spell.ConfigError, "reward.verifier_share must be finite"),
+    ([GOOD_CLUSTER], ["--data.task_weights=1,inf,1"], spell.ConfigError, "data.task_weights must be finite"),
+    ([GOOD_CLUSTER], ["--data.task_weights=[1,-1,1]"], spell.ConfigError, "data.task_weights must be three non-neg"),
+    ([GOOD_CLUSTER], ["--data.task_weights=1,1"], spell.ConfigError, "data.task_weights: expected 3 comma-separated"),
+    ([GOOD_CLUSTER], ["--train.lr=nan"], spell.ConfigError, "train.lr must be finite, got nan"),
+    ([GOOD_CLUSTER], ["--train.lr=-2e-6"], spell.ConfigError, "train.lr must be >= 0, got -2e-06"),
+    ([GOOD_CLUSTER], ["--train.weight_decay=-0.01"], spell.ConfigError, "train.weight_decay must be >= 0"),
+    ([GOOD_CLUSTER], ["--train.seed=-1"], spell.ConfigError, "train.seed must be in [0, 2**31)"),
+    ([GOOD_CLUSTER], ["--train.grad_clip=-1"], spell.ConfigError, "train.grad_clip must be > 0"),
+    ([GOOD_CLUSTER], ["--reward.verifier_agreement=[0.99,0.51]"], spell.ConfigError,
+     "reward.verifier_agreement must be [low, high] with 0 <= low <= high <= 1"),
+    ([GOOD_CLUSTER], ["--config", "no_such_config.toml"], spell.ConfigError,
+     "no_such_config.toml: cannot read the config file"),
+    ([GOOD_CLUSTER], ["--config="], spell.ConfigError, "--config needs a file name"),
 ])
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
     corpus = tmp_path / "corpus.jsonl"
@@ -1208,8 +1225,227 @@ def test_truncated_checkpoint_shard_is_a_clear_error(demo_run, speaker, corpus_f
     before = snapshot(broken)
     result = torchrun(2, *demo_args(speaker, corpus_file, broken), "--resume", check=False)
     assert result.returncode != 0
-    assert f"CheckpointError: {step}: cannot be read" in result.stdout, result.stdout[-4000:]
+    # found by its size in meta.json, before vLLM or the model start
+    assert f"CheckpointError: {step}: {shard.name} has {shard.stat().st_size} bytes" in result.stdout, \
+        result.stdout[-4000:]
+    assert "start_vllm" not in result.stdout
     assert snapshot(broken) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input and checkpoint integrity: one clear line before anything starts (#10 items 11-12)
+# ------------------------------------------------------------------------------------------------
+
+def number_keys() -> list[str]:
+    import dataclasses
+    return [f"{sec.name}.{key.name}" for sec in dataclasses.fields(spell.Config)
+            for key in dataclasses.fields(sec.default_factory())
+            if isinstance(key.default, (int, float, tuple)) and not isinstance(key.default, bool)]
+
+
+@pytest.mark.parametrize("key", number_keys())
+def test_every_number_key_rejects_nonsense(key):
+    """nan and +-inf in every float (each element of a tuple) and -1 in every int are a ConfigError
+    naming the key. No int key has a meaning for -1; a new one that does belongs in an exception here."""
+    section, name = key.split(".")
+    default = getattr(getattr(spell.Config(), section), name)
+    if isinstance(default, tuple):
+        bad = [default[:i] + (x,) + default[i + 1:] for i in range(len(default)) for x in (math.nan, math.inf)]
+    elif isinstance(default, float):
+        bad = [math.nan, math.inf, -math.inf]
+    else:
+        bad = [-1]
+    for value in bad:
+        cfg = spell.Config()
+        setattr(getattr(cfg, section), name, value)
+        with pytest.raises(spell.ConfigError, match=rf"^{re.escape(key)} must be .*, got {re.escape(repr(value))}$"):
+            spell.check_config(cfg)
+
+
+@pytest.mark.parametrize("text", ["1,2,0.5", "[1, 2, 0.5]", " (1,2,0.5) "])
+def test_tuples_from_the_command_line(tmp_path, text):
+    cfg = spell.load_config(None, [f"--data.task_weights={text}", "--reward.verifier_agreement=0.6,0.9"])
+    assert cfg.data.task_weights == (1.0, 2.0, 0.5) and cfg.reward.verifier_agreement == (0.6, 0.9)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "c.toml: cannot read the config file (No such file or directory)"),
+    (b"[train]\nlr = 1e-6  # d\xe9faut\n", "c.toml: not UTF-8 text (byte 22)"),
+    (b"[train]\nlr = [1e-6\n", "c.toml: not valid TOML"),
+])
+def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content, message):
+    config = tmp_path / "c.toml"
+    if content is not None:
+        config.write_bytes(content)
+    with pytest.raises(spell.ConfigError, match=re.escape(message)):
+        spell.main(["--config", str(config), f"--log.out_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_is_one_line_on_the_command_line(tmp_path):
+    """`python spell.py` with bad input: exit status 1 and a single line naming the error and the file."""
+    config = tmp_path / "missing.toml"
+    result = subprocess.run([sys.executable, str(REPO / "spell.py"), "--config", str(config)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1:] == [
+        f"spell.py: ConfigError: {config}: cannot read the config file (No such file or directory)"], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name, content", [
+    ("hotpotqa.jsonl", b'{"input": "a"}\n{"input": "caf\xe9"}\n'),
+    ("longbench_v2.json", b'[{"question": "a"},\n {"question": "caf\xe9"}]'),
+    ("frames.tsv", b"Prompt\tAnswer\ncaf\xe9\tx\n"),
+])
+def test_eval_file_not_utf8_names_file_line_and_byte(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    byte = content.index(0xE9)
+    where = f"{path}, line 2: not UTF-8 text (byte {byte} is 0xe9)"
+    with pytest.raises(EvalDataError, match=re.escape(where)):
+        load_benchmark(str(path))
+
+
+def tiny_checkpoint(out_dir: Path, step: int = 1) -> Path:
+    """A real one-rank checkpoint (DCP shard, .metadata, rank0.pt, meta.json) of a Linear and its AdamW moments."""
+    cfg = spell.Config()
+    cfg.log.out_dir = str(out_dir)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    return spell.save_checkpoint(cfg, step, model, optimizer, {"step": step}, rank=0, world=1)
+
+
+def test_checkpoint_records_size_and_checksum_of_every_file(tmp_path):
+    import zlib
+    path = tiny_checkpoint(tmp_path / "run")
+    meta = json.loads((path / "meta.json").read_text())
+    on_disk = {p.name for p in path.iterdir()} - {"meta.json"}
+    assert set(meta["files"]) == on_disk and {".metadata", "__0_0.distcp", "rank0.pt"} <= on_disk
+    for name, rec in meta["files"].items():
+        data = (path / name).read_bytes()
+        assert rec == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert (path.parent / "latest").read_text() == "step_000001"
+    assert spell.check_checkpoint(path, world=1)["step"] == 1
+
+
+def flip_middle_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40  # e.g. an exponent bit of an Adam moment: same size, silently wrong
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda step: flip_middle_byte(step / "__0_0.distcp"), "__0_0.distcp is corrupted (CRC-32 "),
+    (lambda step: flip_middle_byte(step / ".metadata"), ".metadata is corrupted"),
+    (lambda step: (step / "rank0.pt").write_bytes((step / "rank0.pt").read_bytes()[:-1]), "rank0.pt has "),
+    (lambda step: (step / "__0_0.distcp").unlink(), "not a complete checkpoint (missing __0_0.distcp)"),
+])
+def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypatch, damage, message):
+    """The checkpoint's own record catches a flipped byte, a cut file, a lost file: before the process
+    group, vLLM or the model (init_distributed is never reached), and nothing in the run changes."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    out_dir = tmp_path / "run"
+    step = tiny_checkpoint(out_dir)
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    damage(step)
+    before = snapshot(out_dir)
+    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started on a damaged checkpoint"))
+    with pytest.raises(spell.CheckpointError, match=re.escape(f"{step}: {message}")):
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
+                    "--resume"])
+    assert snapshot(out_dir) == before
+
+
+def test_each_rank_checksums_the_files_it_wrote(tmp_path):
+    """Resuming ranks share the reading: rank r checks the sizes of all files but the CRC-32 only of
+    its own (__r_*.distcp, rank{r}.pt; rank 0 also .metadata)."""
+    step = tmp_path / "step_000001"
+    step.mkdir()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "rank0.pt", "rank1.pt"):
+        (step / name).write_bytes(name.encode() * 100)
+    assert [spell.checkpoint_file_rank(p.name) for p in sorted(step.iterdir())] == [0, 0, 1, 1, 0, 1]
+    files = {**spell.seal_files(step, 0), **spell.seal_files(step, 1)}
+    assert len(files) == 6
+    (step / "meta.json").write_text(json.dumps({"step": 1, "world": 2, "files": files}))
+    flip_middle_byte(step / "__1_1.distcp")
+    spell.check_checkpoint(step, world=2, ranks=[0])
+    for ranks in ([1], None):
+        with pytest.raises(spell.CheckpointError, match=re.escape("__1_1.distcp is corrupted")):
+            spell.check_checkpoint(step, world=2, ranks=ranks)
+    (step / "rank1.pt").write_bytes(b"")  # a size is checked on every rank
+    with pytest.raises(spell.CheckpointError, match=re.escape("rank1.pt has 0 bytes, 800 were saved")):
+        spell.check_checkpoint(step, world=2, ranks=[0])
+
+
+def test_checkpoint_without_checksums_is_resumed_with_a_warning(tmp_path, capsys):
+    step = tmp_path / "step_000001"
+    step.mkdir()
+    for name in (".metadata", "__0_0.distcp", "rank0.pt"):
+        (step / name).write_bytes(b"x")
+    (step / "meta.json").write_text('{"step": 1, "world": 1}')  # what spell.py wrote before sizes and checksums
+    assert spell.check_checkpoint(step, world=1)["step"] == 1
+    assert "meta.json records no file sizes or checksums" in capsys.readouterr().out
+
+
+def test_checkpoint_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """Every file and the folder reach the disk before the rename publishes them; the rename and the
+    `latest` pointer reach it after: a power cut leaves the old or the new checkpoint, never a torn one."""
+    events = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a), str(b))), real_replace(a, b))[1])
+    final = tiny_checkpoint(tmp_path / "run")
+    tmp, latest = f"{final}.tmp", final.parent / "latest"
+    i = events.index(("rename", tmp, str(final)))
+    synced_before = set()  # paths whose data is on disk, followed through renames (meta.json.tmp -> meta.json)
+    for kind, path, *to in events[:i]:
+        if kind == "fsync":
+            synced_before.add(path)
+        elif path in synced_before:
+            synced_before.add(to[0])
+    assert {f"{tmp}/{p.name}" for p in final.iterdir()} | {tmp} <= synced_before
+    j = events.index(("rename", f"{latest}.tmp", str(latest)))
+    assert ("fsync", f"{latest}.tmp") in events[i:j] and ("fsync", str(final.parent)) in events[i:j]
+    assert ("fsync", str(final.parent)) in events[j:]
+
+
+def test_trim_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 0.5}\n{"step": 2}\n\n{"step": 3}\n{"step": 4, "x":')  # torn by a crash
+    assert spell.trim_metrics(path, 2) == 2
+    assert path.read_text() == '{"step": 1, "x": 0.5}\n{"step": 2}\n'
+    assert spell.trim_metrics(path, 2) == 0 and spell.trim_metrics(tmp_path / "none.jsonl", 2) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left behind
+
+
+def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
+    """A run that logged step 2 and died before saving it resumes at step 1 and logs step 2 again: the
+    old step-2 line goes first, so metrics.jsonl never holds a step twice."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert spell.resume_checkpoint(cfg, resume=True, rank=0, world=1) is None  # no checkpoint: a fresh start
+    assert (out_dir / "metrics.jsonl").read_text() == ""
+    step = tiny_checkpoint(out_dir)
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert spell.resume_checkpoint(cfg, resume=True, rank=0, world=1) == step
+    assert (out_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert "dropped 1 line(s) of metrics.jsonl logged after step 1" in capsys.readouterr().out
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path):
+    cfg = spell.load_config(None, [f"--log.out_dir={tmp_path / 'run'}"])
+    (tmp_path / "run").write_text("not a folder")
+    for resume in (False, True):  # without the check, the run would fail at mkdir after the model loads
+        with pytest.raises(spell.ConfigError, match="is a file, not a folder"):
+            spell.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
 
 
 FIXTURES = Path(__file__).resolve().parent / "tests" / "fixtures" / "eval"
