@@ -22,7 +22,10 @@ T tokens (packed), V vocabulary, H hidden size, L history size, m documents per 
 
 Departures from the paper and from the authors' code (a VeRL fork), on purpose:
   1. Cover exact match tests the gold answer on word boundaries; the authors' character-substring
-     test lets "5" match "1995".
+     test lets "5" match "1995". Normalisation treats Unicode punctuation like ASCII (curly quotes,
+     dashes) and keeps a decimal point ("35" is not "3.5"). A doc_qa prediction more than twice as
+     long as the gold (in words) earns no rule reward: otherwise a list of candidates collects
+     Eq. 6's max over the verifier's NO.
   2. The number rule is sign-sensitive; the authors compare absolute values, so -5 matches 5.
   3. The multiple-choice questioner is told which letter must be correct, drawn uniformly from
      A-D; in the authors' code this substitution never runs (a task-name typo).
@@ -31,8 +34,11 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose:
   5. History memory de-duplicates questions (the authors' check is a no-op) and stores a question
      only when it is solvable, r_que > 0 (Algorithm 1, line 20); the authors also store questions
      every rollout solved (mean 1.0), which Eq. 7 scores 0.
-  6. Majority vote ignores abstentions and a tie is no majority (the authors count unparseable
-     votes as a third class and break ties by order of appearance).
+  6. A verdict is the last [[YES]] / [[NO]] of the verifier's reply, and both tags are stripped from
+     the question and both answers before they enter its prompt, so an answer cannot vote. The
+     majority is Eq. 4 as written, YES iff more than G/2 of all G votes are YES (an abstention is
+     not a YES, a tie is NO); the authors count unparseable votes as a third class and break ties
+     by order of appearance.
   7. A group of one sample gets advantage 0 (the authors give it A = r); std uses the unbiased
      estimator with eps = 1e-6 in the denominator, as theirs does.
   8. The loss normaliser is computed over the global batch before backward, so the gradient does not
@@ -69,10 +75,12 @@ import tempfile
 import time
 import tomllib
 import types
+import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -1048,7 +1056,9 @@ def responder_prompt(task: str, documents: Sequence[str] | None, question: dict)
 
 def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
     """Render the verifier template comparing an extracted answer with the reference (§4.1)."""
-    return render_prompt("verifier", question=format_question(question), answer_1=predicted, answer_2=reference)
+    # the policy writes all three fields: none of them may carry a verdict into the reply (Eq. 4)
+    return render_prompt("verifier", question=strip_verdict_tags(format_question(question)),
+                         answer_1=strip_verdict_tags(predicted), answer_2=strip_verdict_tags(reference))
 
 
 # ==================================================================================================
@@ -1067,26 +1077,43 @@ def strip_reasoning(text: str) -> str | None:
     return text
 
 
+def _fenced_blocks(text: str) -> list[tuple[int, str]]:
+    """(end, body) of every closed ``` fence; an unclosed fence holds nothing."""
+    # str.find, not a lazy regex: r"```\s*(.*?)```" backtracks quadratically over an unclosed fence
+    found, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        body = start + 3 + (4 if text.startswith(("json", "JSON"), start + 3) else 0)
+        end = text.find("```", body)
+        if end < 0:
+            break
+        found.append((end + 3, text[body:end]))
+        pos = end + 3
+    return found
+
+
+_JSON_TOKEN = re.compile(r'\\.|[{}"]', re.S)  # an escaped character, a brace or a quote
+
+
 def _json_candidates(text: str) -> list[str]:
-    """Fenced blocks and balanced top-level {...} spans, in order of where they end."""
-    found = [(m.end(), m[1]) for m in re.finditer(r"```(?:json|JSON)?\s*\n?(.*?)```", text, re.S)]
-    depth, start, in_str, escaped = 0, 0, False, False
-    for i, ch in enumerate(text):
-        if in_str:  # inside a JSON string braces do not count
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"' and depth > 0:
+    """Fenced blocks and balanced top-level {...} spans holding a "question" key, in order of where they end."""
+    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing 10**5 parses
+    if '"question"' not in text:
+        return []
+    found = [(end, body) for end, body in _fenced_blocks(text) if '"question"' in body]
+    depth, start, in_str = 0, 0, False
+    for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
+        if in_str:  # inside a JSON string braces do not count, nor does an escaped quote
+            in_str = m[0] != '"'
+            continue
+        ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
+        if ch == '"' and depth > 0:
             in_str = True
         elif ch == "{":
             start = i if depth == 0 else start
             depth += 1
         elif ch == "}" and depth > 0:
             depth -= 1
-            if depth == 0:
+            if depth == 0 and text.find('"question"', start, i + 1) >= 0:
                 found.append((i + 1, text[start:i + 1]))
     return [s for _, s in sorted(found, key=lambda p: p[0])]
 
@@ -1099,18 +1126,62 @@ def _loads_lenient(s: str) -> Any:
         return json.loads(re.sub(r",\s*([}\]])", r"\1", s))
 
 
+_NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_CURRENCY = ("$", "€", "£", "¥")
+
+
 def parse_number(text: Any) -> float | None:
-    """The first number in a string ('$1,234.5 million' -> 1234.5, '-12%' -> -12.0), else None."""
+    """The first finite number in a string ('$1,234.5 million' -> 1234.5, '-12%' -> -12.0), else None."""
     if isinstance(text, bool):
         return None
     if isinstance(text, (int, float)):
-        return float(text) if math.isfinite(text) else None
+        try:
+            value = float(text)
+        except OverflowError:  # an integer beyond the float range (JSON integers are unbounded)
+            return None
+        return value if math.isfinite(value) else None
     s = str(text).replace("\u2212", "-").replace(",", "")
-    m = re.search(r"(-)?\s*[$€£¥]?\s*(-)?(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?", s)
+    m = _NUMBER.search(s)
     if not m:
         return None
-    value = float(m[3] + (f"e{m[4]}" if m[4] else ""))
-    return -value if (m[1] or m[2]) else value
+    value = float(m[0])
+    if not math.isfinite(value):  # "1e999"
+        return None
+    # the sign stands before the number or before its currency: "-12", "- $12", "$-12". Looked up
+    # with str methods: a regex r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
+    head = s[:m.start()].rstrip()
+    negative = head.endswith("-")
+    if head.endswith(_CURRENCY):
+        negative = negative or head[:-1].rstrip().endswith("-")
+    return -value if negative else value
+
+
+def format_number(value: float) -> str:
+    """A finite number in plain digits, never an exponent: 1500000.0 -> '1500000', 1.5e-07 -> '0.00000015'."""
+    # f"{x:g}" would write 1.5e+06 (which CEM never matches) and keep only 6 significant digits
+    if value.is_integer():
+        return str(int(value))
+    return format(Decimal(repr(value)), "f")  # repr: the shortest digits that give the float back
+
+
+def _utf8(s: str) -> bool:
+    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _scalar_text(x: Any) -> str | None:
+    """A JSON string or finite number as text; None for anything else (bool, NaN, Infinity, list...)."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return str(x)  # exact; json.loads already refused more than 4300 digits (a ValueError)
+    if isinstance(x, float):
+        return format_number(x) if math.isfinite(x) else None
+    return x if isinstance(x, str) and _utf8(x) else None
 
 
 def _is_template_text(s: Any) -> bool:
@@ -1122,29 +1193,32 @@ def _validate_question(obj: Any, task: str, correct_letter: str | None, max_answ
     """Check the keys and types a task needs; None means a format error (Eq. 7, r = -1)."""
     if not isinstance(obj, dict):
         return None
-    q, a = obj.get("question"), obj.get("answer")
-    if not isinstance(q, str) or not q.strip() or _is_template_text(q) or _is_template_text(a):
+    q, a = obj.get("question"), _scalar_text(obj.get("answer"))
+    if not isinstance(q, str) or not q.strip() or not _utf8(q) or _is_template_text(q) or _is_template_text(a):
+        return None
+    if a is not None and _MARKER.search(a):  # the gold written as "The correct answer is X." means X
+        a = _after_last_marker(a)
+    if a is None:
         return None
     if task == "doc_mc" and isinstance(obj.get("options"), dict) and any(map(_is_template_text, obj["options"].values())):
         return None
     if task == "fin_math":
-        value = parse_number(a) if isinstance(a, (str, int, float)) else None
+        value = parse_number(a)
         if value is None or value == 0:  # the prompt asks for a non-zero number
             return None
-        return {"question": q.strip(), "answer": f"{value:g}" if abs(value) < 1e15 else str(value)}
+        return {"question": q.strip(), "answer": format_number(value)}
     if task == "doc_mc":
         opts = obj.get("options")
         if not isinstance(opts, dict) or sorted(opts) != list(LETTERS):
             return None
-        if not all(isinstance(opts[k], (str, int, float)) and str(opts[k]).strip() for k in LETTERS):
+        texts = {k: _scalar_text(opts[k]) for k in LETTERS}
+        if not all(t is not None and t.strip() for t in texts.values()):
             return None
-        letter = a.strip().strip("()").strip().upper() if isinstance(a, str) else None
+        letter = a.strip().strip("()").strip().upper()
         if letter not in LETTERS or (correct_letter is not None and letter != correct_letter):
             return None
-        return {"question": q.strip(), "options": {k: str(opts[k]).strip() for k in LETTERS}, "answer": letter}
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        a = f"{a:g}"
-    if not isinstance(a, str) or not a.strip() or len(a.split()) > max_answer_words:
+        return {"question": q.strip(), "options": {k: t.strip() for k, t in texts.items()}, "answer": letter}
+    if not a.strip() or len(a.split()) > max_answer_words:
         return None
     return {"question": q.strip(), "answer": a.strip()}
 
@@ -1158,7 +1232,9 @@ def parse_question(text: str, task: str, correct_letter: str | None = None,
     for candidate in reversed(_json_candidates(body)):
         try:
             obj = _loads_lenient(candidate)
-        except json.JSONDecodeError:
+        # a JSONDecodeError is a ValueError, as is an integer of more than 4300 digits; nesting deeper
+        # than the interpreter's recursion limit ("[[[[...") raises RecursionError: all format errors
+        except (ValueError, RecursionError):
             continue
         parsed = _validate_question(obj, task, correct_letter, max_answer_words)
         if parsed is not None:
@@ -1226,7 +1302,10 @@ class HistoryMemory:
 # Responder: answer extraction and the rule checks (§4.2 "Responder", SPEC §3)
 # ==================================================================================================
 
-_MARKER = re.compile(r"answer\s+is\s*:?", re.I)
+# "answer is" as words: "answer isn't" is no marker. No two unbounded runs in these patterns can match
+# the same characters, so 200k spaces after a marker cost linear time (r"\s*:?\s*\**\s*" was cubic)
+_MARKER = re.compile(r"\banswer\s+is\b\s*:?", re.I)
+_MC_ANSWER = re.compile(r"\b(?i:answer\s+is)\b[\s:*]*\(?([A-D])\)?(?![A-Za-z0-9])")
 _PLACEHOLDER_ANSWER = "insert answer here"
 
 
@@ -1252,8 +1331,7 @@ def extract_answer(text: str, task: str) -> str | None:
     if task == "doc_mc":
         # the last '\boxed{X}' or 'answer is (X)' wins; a letter must stand alone (not 'A' of 'Apple')
         hits = [(m.start(), m[1]) for m in re.finditer(r"\\boxed\{\s*\(?([A-D])\)?\s*\}", body)]
-        hits += [(m.start(), m[1]) for m in
-                 re.finditer(r"(?i:answer\s+is)\s*:?\s*\**\s*\(?([A-D])\)?(?![A-Za-z0-9])", body)]
+        hits += [(m.start(), m[1]) for m in _MC_ANSWER.finditer(body)]
         return max(hits)[1] if hits else None
     marks, boxed = list(_MARKER.finditer(body)), list(re.finditer(r"\\boxed\{([^{}]*)\}", body))
     if boxed and (not marks or boxed[-1].start() > marks[-1].start()):  # whichever comes last
@@ -1265,12 +1343,28 @@ def extract_answer(text: str, task: str) -> str | None:
     return answer
 
 
+# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is ~20x slower)
+_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
+_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
+_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
+_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")  # punctuation and symbols, also combining marks
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def _space_if_punctuation(m: re.Match) -> str:
+    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its word."""
+    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
+
+
 def normalize_text(s: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style)."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
+    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style, Unicode-aware)."""
+    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
+    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
+    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
+    s = _ASCII_PUNCTUATION.sub(" ", s)
+    if not s.isascii():
+        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
+    return " ".join(w for w in s.split() if w not in _ARTICLES)
 
 
 def cover_exact_match(prediction: str, gold: str) -> bool:
@@ -1280,6 +1374,20 @@ def cover_exact_match(prediction: str, gold: str) -> bool:
         return False
     # padding both with spaces turns substring search into whole-word search: "5" is not in "1995"
     return f" {g} " in f" {p} "
+
+
+CEM_MAX_LENGTH_RATIO = 2  # a doc_qa prediction may hold at most this many words per word of the gold
+
+
+def short_enough(prediction: str, gold: str, ratio: int = CEM_MAX_LENGTH_RATIO) -> bool:
+    """The prediction is at most `ratio` times the gold's length in normalised words (rule of Eq. 6).
+
+    CEM alone pays a list of candidates ("Paris, London, Berlin, Madrid" holds "Berlin"), and Eq. 6's
+    max lets that override the verifier's NO. With ratio 2 the gold plus as many words again passes
+    ("Berlin, Germany", "Eiffel Tower in Paris"), a list of three same-length candidates never does;
+    a longer correct paraphrase is left to the verifier.
+    """
+    return len(normalize_text(prediction).split()) <= ratio * len(normalize_text(gold).split())
 
 
 def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
@@ -1304,7 +1412,7 @@ def rule_reward(response: str, answer: str, task: str) -> float:
     if predicted is None:
         return 0.0
     if task == "doc_qa":
-        return float(cover_exact_match(predicted, answer))
+        return float(short_enough(predicted, answer) and cover_exact_match(predicted, answer))
     if task == "fin_math":
         return float(numbers_match(predicted, answer))
     if task == "doc_mc":
@@ -1316,33 +1424,45 @@ def rule_reward(response: str, answer: str, task: str) -> float:
 # Verifier: verdicts and the majority vote (§4.1 "Verifying", Eq. 4)
 # ==================================================================================================
 
+_YES, _NO = "[[YES]]", "[[NO]]"
+_VERDICT_TAG = re.compile(r"\[\[(?:YES|NO)\]\]", re.I)
+# '[[YES]] or [[NO]]' (also quoted) names the choices, as the prompts do: copied, it decides nothing
+_VERDICT_CHOICES = re.compile(r'\[\[YES\]\]"?\s*or\s*"?\[\[NO\]\]')
+
+
+def strip_verdict_tags(text: str) -> str:
+    """Text with every [[YES]] / [[NO]] (any case) replaced by a space, for the verifier prompt (Eq. 4)."""
+    # a space, not nothing: "[[YE[[NO]]S]]" would otherwise close up into a new tag
+    return _VERDICT_TAG.sub(" ", text)
+
+
 def parse_verdict(text: str) -> int | None:
-    """1 for [[YES]], 0 for [[NO]]; None (an abstention) when neither or both appear."""
+    """v_ij of Eq. 4: the reply's last tag decides, 1 for [[YES]], 0 for [[NO]]; None (abstain) without one."""
     body = strip_reasoning(text)
     if body is None:
         return None
-    yes, no = "[[YES]]" in body, "[[NO]]" in body
-    if yes == no:
+    body = _VERDICT_CHOICES.sub(" ", body)
+    yes, no = body.rfind(_YES), body.rfind(_NO)
+    if yes == no:  # both -1: no tag
         return None
-    return int(yes)
+    return int(yes > no)
 
 
 def majority_vote(votes: Sequence[int | None]) -> int | None:
-    """v_i of Eq. 4 over the valid votes; None when nobody voted or the valid votes tie."""
-    valid = [v for v in votes if v is not None]
-    ones = sum(valid)
-    zeros = len(valid) - ones
-    if ones == zeros:  # includes "no valid votes": a tie is not a majority
+    """v_i = 1[sum_j v_ij > G/2] (Eq. 4) over all G votes, an abstention (None) counting as no YES.
+
+    A tie is NO, as Eq. 4 reads. None only for an empty list: the response had no answer to verify.
+    """
+    if not votes:
         return None
-    return int(ones > zeros)
+    return int(2 * sum(v == 1 for v in votes) > len(votes))
 
 
 def vote_agreement(votes: Sequence[int | None], majority: int | None) -> float:
-    """Share of valid votes equal to the majority (used by the verifier's sampling filter)."""
-    valid = [v for v in votes if v is not None]
-    if majority is None or not valid:
+    """Share of the G votes equal to the majority, i.e. the mean r_ij of Eq. 5 (the verifier's sampling filter)."""
+    if majority is None or not votes:
         return 0.0
-    return sum(v == majority for v in valid) / len(valid)
+    return sum(v == majority for v in votes) / len(votes)
 
 
 # ==================================================================================================
@@ -1357,8 +1477,8 @@ def verifier_rewards(votes: Sequence[int | None], majority: int | None) -> list[
 
 
 def responder_reward(rule: float, vote: int | None) -> float:
-    """r_i = max(R_rule(y_i, a), v_i) (Eq. 6); without a majority the rule alone decides."""
-    return float(max(rule, vote)) if vote is not None else float(rule)
+    """r_i = max(R_rule(y_i, a), v_i) (Eq. 6); a response never verified (no answer, vote None) has v_i = 0."""
+    return float(max(rule, vote or 0))
 
 
 def questioner_reward(mean_responder_reward: float | None, *, well_formed: bool = True, grounded: bool = True,
