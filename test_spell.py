@@ -1492,7 +1492,7 @@ def scripted_engine(items: list[EvalItem], calls: list):
     """A stand-in for engine.generate that answers from the question it finds in the prompt's tail."""
     by_question = {it.question: it for it in items}
 
-    def fake_generate(llm, prompts, *, n, temperature, top_p, max_tokens, logprobs):
+    def fake_generate(llm, prompts, *, n, temperature, top_p, max_tokens, logprobs, desc="generate"):
         outs = []
         for ids in prompts:
             text = "".join(map(chr, ids))
@@ -1587,14 +1587,16 @@ def test_judge_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(spell, "generate", scripted_engine(items, calls))
     m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, out_dir=str(tmp_path))
     assert m["settings"]["judge_max_tokens"] == 32  # default: the answer budget
-    assert {c[5] for c in calls if c[0] == "judge"} == {32} and m["settings"]["judge"] == "the evaluated model"
+    assert {c[5] for c in calls if c[0] == "judge"} == {32} and m["settings"]["judge"] == "the evaluated model itself"
     with pytest.raises(AssertionError, match="the judge shares the engine"):
         evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_max_tokens=64,
                  out_dir=str(tmp_path))
     calls.clear()  # a separate judge engine has its own budget
-    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_llm="JUDGE",
-                 judge_max_tokens=64, out_dir=str(tmp_path))
-    assert m["settings"]["judge"] == "a separate model" and {c[5] for c in calls if c[0] == "judge"} == {64}
+    monkeypatch.setattr(spell, "stop_vllm", lambda llm: None)
+    monkeypatch.setattr(spell, "start_vllm", lambda model_dir, **kw: "JUDGE")
+    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_model="judge-dir",
+                 judge_tokenizer=CharTokenizer(), judge_max_tokens=64, out_dir=str(tmp_path))
+    assert m["settings"]["judge"] == "judge-dir" and {c[5] for c in calls if c[0] == "judge"} == {64}
 
 
 def _free_port() -> int:
@@ -1662,6 +1664,98 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
                                      if line.startswith("CALLS "))}
     assert calls["judge_prompts"] == len(judged)  # one greedy judge call per rule-0 free-form sample
     assert calls["responder_prompts"] == len(items)
+
+
+# ------------------------------------------------------------------------------------------------
+# Eval: a separate judge (eval.judge_model) takes the evaluated engine's place after the answers
+# ------------------------------------------------------------------------------------------------
+
+def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]:
+    """scripted_engine, plus a log of which engine served each call and of engine stops and starts."""
+    calls: list = []
+    events: list = []
+    fake = scripted_engine(items, calls)
+
+    def generate(llm, prompts, **kw):
+        events.append(("judge" if kw["temperature"] == 0.0 else "answer", llm, len(prompts)))
+        return fake(llm, prompts, **kw)
+
+    def start_vllm(model_dir, *, max_model_len, **kw):
+        events.append(("start", model_dir, max_model_len, kw))
+        return f"engine of {model_dir}"
+    monkeypatch.setattr(spell, "generate", generate)
+    monkeypatch.setattr(spell, "stop_vllm", lambda llm: events.append(("stop", llm)))
+    monkeypatch.setattr(spell, "start_vllm", start_vllm)
+    return calls, events
+
+
+def test_separate_judge_replaces_the_evaluated_engine(tmp_path, monkeypatch, capsys):
+    items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
+    calls, events = scripted_judge_swap(items, monkeypatch)
+    m = evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, model="base-7b",
+                 judge_model="judge-dir", judge_tokenizer=CharTokenizer(), judge_max_tokens=64,
+                 engine_args={"seed": 3, "dtype": "float32"}, out_dir=str(tmp_path))
+    # every answer from the evaluated engine, which is then shut down; every judge prompt to the judge's engine,
+    # sized to the longest judge prompt (CharTokenizer: one id per character) plus the judge's budget
+    judge_texts = [c[1] for c in calls if c[0] == "judge"]
+    assert len(judge_texts) == len(items) * (4 - RULE_RIGHT)
+    assert events == [("answer", "model engine", len(items)), ("stop", "model engine"),
+                      ("start", "judge-dir", max(map(len, judge_texts)) + 64, {"seed": 3, "dtype": "float32"}),
+                      ("judge", "engine of judge-dir", len(judge_texts))]
+    assert (m["settings"]["model"], m["settings"]["judge"]) == ("base-7b", "judge-dir")
+    first_line = "Evaluation of base-7b (Appendix C.2), judge: judge-dir."
+    assert (tmp_path / "eval_results.md").read_text().startswith(first_line + "\n")
+    assert first_line in capsys.readouterr().out
+
+    # nothing to judge on any rank (multiple choice only): the evaluated engine is never shut down
+    mc = [it for it in all_fixture_items() if it.task == "doc_mc"]
+    calls, events = scripted_judge_swap(mc, monkeypatch)
+    evaluate("model engine", CharTokenizer(), mc, n=4, max_input_len=2000, max_output_len=32, judge_model="judge-dir",
+             judge_tokenizer=CharTokenizer(), out_dir=str(tmp_path))
+    assert [e[0] for e in events] == ["answer"]
+
+    # without judge_model the evaluated model judges itself on its own engine, and the header says so
+    calls, events = scripted_judge_swap(items, monkeypatch)
+    evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, model="base-7b",
+             out_dir=str(tmp_path))
+    assert [e[:2] for e in events] == [("answer", "model engine"), ("judge", "model engine")]
+    assert (tmp_path / "eval_results.md").read_text().startswith(
+        "Evaluation of base-7b (Appendix C.2), judge: the evaluated model itself.\n")
+
+
+def test_eval_command_line_passes_the_judge(monkeypatch):
+    seen: dict = {}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # eval_main sets it on CPU; restored afterwards
+    monkeypatch.setattr(spell, "init_distributed", lambda: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(spell, "run_eval", lambda model_dir, specs, **kw: seen.update(model=model_dir, specs=specs, **kw))
+    spell.main(["eval", "--model", "some/model", "--data", "a.jsonl", "--eval.judge_model=judge/dir"])
+    assert (seen["model"], seen["specs"], seen["judge_model"]) == ("some/model", ["a.jsonl"], "judge/dir")
+    spell.main(["eval", "--model", "some/model", "--data", "a.jsonl"])
+    assert seen["judge_model"] == ""  # the default: the evaluated model judges itself
+
+
+@pytest.fixture(scope="session")
+def tiny_judge_dir(embedded_dir, tmp_path_factory):
+    """A second tiny random Llama (another seed), to stand in for a separate judge model."""
+    return spell.make_tiny_model(str(tmp_path_factory.mktemp("tiny_judge")), tokenizer_dir=embedded_dir, seed=1)
+
+
+def test_separate_judge_end_to_end_vllm(tiny_dir, tiny_judge_dir, tmp_path):
+    # two ranks, so the process group that vLLM's shutdown ends is rebuilt across ranks, then gathered on
+    proc = torchrun(2, __file__, "eval-judge-e2e", tiny_dir, tiny_judge_dir, str(tmp_path))
+    print(proc.stdout[-3000:])
+    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    judged = [s for s in samples if s["judge_output"] is not None]
+    assert len(samples) == 2 * 8 and judged and all(s["benchmark"] == "hotpotqa" for s in judged)
+    logs = [json.loads((tmp_path / f"worker_rank{rank}.json").read_text()) for rank in (0, 1)]
+    served = [call for log in logs for call in log["calls"]]
+    assert {(engine, kind) for engine, kind, _ in served} == {(tiny_dir, "answer"), (tiny_judge_dir, "judge")}
+    assert sum(count for _, kind, count in served if kind == "judge") == len(judged)
+    # on both ranks the evaluated engine's model was freed before the judge's engine started
+    assert [log["freed_before_judge"] for log in logs] == [True, True]
+    header = (tmp_path / "eval_results.md").read_text().splitlines()[0]
+    assert header == f"Evaluation of {tiny_dir} (Appendix C.2), judge: {tiny_judge_dir}."
+    assert header in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1794,6 +1888,41 @@ def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
         print(f"CALLS {key}={value}", flush=True)
 
 
+def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
+    """Each rank: `spell.py eval` with eval.judge_model; writes which engine served each call and
+    whether the evaluated engine's model was freed when the judge's engine started (a file per rank:
+    rank 0's progress bars would garble printed lines)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
+    rank = dist.get_rank()
+    real_generate, real_start = spell.generate, spell.start_vllm
+    models = []  # weak references to the model of every engine started so far
+    log = {"calls": [], "freed_before_judge": None}
+
+    def start_vllm(path, **kw):
+        gc.collect()
+        if models:
+            log["freed_before_judge"] = all(ref() is None for ref in models)
+        llm = real_start(path, **kw)
+        models.append(weakref.ref(llm.llm_engine.model_executor.driver_worker.worker.model_runner.model))
+        return llm
+
+    def generate(engine, prompts, **kw):
+        kind = "judge" if kw["temperature"] == 0.0 else "answer"
+        log["calls"].append((engine.llm_engine.model_config.model, kind, len(prompts)))
+        return real_generate(engine, prompts, **kw)
+
+    spell.generate, spell.start_vllm = generate, start_vllm
+    spell.run_eval(model_dir, [str(FIXTURES / "hotpotqa.jsonl"), str(FIXTURES / "longbench_v2.json")],
+                   out_dir=out_dir, judge_model=judge_dir, n=2, max_input_len=200, max_output_len=16, seed=0,
+                   dtype="float32")
+    Path(out_dir, f"worker_rank{rank}.json").write_text(json.dumps(log))
+
+
 def worker_export_vllm(export: str) -> None:
     """One rank: start vLLM on the exported folder and ask it for a question (greedy)."""
     import torch.distributed as dist
@@ -1845,5 +1974,5 @@ def worker_update(out_file: str) -> None:
 
 if __name__ == "__main__":
     workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "export-vllm": worker_export_vllm,
-               "update": worker_update, "eval-e2e": worker_eval_e2e}
+               "update": worker_update, "eval-e2e": worker_eval_e2e, "eval-judge-e2e": worker_eval_judge_e2e}
     workers[sys.argv[1]](*sys.argv[2:])
