@@ -196,6 +196,7 @@ class EvalConfig:
     top_p: float = 0.95
     max_input_len: int = 16384  # prompts are middle-truncated to this; the paper also reports 100000
     max_output_len: int = 4096  # 20000 for reasoning models (Appendix C.2); also the judge's budget
+    judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after the answers
     gpu_memory_utilization: float = 0.9  # eval has no trainer on the GPU
 
 
@@ -2377,8 +2378,9 @@ def sample_table(rollouts: list[Rollout], k: int = 2) -> str:
 #     exist, so its QA rule score was always 0 and only the judge counted.
 #  3. LongBench v1 lists several gold answers: the rule takes the best over all of them (LongBench's
 #     own scorer); the judge sees answers[0] (the authors' choice).
-#  4. The judge is the evaluated model itself unless another one is passed; the paper used gpt-oss-120b.
-#     A judge reply with neither or both verdicts is an abstention and counts as NO.
+#  4. The judge is the evaluated model itself unless eval.judge_model names another; the paper used
+#     gpt-oss-120b. A SPELL-trained model was trained as a verifier, so comparing it with its base model
+#     needs one fixed judge. A judge reply with neither or both verdicts is an abstention and counts as NO.
 #  5. Where no answer could be extracted, the judge is still asked (with "(no final answer)" as the
 #     prediction), as the authors' eval asked it with None.
 #  6. Truncation keeps the ids of the chat-templated prompt and hands them to vLLM as ids; the authors
@@ -2691,14 +2693,23 @@ def score_sample(item: EvalItem, index: int, completion) -> dict:
             "response": completion.text}
 
 
-def judge_samples(judge_llm, judge_tokenizer, todo: list[tuple[EvalItem, dict]], *, max_input_len: int,
-                  max_tokens: int) -> None:
+def to_judge(items: list[EvalItem], records: list[dict]) -> list[tuple[EvalItem, dict]]:
+    """Every (item, sample) of these records that the judge must see (needs_judge), in record order."""
+    return [(items[r["index"]], s) for r in records for s in r["samples"] if needs_judge(items[r["index"]], s["rule"])]
+
+
+def judge_prompts(judge_tokenizer, todo: list[tuple[EvalItem, dict]], max_input_len: int) -> list[list[int]]:
+    """Token ids of the judge prompt of each (item, sample), in the judge's chat template, middle-truncated."""
+    return [middle_truncate(chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])), max_input_len)
+            for item, s in todo]
+
+
+def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[EvalItem, dict]], *, max_tokens: int) -> None:
     """Ask the LLM judge about each (item, sample) at temperature 0, one sample; score = max(rule, judge)."""
     if not todo:
         return
-    prompts = [middle_truncate(chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])), max_input_len)
-               for item, s in todo]
-    outs = generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, logprobs=False)
+    outs = generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, logprobs=False,
+                    desc="judge")
     for (item, sample), (verdict_out,) in zip(todo, outs, strict=True):
         verdict = parse_verdict(verdict_out.text)
         sample["judge_output"] = verdict_out.text
@@ -2755,16 +2766,21 @@ def eval_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def eval_header(settings: dict) -> str:
+    """The lines above the results table: which model, which judge, and the protocol's settings."""
+    s = settings
+    return (f"Evaluation of {s['model']} (Appendix C.2), judge: {s['judge']}.\n"
+            f"n={s['n']}, temperature={s['temperature']}, top_p={s['top_p']}, max input {s['max_input_len']} "
+            f"tokens (middle-truncated), max output {s['max_output_len']}, judge max output {s['judge_max_tokens']}.\n"
+            "Scores in percent; pass@k unbiased (Eq. 11); rule@1 = pass@1 of the rule score alone; "
+            "truncated = prompts cut to the max input.\n\n")
+
+
 def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None:
     """eval_results.md (the table), eval_results.json (metrics + settings), eval_samples.jsonl (per sample)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    s = metrics["settings"]
-    header = (f"Evaluation (Appendix C.2): n={s['n']}, temperature={s['temperature']}, top_p={s['top_p']}, "
-              f"max input {s['max_input_len']} tokens (middle-truncated), max output {s['max_output_len']}, "
-              f"judge: {s['judge']}.\nScores in percent; pass@k unbiased (Eq. 11); rule@1 = pass@1 of the "
-              "rule score alone; truncated = prompts cut to the max input.\n\n")
-    write_atomic(out / "eval_results.md", header + eval_table(metrics) + "\n")
+    write_atomic(out / "eval_results.md", eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
     write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
     write_atomic(out / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
@@ -2786,65 +2802,105 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 # ---- the driver
 
 
-def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: float = 0.7, top_p: float = 0.95,
-             max_input_len: int, max_output_len: int, judge_llm=None, judge_tokenizer=None,
-             judge_max_tokens: int | None = None, chunk_size: int = 64, rank: int = 0, world: int = 1,
-             out_dir: str) -> dict:
-    """Sample, score and report a model on benchmark items (Appendix C.2); returns the metrics on rank 0.
-
-    rank / world are data-parallel coordinates: each engine takes items[rank::world]. Every rank of
-    torch.distributed must call this (the results are gathered on rank 0, which writes and prints).
-    The judge is the evaluated model unless judge_llm / judge_tokenizer are given; it may write up
-    to judge_max_tokens (default max_output_len: a reasoning judge needs the reasoning budget).
-    """
-    assert items, "no benchmark items to evaluate"
-    assert n >= 1 and chunk_size >= 1, f"need n ≥ 1 and chunk_size ≥ 1, got {n}, {chunk_size}"
-    distributed = dist.is_available() and dist.is_initialized()
-    assert world == 1 or distributed, "world > 1 needs an initialised torch.distributed process group"
-    main = dist.get_rank() == 0 if distributed else rank == 0
-    self_judge = judge_llm is None
-    judge_llm = llm if self_judge else judge_llm
-    judge_tokenizer = tokenizer if judge_tokenizer is None else judge_tokenizer
-    judge_max_tokens = max_output_len if judge_max_tokens is None else judge_max_tokens
-    # The engine was sized for max_input_len + max_output_len tokens; a judge call must fit in it too.
-    assert not self_judge or judge_max_tokens <= max_output_len, \
-        f"judge_max_tokens {judge_max_tokens} > max_output_len {max_output_len}: the judge shares the engine"
-
+def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature: float, top_p: float,
+                   max_input_len: int, max_output_len: int, chunk_size: int, rank: int, world: int,
+                   show: bool) -> list[dict]:
+    """n responses to each of this rank's questions (items[rank::world]) with their answers and rule scores."""
     mine = list(enumerate(items))[rank::world]
     records = []
-    bar = tqdm(total=len(mine), desc="eval", unit="question", disable=not main)
-    # Chunks of questions keep the bar moving and bound the memory of held responses; each chunk
+    bar = tqdm(total=len(mine), desc="eval", unit="question", disable=not show)
+    # Chunks of questions keep the bar moving and bound the memory of vLLM's outputs; each chunk
     # is still one big batch for vLLM (chunk_size × n sequences).
     for start in range(0, len(mine), chunk_size):
         chunk = mine[start:start + chunk_size]
         full = [chat_ids(tokenizer, eval_prompt(item)) for _, item in chunk]
         outs = generate(llm, [middle_truncate(ids, max_input_len) for ids in full], n=n,
                         temperature=temperature, top_p=top_p, max_tokens=max_output_len, logprobs=False)
-        todo = []
         for (index, item), ids, completions in zip(chunk, full, outs, strict=True):
-            samples = [score_sample(item, j, c) for j, c in enumerate(completions)]
-            todo += [(item, s) for s in samples if needs_judge(item, s["rule"])]
             records.append({"index": index, "benchmark": item.benchmark, "id": item.id,
                             "prompt_tokens": len(ids), "truncated": len(ids) > max_input_len,
-                            "samples": samples})
-        judge_samples(judge_llm, judge_tokenizer, todo, max_input_len=max_input_len, max_tokens=judge_max_tokens)
+                            "samples": [score_sample(item, j, c) for j, c in enumerate(completions)]})
         bar.update(len(chunk))
     bar.close()
+    return records
+
+
+def stop_vllm(llm) -> None:
+    """Shut this rank's engine down, freeing its weights and KV cache, and keep the torch.distributed world.
+
+    vLLM's in-process shutdown also destroys the default process group, which the external launcher
+    shares with us. The ranks then form a new group of the same size on a store that rank 0 opened
+    beforehand (torchrun's store still holds the old group's keys, and a world of one loses its store
+    with the group). Call on every rank at the same point, like start_vllm.
+    """
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    host = os.environ["MASTER_ADDR"]
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None  # 0: a free port
+    port = [store.port if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    t0 = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()  # frees the model and KV cache; ends the process group
+    if rank != 0:
+        store = dist.TCPStore(host, port[0], is_master=False)
+    device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id)
+    if rank == 0:
+        print(f"stop_vllm: engine shut down and {world} rank(s) regrouped in {time.perf_counter() - t0:.1f}s")
+
+
+def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: float = 0.7, top_p: float = 0.95,
+             max_input_len: int, max_output_len: int, model: str = "the model", judge_model: str = "",
+             judge_tokenizer=None, judge_max_tokens: int | None = None, engine_args: dict | None = None,
+             chunk_size: int = 64, rank: int = 0, world: int = 1, out_dir: str) -> dict:
+    """Sample, score and report a model on benchmark items (Appendix C.2); returns the metrics on rank 0.
+
+    rank / world are data-parallel coordinates: each engine takes items[rank::world]. Every rank of
+    torch.distributed must call this (the results are gathered on rank 0, which writes and prints).
+    Two passes: every answer first, then the judge. With judge_model "" the evaluated model judges
+    itself on its own engine; otherwise `llm` is shut down after the first pass and judge_model
+    (read with judge_tokenizer) starts in its place with start_vllm(**engine_args). The judge may
+    write up to judge_max_tokens (default max_output_len: a reasoning judge needs the reasoning budget).
+    """
+    assert items, "no benchmark items to evaluate"
+    assert n >= 1 and chunk_size >= 1, f"need n ≥ 1 and chunk_size ≥ 1, got {n}, {chunk_size}"
+    distributed = dist.is_available() and dist.is_initialized()
+    assert world == 1 or distributed, "world > 1 needs an initialised torch.distributed process group"
+    main = dist.get_rank() == 0 if distributed else rank == 0
+    judge_max_tokens = max_output_len if judge_max_tokens is None else judge_max_tokens
+    # The engine was sized for max_input_len + max_output_len tokens; a judge call must fit in it too.
+    assert judge_model or judge_max_tokens <= max_output_len, \
+        f"judge_max_tokens {judge_max_tokens} > max_output_len {max_output_len}: the judge shares the engine"
+    assert not judge_model or judge_tokenizer is not None, "a separate judge_model needs its judge_tokenizer"
+
+    records = sample_answers(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
+                             max_input_len=max_input_len, max_output_len=max_output_len, chunk_size=chunk_size,
+                             rank=rank, world=world, show=main)
+    todo = to_judge(items, records)
+    prompts = judge_prompts(judge_tokenizer if judge_model else tokenizer, todo, max_input_len)
+    if judge_model:
+        # A SPELL-trained model was trained as a verifier, so it should not grade itself when models are
+        # compared. Its engine goes first: the evaluated model and the judge need not fit in memory together.
+        longest = max(map(len, prompts), default=0)  # judge prompts are short: size the engine to them
+        longest = max(all_gather_objects(longest)) if distributed else longest
+        if longest:  # 0: nothing to judge on any rank (e.g. multiple choice only), so no judge engine
+            stop_vllm(llm)
+            llm = start_vllm(judge_model, max_model_len=longest + judge_max_tokens, **(engine_args or {}))
+    judge_samples(llm, prompts, todo, max_tokens=judge_max_tokens)
 
     records = gather_records(records, world)
     if not main:
         return {}
     metrics = eval_metrics(records, n)
-    metrics["settings"] = dict(n=n, temperature=temperature, top_p=top_p, max_input_len=max_input_len,
-                               max_output_len=max_output_len, judge_max_tokens=judge_max_tokens,
-                               judge="the evaluated model" if self_judge else "a separate model")
+    metrics["settings"] = dict(model=model, judge=judge_model or "the evaluated model itself", n=n,
+                               temperature=temperature, top_p=top_p, max_input_len=max_input_len,
+                               max_output_len=max_output_len, judge_max_tokens=judge_max_tokens)
     write_eval_results(out_dir, metrics, records)
-    print(eval_table(metrics), flush=True)
+    print(eval_header(metrics["settings"]) + eval_table(metrics), flush=True)
     return metrics
 
 
-def run_eval(model_dir: str, data: list[str], *, out_dir: str, n: int = 8, temperature: float = 0.7,
-             top_p: float = 0.95, max_input_len: int = 16384, max_output_len: int = 4096,
+def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str = "", n: int = 8,
+             temperature: float = 0.7, top_p: float = 0.95, max_input_len: int = 16384, max_output_len: int = 4096,
              judge_max_tokens: int | None = None, seed: int = 42, dtype: str = "bfloat16",
              gpu_memory_utilization: float = 0.5) -> dict:
     """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine, evaluate."""
@@ -2854,12 +2910,15 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, n: int = 8, tempe
     items = load_eval_data(data)
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # A separate judge's tokenizer loads now, so a wrong eval.judge_model fails before hours of sampling.
+    judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
+    engine_args = dict(seed=seed + rank, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization)
     # Room for a full-length prompt plus a full-length answer (the paper: 16K or 100K in, 4K or 20K out).
-    llm = start_vllm(model_dir, max_model_len=max_input_len + max_output_len, seed=seed + rank, dtype=dtype,
-                     gpu_memory_utilization=gpu_memory_utilization)
+    llm = start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
     return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p, max_input_len=max_input_len,
-                    max_output_len=max_output_len, judge_max_tokens=judge_max_tokens, rank=rank, world=world,
-                    out_dir=out_dir)
+                    max_output_len=max_output_len, model=model_dir, judge_model=judge_model,
+                    judge_tokenizer=judge_tokenizer, judge_max_tokens=judge_max_tokens, engine_args=engine_args,
+                    rank=rank, world=world, out_dir=out_dir)
 
 
 def eval_main(argv: Sequence[str]) -> None:
@@ -2886,8 +2945,8 @@ def eval_main(argv: Sequence[str]) -> None:
     e = cfg.eval
     set_vllm_log_level(cfg.log.vllm_log_level)
     run_eval(model_dir, specs, out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
-             n=e.n, temperature=e.temperature, top_p=e.top_p, max_input_len=e.max_input_len,
-             max_output_len=e.max_output_len, seed=cfg.train.seed,
+             judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
+             max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
              dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
              gpu_memory_utilization=e.gpu_memory_utilization)
 
