@@ -2315,7 +2315,7 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
     m.update({f"perf/{k}": v for k, v in times.items()})
     generated = {"que": sum(s["que_len"] for s in flat), "res": sum(lens),
                  "ver": sum(n for s in ok for ns in s["ver_len"] for n in ns)}
-    for phase, n in generated.items():  # all ranks' tokens over rank 0's time: ranks generate in parallel
+    for phase, n in generated.items():  # all ranks' tokens over the slowest rank's time
         if times.get(f"{phase}_s"):
             m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
     return m
@@ -3080,7 +3080,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if sleep_level:
             llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step
-        times = {**{f"{phase}_s": v for phase, v in phase_s.items()},
+        # a phase lasts as long as its slowest rank (ranks wait for each other after each round)
+        slowest = {k: max(d.get(k, 0.0) for d in all_gather_objects(dict(phase_s))) for k in phase_s}
+        times = {**{f"{phase}_s": v for phase, v in slowest.items()},
                  "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                  "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}
         m = step_metrics(summaries, counts, train, times)
