@@ -1692,7 +1692,6 @@ def request_seeds(*key: Any, count: int) -> list[int]:
 
 def hash_int(x: Any) -> int:
     """A stable (process-independent) 32-bit hash; Python's hash() of a str changes per process."""
-    import zlib
     return zlib.crc32(repr(x).encode())
 
 
