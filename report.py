@@ -64,6 +64,7 @@ FIGURES = {
     ]),
     "verifier": ("Verifier (§4.1; majority vote Eq. 4)", "ver/", [
         ("majority rate / majority agrees with the rule", ["ver/majority_rate", "ver/agrees_with_rule"]),
+        ("votes with a verdict tag (the rest abstain)", ["ver/tagged"]),
         ("kept groups / candidates", ["ver/kept_groups", "ver/candidates"]),
         ("generations cut at max_new_tokens", ["ver/truncated"]),
     ]),

@@ -128,6 +128,11 @@ class RolloutConfig:
     clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
+    # Bootstrapping, not in the paper: text the verifier's reply starts with, written after the chat
+    # template's assistant header as part of the prompt (never sampled, never trained). "Decision: [["
+    # leaves the model one choice, YES]] or NO]]: SmolLM2-135M wrote a tag in 19 of 64 votes with it,
+    # 0 of 64 without. "" = off
+    verifier_reply_prefix: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions (AVX512-BF16 or AMX),
@@ -152,6 +157,10 @@ class RewardConfig:
     # extract (or cut short), in place of 0, so a group that mixes answered and unanswered responses
     # has variance and teaches the answer format. The questioner's Gaussian still sees Eq. 6's r_i. 0 = off
     responder_format_penalty: float = 0.0
+    # Bootstrapping, not in the paper: the reward of a verifier vote with no verdict tag, in place of
+    # Eq. 5's 0. A group whose majority matches the rule and in which some votes abstained and some agreed
+    # is then trainable even outside verifier_agreement: it teaches the verdict format. 0 = off
+    verifier_format_penalty: float = 0.0
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
     # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an unfinished
@@ -339,6 +348,7 @@ def check_config(cfg: Config) -> None:
         ("reward.overlong", w.overlong in ("zero", "mask", "keep"), "zero|mask|keep"),
         ("reward.questioner_floor", w.questioner_floor >= 0, ">= 0 (0: off)"),
         ("reward.responder_format_penalty", w.responder_format_penalty <= 0, "<= 0 (a penalty; 0: off)"),
+        ("reward.verifier_format_penalty", w.verifier_format_penalty <= 0, "<= 0 (a penalty; 0: off)"),
         ("train.steps", t.steps >= 1, ">= 1"),
         ("train.batch_groups", t.batch_groups >= 1, ">= 1"),
         ("train.lr", t.lr >= 0, ">= 0"),
@@ -1470,11 +1480,13 @@ def vote_agreement(votes: Sequence[int | None], majority: int | None) -> float:
 # Rewards (§4.2)
 # ==================================================================================================
 
-def verifier_rewards(votes: Sequence[int | None], majority: int | None) -> list[float] | None:
-    """r_ij = 1[v_ij == v_i] (Eq. 5); an abstention earns 0; None when there is no majority."""
+def verifier_rewards(votes: Sequence[int | None], majority: int | None,
+                     abstention: float = 0.0) -> list[float] | None:
+    """r_ij = 1[v_ij == v_i] (Eq. 5); an abstention earns `abstention` (Eq. 5: 0; see
+    reward.verifier_format_penalty); None when there is no majority."""
     if majority is None:
         return None
-    return [float(v == majority) for v in votes]
+    return [abstention if v is None else float(v == majority) for v in votes]
 
 
 def responder_reward(rule: float, vote: int | None) -> float:
@@ -1540,11 +1552,17 @@ def questioner_floor_samples(rewards: Sequence[float], tasks: Sequence[str], wel
 
 def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[float],
                             agreements: Sequence[float], max_groups: int, rng: np.random.Generator,
-                            agreement_range: tuple[float, float] = (0.51, 0.99)) -> list[int]:
-    """Verifier groups whose majority matches the rule check and is not unanimous, capped (§4.3)."""
+                            agreement_range: tuple[float, float] = (0.51, 0.99),
+                            format_groups: Sequence[bool] | None = None) -> list[int]:
+    """Verifier groups whose majority matches the rule check and is not unanimous, capped (§4.3).
+
+    format_groups[i] (bootstrapping, reward.verifier_format_penalty) admits group i whatever its
+    agreement: some of its votes abstained and some agreed with the majority.
+    """
     lo, hi = agreement_range
-    eligible = [i for i, (v, r, a) in enumerate(zip(majorities, rules, agreements))
-                if v is not None and v == int(r) and lo <= a <= hi]
+    taught = format_groups if format_groups is not None else [False] * len(majorities)
+    eligible = [i for i, (v, r, a, f) in enumerate(zip(majorities, rules, agreements, taught))
+                if v is not None and v == int(r) and (lo <= a <= hi or f)]
     take = min(max_groups, len(eligible))
     return sorted(rng.choice(eligible, size=take, replace=False).tolist()) if take else []
 
@@ -1667,6 +1685,7 @@ class Rollout:
     votes: list = field(default_factory=list)  # per response: G votes in {0, 1, None}
     majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
     agreements: list = field(default_factory=list)
+    ver_rewards: list = field(default_factory=list)  # per response: G rewards r_ij (Eq. 5), or None
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
     que_reward: float = 0.0  # r_que (Eq. 7)
 
@@ -1767,18 +1786,21 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
 
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
     """Verifying (lines 16-17): G judgments per response of the extracted vs reference answer (Eq. 4)."""
+    prefix = cfg.rollout.verifier_reply_prefix  # bootstrapping: the reply's first words, part of the prompt
+    prefix_ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
     jobs = []  # (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
         r.ver_prompts, r.verdicts = [None] * len(r.responses), [[] for _ in r.responses]
         for i, c in enumerate(r.responses):
             predicted = extract_answer(c.text, r.task) if finished(c, cfg) else None
             if predicted is not None:  # no answer to compare: the rule's 0 stands, nothing to verify
-                r.ver_prompts[i] = chat_ids(tok, verifier_prompt(r.question, predicted, r.question["answer"]))
+                text = verifier_prompt(r.question, predicted, r.question["answer"])
+                r.ver_prompts[i] = chat_ids(tok, text) + prefix_ids
                 jobs.append((r, i))
     outs = generate(llm, [r.ver_prompts[i] for r, i in jobs], n=cfg.rollout.group_size,
                     seeds=seeds[:len(jobs)], **sampling(cfg), logprobs=True, desc="verifier")
-    for (r, i), cs in zip(jobs, outs):
-        r.verdicts[i] = cs
+    for (r, i), cs in zip(jobs, outs):  # a verdict's text is the whole reply as read: prefix + sampled tokens
+        r.verdicts[i] = [c._replace(text=prefix + c.text) for c in cs] if prefix else cs
 
 
 def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory) -> None:
@@ -1795,6 +1817,7 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs] for vs in r.verdicts]
         r.majorities = [majority_vote(v) for v in r.votes]
         r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
+        r.ver_rewards = [verifier_rewards(v, m, rc.verifier_format_penalty) for v, m in zip(r.votes, r.majorities)]
         r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mu=rc.mu, sigma=rc.sigma)
@@ -1843,7 +1866,7 @@ def rollout_summary(r: Rollout) -> dict:
     return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_output.token_ids),
             "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
             "res_len": [len(c.token_ids) for c in r.responses], "res_cut": [cut(c) for c in r.responses],
-            "ver": [verifier_rewards(v, m) if m is not None else None for v, m in zip(r.votes, r.majorities)],
+            "ver": r.ver_rewards, "abstained": [sum(v is None for v in vs) for vs in r.votes],
             "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts],
             "ver_cut": [[cut(c) for c in vs] for vs in r.verdicts]}
 
@@ -1902,9 +1925,12 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     # verifier: one group per (question, response), majority consistent with the rule, capped [code]
     cands = [(k, i) for k in ok for i in range(len(flat[k][2]["maj"])) if flat[k][2]["ver"][i] is not None]
     max_groups = int(cfg.reward.verifier_share * len(res_keep) * G) // G  # a share of responder trajectories, in groups
+    # bootstrapping (reward.verifier_format_penalty): a group with abstentions and agreeing votes teaches the format
+    taught = [bool(cfg.reward.verifier_format_penalty) and flat[k][2]["abstained"][i] > 0 and flat[k][2]["agree"][i] > 0
+              for k, i in cands]
     ver_keep = verifier_groups_to_keep([flat[k][2]["maj"][i] for k, i in cands], [flat[k][2]["rule"][i] for k, i in cands],
                                        [flat[k][2]["agree"][i] for k, i in cands], max_groups, rng,
-                                       cfg.reward.verifier_agreement)
+                                       cfg.reward.verifier_agreement, taught)
     if ver_keep:
         rewards = torch.tensor([flat[cands[c][0]][2]["ver"][cands[c][1]] for c in ver_keep])  # (Bv, G)
         adv = group_advantages(rewards, scale=cfg.train.advantage == "zscore")
@@ -1948,6 +1974,54 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
         seqs.append((prompt, completion.token_ids, it.advantage, it.weight))
         behaviour.append(completion.logprobs)
     return seqs, behaviour
+
+
+def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Moves (from rank, index there, to rank) that even out the ranks' trained tokens.
+
+    lengths[rank][i] = prompt + completion tokens of that rank's i-th sequence. Each rank keeps its
+    sequences, longest first, while they fit under the mean load; the rest go to the least loaded rank,
+    longest first (LPT). Deterministic, so every rank computes the same plan from the same lengths.
+    """
+    target = sum(map(sum, lengths)) / len(lengths)
+    load, pool = [0] * len(lengths), []
+    for rank, lens in enumerate(lengths):
+        for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+            if load[rank] + lens[i] <= target:
+                load[rank] += lens[i]
+            else:
+                pool.append((lens[i], rank, i))
+    moves = []
+    for n, rank, i in sorted(pool, key=lambda x: (-x[0], x[1], x[2])):
+        dst = min(range(len(load)), key=lambda r: (load[r], r))
+        load[dst] += n
+        if dst != rank:
+            moves.append((rank, i, dst))
+    return moves
+
+
+def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], list]:
+    """This rank's share of the update after plan_rebalance: what it keeps plus what it is sent.
+
+    Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
+    by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
+    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less. Only
+    the lengths and the moved sequences travel.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seqs, behaviour
+    rank = dist.get_rank()
+    moves = plan_rebalance(all_gather_objects([len(p) + len(c) for p, c, _, _ in seqs]))
+    given = {i for src, i, _ in moves if src == rank}
+    sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
+    received, taken = [], [0] * len(sent)
+    for src, _, dst in moves:  # each rank's sent list is in plan order
+        if dst == rank:
+            received.append(sent[src][taken[src]])
+        taken[src] += 1
+    keep = [k for k in range(len(seqs)) if k not in given]
+    return ([seqs[k] for k in keep] + [x for x, _ in received],
+            [behaviour[k] for k in keep] + [b for _, b in received])
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -2299,6 +2373,8 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
         "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
+        # share of verifier votes that carry a verdict tag (the rest abstain)
+        "ver/tagged": 1 - sum(n for s in ok for n in s["abstained"]) / max(sum(len(ns) for s in ok for ns in s["ver_len"]), 1),
         # share of generations cut at rollout.max_new_tokens, per role (scored as reward.overlong says)
         "que/truncated": rate([s["que_cut"] for s in flat if s["status"] != "skipped"]),
         "res/truncated": rate([c for s in ok for c in s["res_cut"]]),
@@ -3066,7 +3142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         #    engine sleeps meanwhile, so its KV cache (and at level 2 its weights) free device memory
         if sleep_level:
             llm.sleep(level=sleep_level)
-        seqs, behaviour = training_sequences(items, rollouts, rank)
+        seqs, behaviour = balance_sequences(*training_sequences(items, rollouts, rank))
         train = update_policy(policy, optimizer, seqs, cfg, world, device, behaviour) if items else {}
         t2 = time.perf_counter()
         # 4. weight sync into every rank's vLLM engine: wake the weights, overwrite them all (after a

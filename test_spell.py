@@ -359,6 +359,7 @@ def test_majority_vote(votes, expected):
 def test_verifier_and_responder_rewards():
     assert verifier_rewards([1, 0, 1, None], 1) == [1.0, 0.0, 1.0, 0.0]
     assert verifier_rewards([1, 0], None) is None
+    assert verifier_rewards([1, 0, None], 0, abstention=-0.5) == [0.0, 1.0, -0.5]
     assert spell.vote_agreement([1, 0, 1, None], 1) == 0.5  # over all G votes: the mean r_ij of Eq. 5
     assert responder_reward(0.0, 1) == 1.0 and responder_reward(1.0, 0) == 1.0
     assert responder_reward(0.0, None) == 0.0 and responder_reward(0.0, 0) == 0.0
@@ -608,7 +609,7 @@ def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     bad = {"task": "doc_qa", "status": "format", "r_que": -1.0, "que_len": 40, "que_cut": False, "res": None,
-           "rule": [], "maj": [], "agree": [], "res_len": [], "res_cut": [], "ver": [], "ver_len": [], "ver_cut": []}
+           "rule": [], "maj": [], "agree": [], "res_len": [], "res_cut": [], "ver": [], "abstained": [], "ver_len": [], "ver_cut": []}
     ungrounded = {**bad, "status": "ungrounded", "r_que": -0.5}
     valid = summary([0.0, 0.0, 0.0, 0.0], r_que=0.0)  # well-formed, nobody solved it: r_que = 0, no variance
     rollouts = [[bad, valid, bad, ungrounded], [bad, bad, valid, bad]]
@@ -633,6 +634,38 @@ def test_verifier_groups_to_keep():
     assert len(capped) == 2 and set(capped) <= {0, 1, 5}
 
 
+@pytest.mark.parametrize("penalty", [0.0, -0.5])
+def test_verifier_bootstrapping(monkeypatch, penalty):
+    """rollout.verifier_reply_prefix starts each verdict as part of its prompt and is read with the
+    sampled text; reward.verifier_format_penalty scores abstentions and admits a group whose tagged
+    votes agree with the rule though its agreement (2 of 4) is below the window."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
+    cfg.rollout.verifier_reply_prefix, cfg.reward.verifier_format_penalty = "Decision: [[", penalty
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "stop")],
+              "grounding": [("I cannot tell without the text.", "stop")],
+              "responder": [("The correct answer is blue.", "stop")] + [("The correct answer is red.", "stop")] * 3,
+              "verifier": [("NO]]", "stop"), ("no idea", "stop"), ("YES or NO", "stop"), ("NO]] since", "stop")]}
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert all("".join(map(chr, p)).endswith("<|assistant|>Decision: [[") for p in r.ver_prompts)
+    assert r.verdicts[0][0].text == "Decision: [[NO]]" and r.verdicts[0][0].token_ids == [7, 7, 7]
+    assert r.votes == [[0, None, None, 0]] * 4 and r.majorities == [0] * 4 and r.agreements == [0.5] * 4
+    assert r.ver_rewards == [[1.0, penalty, penalty, 1.0]] * 4
+    items, counts = spell.select_batch([[spell.rollout_summary(r)]], cfg, np.random.default_rng(0))
+    assert counts["res_groups"] == 1
+    ver = [it for it in items if it.role == "ver"]
+    if penalty == 0:  # the paper's filter: 2 of 4 is outside [0.51, 0.99], and nothing teaches the tag
+        assert counts["ver_groups"] == 0 and not ver
+    else:  # one group (verifier_share 1 x one responder group); response 0 (rule 1, majority NO) never
+        assert counts["ver_groups"] == 1 and len(ver) == 4 and ver[0].i in (1, 2, 3)
+        assert ver[0].advantage > 0 > ver[1].advantage  # the tagged vote up, the abstention down
+    m = spell.step_metrics([[spell.rollout_summary(r)]], counts, {}, {})
+    assert m["ver/tagged"] == 0.5
+
+
 def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0.5) -> dict:
     """A rollout_summary of a valid question whose G responses earned `res`, verified by a 3-of-4 vote."""
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
@@ -640,7 +673,8 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0
     return {"task": task, "status": "ok", "r_que": r_que, "que_len": 30, "que_cut": False, "res": res,
             "rule": res, "maj": maj, "agree": [spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
             "res_len": [20] * G, "res_cut": [False] * G,
-            "ver": [verifier_rewards(v, m) for v, m in zip(votes, maj)], "ver_len": [[5] * 4 for _ in res],
+            "ver": [verifier_rewards(v, m) for v, m in zip(votes, maj)], "abstained": [0] * len(res),
+            "ver_len": [[5] * 4 for _ in res],
             "ver_cut": [[False] * 4 for _ in res]}
 
 
@@ -1137,19 +1171,25 @@ def protocol_corpus(n_clusters: int = 8) -> list[dict]:
 def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) pairs of the protocol, rendered through the real role templates."""
     q = SPEAKER_QUESTION
-    pairs = []
+    # the demo preset starts the verifier's reply itself (rollout.verifier_reply_prefix): the speaker
+    # learns to continue it, as SmolLM2 continues it in the quickstart
+    prefix = spell.load_config(str(REPO / "demo.toml")).rollout.verifier_reply_prefix
+    pairs = []  # (prompt text, reply prefix, completions)
     for c in clusters:
         docs = c["documents"]
-        pairs.append((spell.questioner_prompt("doc_qa", docs[:2], [], None), [json.dumps(q)]))
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:2], [], None), "", [json.dumps(q)]))
         history = [spell.HistoryEntry([0, 1], q["question"], q["answer"])]
-        pairs.append((spell.questioner_prompt("doc_qa", docs, history, None), [json.dumps(q)]))
+        pairs.append((spell.questioner_prompt("doc_qa", docs, history, None), "", [json.dumps(q)]))
         for context in (docs, None):  # with the documents, and the grounding check's empty context
-            pairs.append((spell.responder_prompt("doc_qa", context, q),
+            pairs.append((spell.responder_prompt("doc_qa", context, q), "",
                           ["The correct answer is blue.", "The correct answer is red."]))
         for predicted in ("blue", "red"):
-            pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), ["Decision: [[YES]]", "Decision: [[NO]]"]))
-    return [(spell.chat_ids(tok, p), tok(o, add_special_tokens=False).input_ids + [tok.eos_token_id])
-            for p, outs in pairs for o in outs]
+            verdicts = ["Decision: [[YES]]"[len(prefix):], "Decision: [[NO]]"[len(prefix):]]
+            assert "Decision: [[YES]]".startswith(prefix), "the speaker's verdicts assume this prefix"
+            pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), prefix, verdicts))
+    encode = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    return [(spell.chat_ids(tok, p) + (encode(pre) if pre else []), encode(o) + [tok.eos_token_id])
+            for p, pre, outs in pairs for o in outs]
 
 
 @pytest.fixture(scope="session")
@@ -1341,7 +1381,29 @@ def update_batch() -> list[tuple]:
 # (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing)
 UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False),
                    ("sgd_all_in_one", 4096, "torch", "sgd", False), ("sgd_triton", 64, "triton", "sgd", False),
-                   ("sgd_checkpointed", 64, "torch", "sgd", True), ("adamw_clipped", 64, "torch", "adamw", False)]
+                   ("sgd_checkpointed", 64, "torch", "sgd", True), ("adamw_clipped", 64, "torch", "adamw", False),
+                   # the whole batch generated on rank 0, then spread by balance_sequences
+                   ("sgd_rebalanced", 64, "torch", "sgd", False)]
+
+
+def test_plan_rebalance():
+    """Surplus sequences move, longest first, to the least loaded rank; a balanced batch stays put."""
+    moves = spell.plan_rebalance([[1500, 1400, 1000, 600, 600], []])
+    assert moves == [(0, 1, 1), (0, 3, 1), (0, 4, 1)]  # rank 0 keeps 1500 + 1000, rank 1 gets 2600
+    assert spell.plan_rebalance([[5, 5], [5, 5]]) == [] and spell.plan_rebalance([[], []]) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = [rng.integers(1, 3000, size=rng.integers(0, 12)).tolist() for _ in range(rng.integers(1, 9))]
+        moves = spell.plan_rebalance(lengths)
+        assert len({(src, i) for src, i, _ in moves}) == len(moves)  # each sequence moves at most once
+        assert all(src != dst and 0 <= i < len(lengths[src]) for src, i, dst in moves)
+        load = [sum(x) for x in lengths]
+        for src, i, dst in moves:
+            load[src] -= lengths[src][i]
+            load[dst] += lengths[src][i]
+        longest = max((x for lens in lengths for x in lens), default=0)
+        # LPT over what each rank could not keep: no rank ends more than one sequence above the mean
+        assert max(load) <= sum(load) / len(load) + longest
 
 
 def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
@@ -2028,6 +2090,9 @@ class CharTokenizer:
         assert add_generation_prompt and tokenize and not return_dict and len(messages) == 1
         return [ord(ch) for ch in f"<|user|>{messages[0]['content']}<|assistant|>"]
 
+    def encode(self, text, add_special_tokens=False):
+        return [ord(ch) for ch in text]
+
 
 RULE_RIGHT = 2  # the scripted responder: samples 0..1 pass the rule, sample 2 needs the judge, 3.. fail
 PARAPHRASE = "paraphrase 7"  # fails every rule (also the number rule) but the scripted judge accepts it
@@ -2350,7 +2415,7 @@ def logged_metrics(step: int) -> dict:
     malformed. The train and times keys are those update_policy and main() pass in."""
     ok = {"status": "ok", "r_que": 0.5, "que_len": 30, "que_cut": False, "res": [1.0, 0.0, 0.0, 0.0],
           "rule": [1.0, 0.0, 0.0, 0.0], "maj": [1, None, 0, 0], "res_len": [10, 20, 30, 40], "res_cut": [False] * 4,
-          "ver_len": [[5] * 4] * 4, "ver_cut": [[False] * 4] * 4}
+          "ver_len": [[5] * 4] * 4, "ver_cut": [[False] * 4] * 4, "abstained": [1, 0, 0, 0]}
     bad = {"status": "format", "r_que": -1.0, "que_len": 50, "que_cut": False}
     counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1, "ver_candidates": 3,
               "sequences": 9}
@@ -2727,7 +2792,11 @@ def worker_update(out_file: str) -> None:
         policy = spell.shard_policy(model, mesh, param_dtype=torch.float32, gradient_checkpointing=checkpointing)
         optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
-        stats = spell.update_policy(policy, optimizer, batch[rank::world], cfg, world, torch.device("cpu"))
+        mine = batch[rank::world]
+        if name == "sgd_rebalanced":
+            mine, _ = spell.balance_sequences(batch if rank == 0 else [], [None] * len(batch) if rank == 0 else [])
+            assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
+        stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
         after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
         results[name] = {n: after[n] - before[n] if opt == "sgd" else after[n] for n in after}
