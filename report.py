@@ -56,7 +56,8 @@ FIGURES = {
         ("generations cut at max_new_tokens", ["que/truncated"]),
     ]),
     "responder": ("Responder (§4.1; reward Eq. 6)", "res/", [
-        ("reward max(rule, vote) / rule pass rate", ["res/reward", "res/rule_pass"]),
+        ("solve rate max(rule, vote) (Eq. 6) / rule pass rate", ["res/solve_rate", "res/rule_pass"]),
+        ("training reward (with reward.responder_format_penalty)", ["res/reward"]),
         ("groups: valid / kept / all solved / none solved", ["res/groups", "res/kept_groups",
                                                             "res/all_solved", "res/none_solved"]),
         ("response length (tokens)", ["res/length"]),
@@ -90,11 +91,13 @@ FIGURES = {
 def add_derived(row: dict) -> dict:
     """The row plus que/valid_rate and que/difficulty (1 - pass@1, Figure 4) where their inputs are logged."""
     row = dict(row)
-    drawn, valid, reward = (number(row.get(k)) for k in ("que/questions", "res/groups", "res/reward"))
+    drawn, valid, solved = (number(row.get(k)) for k in ("que/questions", "res/groups", "res/solve_rate"))
     if drawn > 0 and math.isfinite(valid):
         row["que/valid_rate"] = valid / drawn
-    if valid > 0 and math.isfinite(reward):  # with no valid question res/reward is a placeholder 0
-        row["que/difficulty"] = 1.0 - reward
+    # not from res/reward: that is the training reward, which reward.responder_format_penalty can make
+    # negative. Logs written before res/solve_rate existed get no difficulty
+    if valid > 0 and math.isfinite(solved):  # with no valid question the solve rate is a placeholder 0
+        row["que/difficulty"] = 1.0 - solved
     return row
 
 

@@ -53,7 +53,9 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose:
      questioner samples only as positives (questions whose responder group has reward variance) plus
      as many negatives. A model that cannot yet write the format never has positives, so it never
      learns the format: a fixed point. The floor lets well-formed questions stand in as positives;
-     reward.responder_format_penalty likewise scores an unanswered response below a wrong one.
+     reward.responder_format_penalty likewise scores an unanswered response below a wrong one;
+     rollout.verifier_reply_prefix starts the verifier's reply (as prompt) and
+     reward.verifier_format_penalty scores an untagged vote below a wrong one.
  12. Rollouts on CPU run in float32 unless the CPU has bf16 instructions (rollout.dtype = "auto");
      the paper's GPUs sample in bf16. The log-prob gap between vLLM and the trainer is logged.
 """
@@ -1859,6 +1861,7 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
 # Every rank generates rollouts for its own clusters and keeps them. What goes into the update is
 # decided from a small all-gathered summary of every question (rewards, votes, lengths), with the
 # same seeded generator on every rank, so the choice does not depend on how rollouts were split.
+# The kept sequences are then spread evenly over the ranks for the update (balance_sequences).
 
 def rollout_summary(r: Rollout) -> dict:
     """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
@@ -1890,7 +1893,7 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     """Dynamic sampling (§4.3), advantages (Eq. 8-9) and loss weights (Eq. 12) for the whole step.
 
     summaries[rank][idx] = rollout_summary of that rank's idx-th rollout. Returns the kept training
-    sequences of all ranks (each rank trains on its own) and counts for the log.
+    sequences of all ranks (TrainItem.rank: where each one's tokens live) and counts for the log.
     """
     flat = [(rank, idx, s) for rank, ss in enumerate(summaries) for idx, s in enumerate(ss)]
     G = cfg.rollout.group_size
@@ -2358,6 +2361,7 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
     res = [x for s in ok for x in s["res"]]
     maj = [(m, r) for s in ok for m, r in zip(s["maj"], s["rule"]) if m is not None]
     lens = [n for s in ok for n in s["res_len"]]
+    votes = sum(len(ns) for s in ok for ns in s["ver_len"])
     m = {
         "que/questions": len(flat),
         "que/format_error": sum(s["status"] == "format" for s in flat) / max(len(flat), 1),
@@ -2368,13 +2372,17 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s["rule"]])) if ok else 0.0,
+        # Eq. 6's r_i = max(rule, majority vote), without reward.responder_format_penalty: pass@1 on the
+        # questioner's valid questions (1 - this is Figure 4's difficulty)
+        "res/solve_rate": float(np.mean([max(r, m or 0) for s in ok for r, m in zip(s["rule"], s["maj"])]))
+        if ok else 0.0,
         "res/all_solved": sum(min(s["res"]) == 1 for s in ok), "res/none_solved": sum(max(s["res"]) == 0 for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,
         "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
         "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
         # share of verifier votes that carry a verdict tag (the rest abstain)
-        "ver/tagged": 1 - sum(n for s in ok for n in s["abstained"]) / max(sum(len(ns) for s in ok for ns in s["ver_len"]), 1),
+        "ver/tagged": 1 - sum(n for s in ok for n in s["abstained"]) / votes if votes else 0.0,
         # share of generations cut at rollout.max_new_tokens, per role (scored as reward.overlong says)
         "que/truncated": rate([s["que_cut"] for s in flat if s["status"] != "skipped"]),
         "res/truncated": rate([c for s in ok for c in s["res_cut"]]),

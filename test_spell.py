@@ -664,6 +664,7 @@ def test_verifier_bootstrapping(monkeypatch, penalty):
         assert ver[0].advantage > 0 > ver[1].advantage  # the tagged vote up, the abstention down
     m = spell.step_metrics([[spell.rollout_summary(r)]], counts, {}, {})
     assert m["ver/tagged"] == 0.5
+    assert spell.step_metrics([[]], counts, {}, {})["ver/tagged"] == 0.0  # no vote: no rate, logged as 0
 
 
 def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0.5) -> dict:
@@ -2432,8 +2433,13 @@ def test_plot_figures_list_every_key_spell_logs_and_derive_figure_4_difficulty()
     assert row["que/valid_rate"] == 0.5 and row["que/difficulty"] == 0.75
     listed = {k for _, _, panels in report.FIGURES.values() for _, keys in panels for k in keys}
     assert listed == set(row) - {"step"}  # every logged key has its panel, and no panel waits for a key never logged
-    # no valid question: res/reward is a placeholder 0, not a difficulty of 1
+    # no valid question: the solve rate is a placeholder 0, not a difficulty of 1
     assert "que/difficulty" not in report.add_derived({**logged_metrics(1), "res/groups": 0})
+    # the training reward carries the responder's format penalty: a difficulty never comes from it
+    penalised = {**logged_metrics(1), "res/reward": -0.375}
+    assert report.add_derived(penalised)["que/difficulty"] == 0.75
+    del penalised["res/solve_rate"]
+    assert "que/difficulty" not in report.add_derived(penalised)
     assert report.add_derived({"step": 1}) == {"step": 1}  # nothing to derive from: nothing added
 
 
