@@ -84,7 +84,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -146,8 +146,12 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    mu: float = 0.5  # centre of the questioner's Gaussian (Eq. 7)
-    sigma: float = 0.5 / 3  # width of the questioner's Gaussian (Eq. 7)
+    # How the questioner's reward reads the responders' mean reward r (a key of QUESTIONER_MAPPINGS):
+    # gaussian = SPELL's Eq. 7 | azr = Absolute Zero's 1 - r | rzero = R-Zero's 1 - 2|r - 0.5|
+    # | spice = SPICE's Gaussian in the variance r(1 - r). The penalties below hold for all of them
+    questioner_mapping: str = "gaussian"
+    mu: float = 0.5  # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
+    sigma: float = 0.5 / 3  # width of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
     format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
@@ -341,6 +345,7 @@ def check_config(cfg: Config) -> None:
         ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
         ("rollout.sleep_level", r.sleep_level in (0, 1, 2), "0, 1 or 2"),
         ("rollout.dtype", r.dtype in ("auto", "float32", "bfloat16", "float16"), "auto|float32|bfloat16|float16"),
+        ("reward.questioner_mapping", w.questioner_mapping in QUESTIONER_MAPPINGS, "|".join(QUESTIONER_MAPPINGS)),
         ("reward.mu", 0 <= w.mu <= 1, "in [0, 1] (a solve rate)"),
         ("reward.sigma", w.sigma > 0, "> 0"),
         ("reward.negative_ratio", w.negative_ratio >= 0, ">= 0"),
@@ -1496,20 +1501,58 @@ def responder_reward(rule: float, vote: int | None) -> float:
     return float(max(rule, vote or 0))
 
 
+def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
+    """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r, 0 when nobody or everybody solved it."""
+    if r <= 0.0 or r >= 1.0:  # no learning signal at either end
+        return 0.0
+    return math.exp(-((r - mu) ** 2) / (2 * sigma ** 2))
+
+
+def azr_mapping(r: float, mu: float, sigma: float) -> float:
+    """Absolute Zero's learnability reward (Zhao et al. 2025; compared in SPELL §5.4, formula as SPICE
+    App. 8 / Fig. 7 states it): 1 - r, 0 when nobody or everybody solved it."""
+    if r <= 0.0 or r >= 1.0:
+        return 0.0
+    return 1.0 - r
+
+
+def rzero_mapping(r: float, mu: float, sigma: float) -> float:
+    """R-Zero's uncertainty reward (Huang et al. 2025; compared in SPELL §5.4, formula as SPICE App. 8 /
+    Fig. 7 states it): 1 - 2|r - 0.5|. R-Zero's p is the share of answers agreeing with their majority vote;
+    here it is r, the mean responder reward, as in SPELL's §5.4 comparison. 0 at r = 0 and r = 1 by itself."""
+    return 1.0 - 2.0 * abs(r - 0.5)
+
+
+def spice_mapping(r: float, mu: float, sigma: float) -> float:
+    """SPICE's variance reward (arXiv:2510.24684, §2.2 Eq. 1 = App. 10 Eq. 5):
+    exp(-(Var - 0.25)^2 / (2 * 0.01)) with Var = r(1 - r), the population variance of G binary rewards
+    (App. 10 writes sigma^2 = p(1 - p)). The paper has no zero case: r = 0 or 1 earns exp(-3.125) = 0.044,
+    so under this mapping such a question counts as solvable (r_que > 0: history memory, not a §4.3 negative)."""
+    variance = r * (1.0 - r)  # Eq. 6's r_i are 0 or 1, so this is Var({r_i}); SPICE's own constants below
+    return math.exp(-((variance - 0.25) ** 2) / (2 * 0.01))
+
+
+# reward.questioner_mapping -> r_que of a well-formed, grounded question from the responders' mean reward r.
+# Every mapping takes (r, mu, sigma) so that they swap freely; only SPELL's Gaussian reads mu and sigma.
+# SPELL §5.4 / Figure 5 compares gaussian, azr and rzero; SPICE §4.3 / Table 4 compares azr, rzero and spice.
+QUESTIONER_MAPPINGS: dict[str, Callable[[float, float, float], float]] = {
+    "gaussian": gaussian_mapping, "azr": azr_mapping, "rzero": rzero_mapping, "spice": spice_mapping}
+
+
 def questioner_reward(mean_responder_reward: float | None, *, well_formed: bool = True, grounded: bool = True,
+                      mapping: str | Callable[[float, float, float], float] = "gaussian",
                       mu: float = 0.5, sigma: float = 0.5 / 3, ungrounded_penalty: float = -0.5,
                       format_penalty: float = -1.0) -> float:
-    """r_que of Eq. 7: Gaussian in the responders' mean reward, 0 at 0 or 1, penalties otherwise."""
+    """r_que of Eq. 7: the penalties, else `mapping` (a QUESTIONER_MAPPINGS name or function) of the
+    responders' mean reward; the default is Eq. 7's Gaussian."""
     if not well_formed:
         return format_penalty
     if not grounded:
         return ungrounded_penalty
     if mean_responder_reward is None:
         raise ValueError("a well-formed, grounded question needs the responders' mean reward")
-    r = mean_responder_reward
-    if r <= 0.0 or r >= 1.0:  # nobody or everybody solved it: no learning signal at either end
-        return 0.0
-    return math.exp(-((r - mu) ** 2) / (2 * sigma ** 2))
+    fn = QUESTIONER_MAPPINGS[mapping] if isinstance(mapping, str) else mapping
+    return fn(mean_responder_reward, mu, sigma)
 
 
 # ==================================================================================================
@@ -1822,7 +1865,7 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.ver_rewards = [verifier_rewards(v, m, rc.verifier_format_penalty) for v, m in zip(r.votes, r.majorities)]
         r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
         mean = float(np.mean(r.res_rewards))
-        r.que_reward = questioner_reward(mean, mu=rc.mu, sigma=rc.sigma)
+        r.que_reward = questioner_reward(mean, mapping=rc.questioner_mapping, mu=rc.mu, sigma=rc.sigma)
         if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
             r.res_rewards = [rc.responder_format_penalty if p is None and x == 0 else x
                              for x, p in zip(r.res_rewards, r.ver_prompts)]

@@ -381,6 +381,86 @@ def test_questioner_reward_penalties():
         questioner_reward(None)
 
 
+# Each mapping on the grid r = 0, 1/8, 1/4, 1/2, 3/4, 1, worked by hand. The grid points, 1 - r,
+# 1 - 2|r - 0.5| and r(1 - r) are dyadic, so azr and rzero are exact floats; the Gaussians divide by
+# 2 sigma^2 = 1/18 (sigma = 0.5/3) or 2 * 0.01, neither exact in binary, so their exponents carry a
+# few ulps of rounding and the values are compared to 1e-12.
+MAPPING_GRID = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
+MAPPING_EXPECTED = {
+    # Eq. 7: exp(-18 (r - 1/2)^2) inside (0, 1), 0 at the ends; 18 (3/8)^2 = 81/32, 18 (1/4)^2 = 9/8
+    "gaussian": (0.0, math.exp(-81 / 32), math.exp(-9 / 8), 1.0, math.exp(-9 / 8), 0.0),
+    "azr": (0.0, 0.875, 0.75, 0.5, 0.25, 0.0),  # 1 - r inside (0, 1), 0 at the ends
+    "rzero": (0.0, 0.25, 0.5, 1.0, 0.5, 0.0),  # 1 - 2|r - 1/2|
+    # exp(-50 (r(1 - r) - 1/4)^2): r(1 - r) = 0, 7/64, 3/16, 1/4, so the exponents are
+    # 50 (1/4)^2 = 3.125, 50 (9/64)^2 = 2025/2048, 50 (1/16)^2 = 25/128, 0; nonzero at the ends
+    "spice": (math.exp(-3.125), math.exp(-2025 / 2048), math.exp(-25 / 128), 1.0, math.exp(-25 / 128),
+              math.exp(-3.125)),
+}
+
+
+@pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
+def test_questioner_reward_mapping_grid(mapping):
+    assert set(MAPPING_EXPECTED) == set(spell.QUESTIONER_MAPPINGS)
+    got = [questioner_reward(r, mapping=mapping) for r in MAPPING_GRID]
+    exact = mapping in ("azr", "rzero")
+    for r, g, e in zip(MAPPING_GRID, got, MAPPING_EXPECTED[mapping]):
+        assert g == e if exact else abs(g - e) <= 1e-12, (mapping, r, g, e)
+    # the function itself is accepted in place of its name
+    assert [questioner_reward(r, mapping=spell.QUESTIONER_MAPPINGS[mapping]) for r in MAPPING_GRID] == got
+
+
+def test_questioner_reward_mapping_custom_and_gaussian_params():
+    assert questioner_reward(0.25, mapping=lambda r, mu, sigma: r + mu + sigma, mu=0.5, sigma=0.125) == 0.875
+    assert questioner_reward(0.25, mapping="gaussian", mu=0.25, sigma=0.1) == 1.0
+    assert questioner_reward(0.25, mapping="azr", mu=0.25, sigma=0.1) == 0.75  # mu, sigma: Gaussian only
+
+
+@pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
+def test_questioner_reward_mapping_penalties_unchanged(mapping):
+    assert questioner_reward(None, well_formed=False, mapping=mapping) == -1.0
+    assert questioner_reward(None, grounded=False, mapping=mapping) == -0.5
+    assert questioner_reward(0.5, well_formed=False, grounded=False, mapping=mapping) == -1.0
+    assert questioner_reward(0.5, grounded=False, mapping=mapping, ungrounded_penalty=-0.25) == -0.25
+    assert questioner_reward(0.5, well_formed=False, mapping=mapping, format_penalty=-2.0) == -2.0
+    with pytest.raises(ValueError):
+        questioner_reward(None, mapping=mapping)
+
+
+@pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
+def test_score_rollouts_uses_the_configured_mapping(mapping):
+    """score_rollouts reads reward.questioner_mapping; the penalties do not depend on it. Responses
+    without verifier prompts keep r_i = R_rule, so rules (1, 0, 0, 0) give r = 1/4 (grid index 2)."""
+    cfg = spell.Config()
+    cfg.reward.questioner_mapping = mapping
+    cluster = spell.Cluster("c", "doc_qa", ["a document"])
+
+    def rollout(status, rules=()):
+        return spell.Rollout(cluster, "doc_qa", [0], [], question={"question": "Q?", "answer": "A"}, status=status,
+                             rules=list(rules), ver_prompts=[None] * len(rules), verdicts=[[] for _ in rules])
+
+    ok, unsolved, fmt, ungrounded = rollout("ok", (1, 0, 0, 0)), rollout("ok", (0, 0, 0, 0)), \
+        rollout("format"), rollout("ungrounded")
+    history = spell.HistoryMemory(3)
+    spell.score_rollouts(cfg, [ok, unsolved, fmt, ungrounded], history)
+    assert ok.que_reward == questioner_reward(0.25, mapping=mapping)
+    assert abs(ok.que_reward - MAPPING_EXPECTED[mapping][2]) <= 1e-12
+    assert unsolved.que_reward == questioner_reward(0.0, mapping=mapping)
+    assert (fmt.que_reward, ungrounded.que_reward) == (-1.0, -0.5)
+
+
+def test_check_config_rejects_unknown_questioner_mapping():
+    cfg = spell.Config()
+    cfg.reward.questioner_mapping = "linear"
+    with pytest.raises(spell.ConfigError, match=r"^reward\.questioner_mapping must be gaussian\|azr\|rzero\|spice, "
+                                                r"got 'linear'$"):
+        spell.check_config(cfg)
+    for name in spell.QUESTIONER_MAPPINGS:
+        cfg.reward.questioner_mapping = name
+        spell.check_config(cfg)
+    cfg = spell.load_config(None, ["--reward.questioner_mapping=rzero"])
+    assert cfg.reward.questioner_mapping == "rzero"
+
+
 # ------------------------------------------------------------------------------------------------
 # Hostile model output (#10 items 5-7, 9, 10): rewards the policy could game, and parsers that must
 # run in linear time and never raise (a model output is a format error, never an exception)
