@@ -190,6 +190,9 @@ class TrainConfig:
     advantage: str = "zscore"  # zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean, no std)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     logprob_impl: str = "torch"  # torch: chunked reference | triton: kernels.fused_logprob
+    # Table 2's "w/o update" ablations: comma-separated roles (que, ver) that still play their part in
+    # the rollouts but whose samples never enter the batch. "" = every role trains
+    frozen_roles: str = ""
     seed: int = 42
 
 
@@ -368,6 +371,7 @@ def check_config(cfg: Config) -> None:
         ("train.advantage", t.advantage in ("zscore", "mean"), "zscore|mean"),
         ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
         ("train.logprob_impl", t.logprob_impl in ("torch", "triton"), "torch|triton"),
+        ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"}, "\"\", \"que\", \"ver\" or \"que,ver\""),
         ("train.seed", 0 <= t.seed < 2**31, "in [0, 2**31) (seed + rank seeds NumPy, torch and vLLM)"),
         ("log.out_dir", lg.out_dir != "", "a folder name"),
         ("log.save_every", lg.save_every >= 1, ">= 1"),
@@ -385,6 +389,11 @@ def check_config(cfg: Config) -> None:
     for key, ok, must in rules:
         if not ok:
             raise ConfigError(f"{key} must be {must}, got {values[key]!r}")
+
+
+def frozen_roles(cfg: Config) -> list[str]:
+    """train.frozen_roles as a list of role names."""
+    return [x.strip() for x in cfg.train.frozen_roles.split(",") if x.strip()]
 
 
 def config_changes(cfg: Config) -> list[str]:
@@ -1987,13 +1996,19 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
                                 s["ver_cut"][i][j]) for j in range(len(s["ver_len"][i]))]
     # an empty completion has no token to train; with overlong = "mask", an output cut at max_new_tokens
     # stays out of the loss (DAPO's overlong filtering) though its reward counted in its group's baseline
-    items = [it for it in items if it.length > 0 and not (it.cut and cfg.reward.overlong == "mask")]
+    frozen = frozen_roles(cfg)  # Table 2 "w/o update": the role plays, but does not learn
+    items = [it for it in items if it.length > 0 and not (it.cut and cfg.reward.overlong == "mask")
+             and it.role not in frozen]
     for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm,
                                          [it.role for it in items]) if items else []):
         it.weight = w
     counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_floor": len(floor),
               "que_neg": len(que_keep) - len(pos) - len(floor),
               "ver_groups": len(ver_keep), "ver_candidates": len(cands), "sequences": len(items)}
+    if "que" in frozen:
+        counts.update(que_pos=0, que_floor=0, que_neg=0)
+    if "ver" in frozen:
+        counts["ver_groups"] = 0
     return items, counts
 
 

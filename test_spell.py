@@ -759,6 +759,36 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0
             "ver_cut": [[False] * 4 for _ in res]}
 
 
+@pytest.mark.parametrize("frozen", ["", "que", "ver", "que,ver"])
+def test_frozen_roles_never_enter_the_batch(frozen):
+    """train.frozen_roles (Table 2 "w/o update"): a frozen role's samples leave the batch and its
+    counts read 0; the other roles keep exactly what they kept without it."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
+    bad = {"task": "doc_qa", "status": "format", "r_que": -1.0, "que_len": 40, "que_cut": False, "res": None,
+           "rule": [], "maj": [], "agree": [], "res_len": [], "res_cut": [], "ver": [], "abstained": [], "ver_len": [],
+           "ver_cut": []}
+    rollouts = [[summary([1.0, 0.0, 0.0, 0.0]), bad], [summary([1.0, 1.0, 0.0, 1.0]), bad]]
+    every, _ = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    assert {it.role for it in every} == {"que", "res", "ver"}
+    cfg.train.frozen_roles = frozen
+    spell.check_config(cfg)
+    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    gone = {r.strip() for r in frozen.split(",") if r}
+    assert [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in items] == \
+        [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in every if it.role not in gone]
+    assert counts["res_groups"] == 2 and counts["sequences"] == len(items)
+    assert (counts["que_pos"] + counts["que_neg"] == 0) == ("que" in gone)
+    assert (counts["ver_groups"] == 0) == ("ver" in gone)
+
+
+def test_frozen_roles_rejects_other_names():
+    cfg = spell.Config()
+    cfg.train.frozen_roles = "que,res"
+    with pytest.raises(spell.ConfigError, match=re.escape("train.frozen_roles")):
+        spell.check_config(cfg)
+
+
 def test_select_batch_spreads_kept_groups_over_ranks():
     """8 ranks with 22 trainable groups each and room for 128: every rank keeps about 16. Taken in
     rank order, as before, the first five ranks filled the batch and the last ones kept nothing."""
