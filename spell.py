@@ -1607,16 +1607,17 @@ def questioner_floor_samples(rewards: Sequence[float], tasks: Sequence[str], wel
 def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[float],
                             agreements: Sequence[float], max_groups: int, rng: np.random.Generator,
                             agreement_range: tuple[float, float] = (0.51, 0.99),
-                            format_groups: Sequence[bool] | None = None) -> list[int]:
+                            abstentions: Sequence[int] | None = None) -> list[int]:
     """Verifier groups whose majority matches the rule check and is not unanimous, capped (§4.3).
 
-    format_groups[i] (bootstrapping, reward.verifier_format_penalty) admits group i whatever its
-    agreement: some of its votes abstained and some agreed with the majority.
+    abstentions[i], given under reward.verifier_format_penalty (bootstrapping), counts group i's votes
+    without a tag: a group with abstentions and at least one vote agreeing with the majority teaches
+    the verdict format, so it is admitted whatever its agreement.
     """
     lo, hi = agreement_range
-    taught = format_groups if format_groups is not None else [False] * len(majorities)
-    eligible = [i for i, (v, r, a, f) in enumerate(zip(majorities, rules, agreements, taught))
-                if v is not None and v == int(r) and (lo <= a <= hi or f)]
+    abstentions = abstentions if abstentions is not None else [0] * len(majorities)
+    eligible = [i for i, (v, r, a, n) in enumerate(zip(majorities, rules, agreements, abstentions))
+                if v is not None and v == int(r) and (lo <= a <= hi or (n > 0 and a > 0))]
     take = min(max_groups, len(eligible))
     return sorted(rng.choice(eligible, size=take, replace=False).tolist()) if take else []
 
@@ -1980,12 +1981,10 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     # verifier: one group per (question, response), majority consistent with the rule, capped [code]
     cands = [(k, i) for k in ok for i in range(len(flat[k][2]["maj"])) if flat[k][2]["ver"][i] is not None]
     max_groups = int(cfg.reward.verifier_share * len(res_keep) * G) // G  # a share of responder trajectories, in groups
-    # bootstrapping (reward.verifier_format_penalty): a group with abstentions and agreeing votes teaches the format
-    taught = [bool(cfg.reward.verifier_format_penalty) and flat[k][2]["abstained"][i] > 0 and flat[k][2]["agree"][i] > 0
-              for k, i in cands]
+    abstained = [flat[k][2]["abstained"][i] for k, i in cands] if cfg.reward.verifier_format_penalty else None
     ver_keep = verifier_groups_to_keep([flat[k][2]["maj"][i] for k, i in cands], [flat[k][2]["rule"][i] for k, i in cands],
                                        [flat[k][2]["agree"][i] for k, i in cands], max_groups, rng,
-                                       cfg.reward.verifier_agreement, taught)
+                                       cfg.reward.verifier_agreement, abstained)
     if ver_keep:
         rewards = torch.tensor([flat[cands[c][0]][2]["ver"][cands[c][1]] for c in ver_keep])  # (Bv, G)
         adv = group_advantages(rewards, scale=cfg.train.advantage == "zscore")
@@ -2432,7 +2431,7 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "res/rule_pass": float(np.mean([x for s in ok for x in s["rule"]])) if ok else 0.0,
         # Eq. 6's r_i = max(rule, majority vote), without reward.responder_format_penalty: pass@1 on the
         # questioner's valid questions (1 - this is Figure 4's difficulty)
-        "res/solve_rate": float(np.mean([max(r, m or 0) for s in ok for r, m in zip(s["rule"], s["maj"])]))
+        "res/solve_rate": float(np.mean([responder_reward(r, m) for s in ok for r, m in zip(s["rule"], s["maj"])]))
         if ok else 0.0,
         "res/all_solved": sum(min(s["res"]) == 1 for s in ok), "res/none_solved": sum(max(s["res"]) == 0 for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,

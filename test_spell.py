@@ -712,6 +712,11 @@ def test_verifier_groups_to_keep():
     assert eligible == [0, 1, 5]  # 2: disagrees with rule, 3: no majority, 4: unanimous
     capped = verifier_groups_to_keep(maj, rule, agree, 2, np.random.default_rng(1))
     assert len(capped) == 2 and set(capped) <= {0, 1, 5}
+    # bootstrapping: group 6 (2 of 4 agree, 2 abstain) joins; group 7 abstained but no vote agreed
+    maj, rule, agree = maj + [0, 0], rule + [0.0, 0.0], agree + [0.5, 0.0]
+    assert verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0)) == [0, 1, 5]
+    taught = verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0), abstentions=[0] * 6 + [2, 4])
+    assert taught == [0, 1, 5, 6]
 
 
 @pytest.mark.parametrize("penalty", [0.0, -0.5])
