@@ -116,6 +116,16 @@ class ModelConfig:
 class DataConfig:
     corpus: str = "data/corpus.jsonl"  # JSON Lines of clusters (see load_corpus)
     task_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # doc_qa, fin_math, doc_mc (§5.1)
+    # RLVR instead of self-play: a static QA set (JSON Lines, see load_qa_set) whose questions the
+    # responder answers; there is no questioner and data.corpus is not read. "" = self-play
+    qa: str = ""
+    # QwenLong-L1's progressive context scaling (§2.3, Eq. 9), data.qa only: "STEP:TOKENS,..." e.g.
+    # "1:4096,21:8192" trains steps 1-20 on questions whose responder prompt has <= 4096 tokens, then
+    # steps 21- on those with 4096 < tokens <= 8192. "" = one phase, every question
+    phases: str = ""
+    # QwenLong-L1's retrospective sampling (§2.3): questions no response solved (mean reward 0) in a
+    # phase are carried into the next phase's pool (the paper's "average accuracy of zero" rule)
+    retrospective: bool = False
 
 
 @dataclass
@@ -130,6 +140,12 @@ class RolloutConfig:
     clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
+    # Prompt families (prompts/<name>_<task>.txt). questioner: SPELL's, sees m documents | challenger:
+    # SPICE's Challenger, writes a self-contained question from one document. responder: answers with
+    # the whole cluster | reasoner: SPICE's Reasoner, answers without any document
+    questioner_template: str = "questioner"
+    responder_template: str = "responder"
+    grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding filter"
     # Bootstrapping, not in the paper: text the verifier's reply starts with, written after the chat
     # template's assistant header as part of the prompt (never sampled, never trained). "Decision: [["
     # leaves the model one choice, YES]] or NO]]: SmolLM2-135M wrote a tag in 19 of 64 votes with it,
@@ -167,6 +183,16 @@ class RewardConfig:
     # Eq. 5's 0. A group whose majority matches the rule and in which some votes abstained and some agreed
     # is then trainable even outside verifier_agreement: it teaches the verdict format. 0 = off
     verifier_format_penalty: float = 0.0
+    # Who judges a response against the reference (Eq. 6). verifier: the policy, G votes, majority
+    # vote v_i, and it learns from them (SPELL) | rule: nobody, r_i = R_rule (Table 2 "w/o verifier";
+    # RLVR's rule reward). A hybrid max(rule, judge) with a frozen judge is verifier + frozen_roles = "ver"
+    judge: str = "verifier"
+    # v_i in Eq. 6. majority: Eq. 4's vote over G | single: the first vote alone (Table 2 "w/o majority
+    # voting"); the verifier's own rewards (Eq. 5) and its consistency filter still use the majority
+    verifier_decision: str = "majority"
+    # §4.3: keep a verifier group only when its majority agrees with the rule check; false = Table 2
+    # "w/o update consistency" (any majority in verifier_agreement trains)
+    consistency_filter: bool = True
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
     # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an unfinished
@@ -174,6 +200,9 @@ class RewardConfig:
     # and trains with that reward | mask: the same rewards, but cut outputs stay out of the loss (DAPO's
     # overlong filtering) | keep: scored as if the cut text were finished (what this code did before)
     overlong: str = "zero"
+    # DAPO's soft overlong punishment (Yu et al. 2025; QwenLong-L1 §2.2 item 4) on the responder's training reward: a response longer
+    # than max_new_tokens - overlong_buffer loses up to 1, linearly, reaching -1 at max_new_tokens. 0 = off
+    overlong_buffer: int = 0
 
 
 @dataclass
@@ -186,7 +215,8 @@ class TrainConfig:
     clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
-    loss_norm: str = "role"  # role: Eq. 12 per role, roles summed (Eq. 10) | group | token (DAPO) | sequence (see loss_weights)
+    # role: Eq. 12 per role, roles summed (Eq. 10) | group | token (DAPO) | sequence | constant (Dr.GRPO); see loss_weights
+    loss_norm: str = "role"
     advantage: str = "zscore"  # zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean, no std)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     logprob_impl: str = "torch"  # torch: chunked reference | triton: kernels.fused_logprob
@@ -286,10 +316,13 @@ def apply_overrides(cfg: Config, overrides: dict[str, dict[str, Any]], source: s
             setattr(sub, key, _coerce(value, getattr(sub, key), f"{source}: {section}.{key}"))
 
 
-def load_config(path: str | None, argv: Sequence[str] = ()) -> Config:
-    """Defaults <- TOML file <- `--section.key=value` arguments; then check derived invariants."""
+def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> Config:
+    """Defaults <- TOML files, in order <- `--section.key=value` arguments; then check derived invariants.
+
+    Several files stack: `config.toml presets/spice.toml` is the paper's scale with SPICE's recipe.
+    """
     cfg = Config()
-    if path:
+    for path in [paths] if isinstance(paths, str) else paths or []:
         try:
             with open(path, "rb") as f:
                 values = tomllib.load(f)
@@ -356,6 +389,18 @@ def check_config(cfg: Config) -> None:
         ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
          "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
         ("reward.overlong", w.overlong in ("zero", "mask", "keep"), "zero|mask|keep"),
+        ("reward.overlong_buffer", 0 <= w.overlong_buffer < r.max_new_tokens, "in [0, rollout.max_new_tokens)"),
+        ("reward.judge", w.judge in ("verifier", "rule"), "verifier|rule"),
+        ("reward.verifier_decision", w.verifier_decision in ("majority", "single"), "majority|single"),
+        ("data.phases", phase_plan(d.phases) is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
+         "lengths, the first at step 1, e.g. \"1:4096,21:8192\""),
+        ("data.phases", not d.phases or d.qa, "\"\" without data.qa (phases order a static QA set)"),
+        ("rollout.questioner_template", missing_templates(cfg, "questioner") == [],
+         f"a prompt family with a file per task in use; missing {missing_templates(cfg, 'questioner')}"),
+        ("rollout.responder_template", missing_templates(cfg, "responder") == [],
+         f"a prompt family with a file per task in use; missing {missing_templates(cfg, 'responder')}"),
+        ("rollout.grounding_filter", not r.grounding_filter or "documents" in template_fields(f"{r.responder_template}_{TASKS[0]}"),
+         "false when the responder answers without documents (the check would be the responder itself)"),
         ("reward.questioner_floor", w.questioner_floor >= 0, ">= 0 (0: off)"),
         ("reward.responder_format_penalty", w.responder_format_penalty <= 0, "<= 0 (a penalty; 0: off)"),
         ("reward.verifier_format_penalty", w.verifier_format_penalty <= 0, "<= 0 (a penalty; 0: off)"),
@@ -367,7 +412,8 @@ def check_config(cfg: Config) -> None:
         ("train.clip_low", 0 <= t.clip_low < 1, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay > 0)"),
         ("train.clip_high", t.clip_high >= 0, ">= 0"),
         ("train.ppo_epochs", t.ppo_epochs >= 1, ">= 1"),
-        ("train.loss_norm", t.loss_norm in ("role", "group", "token", "sequence"), "role|group|token|sequence"),
+        ("train.loss_norm", t.loss_norm in ("role", "group", "token", "sequence", "constant"),
+         "role|group|token|sequence|constant"),
         ("train.advantage", t.advantage in ("zscore", "mean"), "zscore|mean"),
         ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
         ("train.logprob_impl", t.logprob_impl in ("torch", "triton"), "torch|triton"),
@@ -394,6 +440,47 @@ def check_config(cfg: Config) -> None:
 def frozen_roles(cfg: Config) -> list[str]:
     """train.frozen_roles as a list of role names."""
     return [x.strip() for x in cfg.train.frozen_roles.split(",") if x.strip()]
+
+
+def trained_roles(cfg: Config) -> set[str]:
+    """The roles whose samples may enter the batch: the questioner unless the questions come from a
+    static set (data.qa), the verifier only when the policy judges (reward.judge), minus frozen roles."""
+    roles = {"res"} | ({"que"} if not cfg.data.qa else set()) | ({"ver"} if cfg.reward.judge == "verifier" else set())
+    return roles - set(frozen_roles(cfg))
+
+
+def phase_plan(text: str) -> list[tuple[int, int]] | None:
+    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...]; [] for ""; None if malformed."""
+    if not text.strip():
+        return []
+    plan = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", part)
+        if not m:
+            return None
+        plan.append((int(m[1]), int(m[2])))
+    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
+    rising = all(a < b for a, b in zip(steps, steps[1:])) and all(a < b for a, b in zip(lengths, lengths[1:]))
+    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
+
+
+def template_fields(name: str) -> set[str]:
+    """The placeholders of prompts/<name>.txt (empty if there is no such file)."""
+    path = ROOT / "prompts" / f"{name}.txt"
+    return set(_PLACEHOLDER.findall(load_prompt(name))) if path.is_file() else set()
+
+
+def missing_templates(cfg: Config, role: str) -> list[str]:
+    """Prompt files the config needs for `role` (questioner or responder) that prompts/ lacks."""
+    tasks = TASKS if cfg.data.qa else [t for t, w in zip(TASKS, cfg.data.task_weights) if w > 0]
+    if role == "questioner":
+        if cfg.data.qa:
+            return []  # no questioner
+        names = [f"{cfg.rollout.questioner_template}_{t}" for t in tasks]
+        names += [f"{n}_history" for n in names] if cfg.rollout.history_size else []
+    else:
+        names = [f"{cfg.rollout.responder_template}_{t}" for t in tasks]
+    return [n + ".txt" for n in names if not (ROOT / "prompts" / f"{n}.txt").is_file()]
 
 
 def config_changes(cfg: Config) -> list[str]:
@@ -969,6 +1056,7 @@ class Cluster:
     id: str
     task: str
     documents: list[str]
+    qa: dict | None = None  # RLVR (data.qa): the set's question {"question", "answer"[, "options"]}
 
 
 class CorpusError(ValueError):
@@ -1019,6 +1107,39 @@ def load_corpus(path: str | os.PathLike) -> list[Cluster]:
     return clusters
 
 
+def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
+    """RLVR's static QA set (data.qa) as clusters that carry their question (Cluster.qa).
+
+    Two layouts. Ours, which `spell.py synth` writes: the corpus fields {"id", "task", "documents"}
+    plus "question", "answer" and, for doc_mc, "options" {"A".."D"}, checked as a questioner's output
+    is (a fin_math answer must be a non-zero number, a doc_mc answer a letter). Or any benchmark file
+    the evaluation reads, as PATH or BENCHMARK:PATH (load_eval_data), its context as the one document
+    and its first gold answer as the reference.
+    """
+    spec = str(path)
+    name, sep, rest = spec.partition(":")
+    try:
+        records = [] if sep and name in BENCHMARKS else read_records(spec)
+        if sep and name in BENCHMARKS or not (records and isinstance(records[0][1], dict) and "documents" in records[0][1]):
+            items = load_eval_data([spec])  # an eval benchmark's layout
+        else:
+            items = None
+    except EvalDataError as e:
+        raise CorpusError(str(e)) from None
+    if items is not None:
+        return [Cluster(it.id, it.task, [it.context], {"question": it.question, "answer": it.answers[0],
+                                                        **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
+                for it in items]
+    clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
+    for c, (where, rec) in zip(clusters, records):
+        c.task = c.task or "doc_qa"
+        c.qa = _validate_question(rec, c.task, None, max_answer_words=10**6)
+        if c.qa is None:
+            raise CorpusError(f"{where}: fields 'question', 'answer'{', options' if c.task == 'doc_mc' else ''} "
+                              f"do not form a {c.task} question (see load_qa_set)")
+    return clusters
+
+
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -1060,10 +1181,11 @@ def format_examples(entries: Sequence[HistoryEntry]) -> str:
 
 
 def questioner_prompt(task: str, documents: Sequence[str], examples: Sequence[HistoryEntry],
-                      correct_letter: str | None) -> str:
-    """Render the questioner template for a task, with or without history memory (Appendix F)."""
+                      correct_letter: str | None, family: str = "questioner") -> str:
+    """Render the questioner template for a task, with or without history memory (Appendix F);
+    family "challenger" is SPICE's (rollout.questioner_template)."""
     fields: dict[str, Any] = {"documents": join_documents(documents)}
-    name = f"questioner_{task}"
+    name = f"{family}_{task}"
     if examples:
         name += "_history"
         fields["examples"] = format_examples(examples)
@@ -1072,13 +1194,16 @@ def questioner_prompt(task: str, documents: Sequence[str], examples: Sequence[Hi
     return render_prompt(name, **fields)
 
 
-def responder_prompt(task: str, documents: Sequence[str] | None, question: dict) -> str:
-    """Render the responder template; documents=None is the grounding check's empty context (§4.1)."""
-    text = "Empty" if documents is None else join_documents(documents)
+def responder_prompt(task: str, documents: Sequence[str] | None, question: dict, family: str = "responder") -> str:
+    """Render the responder template; documents=None is the grounding check's empty context (§4.1).
+    A family whose template has no {documents} ("reasoner", SPICE's Reasoner) never shows any."""
+    name = f"{family}_{task}"
+    fields = {"question": question["question"]}
+    if "documents" in template_fields(name):
+        fields["documents"] = "Empty" if documents is None else join_documents(documents)
     if task == "doc_mc":
-        opts = {f"choice_{k}": question["options"][k] for k in LETTERS}
-        return render_prompt("responder_doc_mc", documents=text, question=question["question"], **opts)
-    return render_prompt(f"responder_{task}", documents=text, question=question["question"])
+        fields.update({f"choice_{k}": question["options"][k] for k in LETTERS})
+    return render_prompt(name, **fields)
 
 
 def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
@@ -1510,6 +1635,13 @@ def responder_reward(rule: float, vote: int | None) -> float:
     return float(max(rule, vote or 0))
 
 
+def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025): 0 up to max_len - buffer tokens, then falling
+    linearly to -1 at max_len (where vLLM cuts the generation)."""
+    start = max_len - buffer
+    return 0.0 if buffer <= 0 or length <= start else max(-1.0, (start - length) / buffer)
+
+
 def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
     """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r, 0 when nobody or everybody solved it."""
     if r <= 0.0 or r >= 1.0:  # no learning signal at either end
@@ -1607,17 +1739,18 @@ def questioner_floor_samples(rewards: Sequence[float], tasks: Sequence[str], wel
 def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[float],
                             agreements: Sequence[float], max_groups: int, rng: np.random.Generator,
                             agreement_range: tuple[float, float] = (0.51, 0.99),
-                            abstentions: Sequence[int] | None = None) -> list[int]:
+                            abstentions: Sequence[int] | None = None, consistent: bool = True) -> list[int]:
     """Verifier groups whose majority matches the rule check and is not unanimous, capped (§4.3).
 
     abstentions[i], given under reward.verifier_format_penalty (bootstrapping), counts group i's votes
     without a tag: a group with abstentions and at least one vote agreeing with the majority teaches
-    the verdict format, so it is admitted whatever its agreement.
+    the verdict format, so it is admitted whatever its agreement. consistent=False drops the match
+    with the rule (Table 2 "w/o update consistency").
     """
     lo, hi = agreement_range
     abstentions = abstentions if abstentions is not None else [0] * len(majorities)
     eligible = [i for i, (v, r, a, n) in enumerate(zip(majorities, rules, agreements, abstentions))
-                if v is not None and v == int(r) and (lo <= a <= hi or (n > 0 and a > 0))]
+                if v is not None and (v == int(r) or not consistent) and (lo <= a <= hi or (n > 0 and a > 0))]
     take = min(max_groups, len(eligible))
     return sorted(rng.choice(eligible, size=take, replace=False).tolist()) if take else []
 
@@ -1664,7 +1797,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str,
-                 roles: Sequence[str] | None = None) -> list[float]:
+                 roles: Sequence[str] | None = None, max_len: int = 0) -> list[float]:
     """Per-sequence token weight = 1 / normaliser, computed once over the whole global batch.
 
     role     (Eq. 10 + Eq. 12, default): J = J_que + J_res + J_ver, each role's objective an Eq. 12
@@ -1675,6 +1808,8 @@ def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str,
              is a group of one, so with the paper's batch the questioner gets 64 % of the objective.
     token    (DAPO): 1 / all tokens of the batch; roles weigh by their token counts.
     sequence (GRPO, Eq. 2): 1 / (|y_i| * #sequences).
+    constant (Dr.GRPO, SPICE §2.4): 1 / (max_len * #sequences), a constant in place of |y_i|, so that
+             no length bias enters; max_len is rollout.max_new_tokens.
     The role split of each mode on the paper's batch shape is printed by
     test_loss_weights_role_split_of_a_paper_shaped_batch (and given in the README).
     """
@@ -1683,6 +1818,10 @@ def loss_weights(seq_lens: Sequence[int], group_ids: Sequence[Any], mode: str,
         return [1.0 / total] * len(seq_lens)
     if mode == "sequence":
         return [1.0 / (n * len(seq_lens)) for n in seq_lens]
+    if mode == "constant":
+        if max_len < 1:
+            raise ValueError("loss_weights(mode='constant') needs max_len >= 1")
+        return [1.0 / (max_len * len(seq_lens))] * len(seq_lens)
     if mode == "group":
         tokens_per_group: dict[Any, int] = defaultdict(int)
         for n, g in zip(seq_lens, group_ids):
@@ -1788,6 +1927,41 @@ def sample_clusters(corpus: list[Cluster], sampler: dict, count: int, task_weigh
     return out
 
 
+def phase_pools(cfg: Config, clusters: list[Cluster], shard: list[int], tok) -> list[list[int]]:
+    """Per data.phases phase, the shard's questions whose responder prompt fits it (QwenLong-L1 Eq. 9:
+    L_{k-1} < tokens <= L_k, L_0 = 0). One phase, the whole shard, when data.phases is ""."""
+    plan = phase_plan(cfg.data.phases)
+    if not plan:
+        return [list(shard)]
+    length = {i: len(chat_ids(tok, responder_prompt(clusters[i].task, clusters[i].documents, clusters[i].qa,
+                                                    cfg.rollout.responder_template))) for i in shard}
+    bounds = [0] + [tokens for _, tokens in plan]
+    return [[i for i in shard if lo < length[i] <= hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def enter_phase(sampler: dict, step: int, cfg: Config, pools: list[list[int]]) -> bool:
+    """Switch the sampler to the data.phases phase of `step` if it is not there yet (True if it switched).
+
+    With data.retrospective, the questions of the phase just left that no response solved go along
+    into the new pool (QwenLong-L1 §2.3); sampler["hard"] collects them (note_unsolved).
+    """
+    plan = phase_plan(cfg.data.phases) or [(1, 0)]
+    k = max(p for p, (first, _) in enumerate(plan) if first <= step)
+    if sampler.get("phase") == k:
+        return False
+    carried = sorted(set(sampler.get("hard", [])) - set(pools[k])) if cfg.data.retrospective else []
+    sampler.update(shard=pools[k] + carried, order=[], pos=0, phase=k, hard=[], carried=len(carried))
+    return True
+
+
+def note_unsolved(sampler: dict, rollouts: list[Rollout], index: dict[str, int]) -> None:
+    """Remember the questions of this phase that no response solved (retrospective sampling)."""
+    hard = set(sampler.setdefault("hard", []))
+    hard |= {index[r.cluster.id] for r in rollouts if r.status == "ok" and r.rules
+             and not any(responder_reward(x, m) for x, m in zip(r.rules, r.majorities))}
+    sampler["hard"] = sorted(hard)
+
+
 def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
                    rng: np.random.Generator, seeds: list[int]) -> list[Rollout]:
     """Questioning (Algorithm 1, lines 8-10): one (q, a) per cluster from m new docs + history (§4.1)."""
@@ -1796,7 +1970,8 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
                                                        cfg.rollout.docs_per_question, rng)
         letter = LETTERS[rng.integers(4)] if task == "doc_mc" else None  # drawn uniformly (SPEC §3)
-        text = questioner_prompt(task, [cluster.documents[i] for i in doc_ids], examples, letter)
+        text = questioner_prompt(task, [cluster.documents[i] for i in doc_ids], examples, letter,
+                                 cfg.rollout.questioner_template)
         ids = chat_ids(tok, text)
         if len(ids) > cfg.rollout.max_prompt_tokens:
             continue  # the history grew past the prompt budget: skip this draw, no penalty
@@ -1811,10 +1986,15 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
     return rollouts
 
 
+def pose_dataset_questions(drawn: list[tuple[Cluster, str]]) -> list[Rollout]:
+    """RLVR (data.qa): the drawn items' own questions take the questioner's place; nothing is generated."""
+    return [Rollout(c, c.task, list(range(len(c.documents))), [], question=c.qa, status="ok") for c, _ in drawn]
+
+
 def run_grounding(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
     """Grounding filter (lines 11-14): a question answered with no documents is ungrounded (§4.1)."""
     todo = [r for r in rollouts if r.status == "ok"]
-    prompts = [chat_ids(tok, responder_prompt(r.task, None, r.question)) for r in todo]
+    prompts = [chat_ids(tok, responder_prompt(r.task, None, r.question, cfg.rollout.responder_template)) for r in todo]
     outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], **sampling(cfg), desc="grounding")
     for r, (c,) in zip(todo, outs):
         if finished(c, cfg) and rule_reward(c.text, r.question["answer"], r.task) == 1.0:
@@ -1827,7 +2007,8 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
     for r in rollouts:
         if r.status != "ok":
             continue
-        r.res_prompt = chat_ids(tok, responder_prompt(r.task, r.cluster.documents, r.question))
+        r.res_prompt = chat_ids(tok, responder_prompt(r.task, r.cluster.documents, r.question,
+                                                      cfg.rollout.responder_template))
         if len(r.res_prompt) > cfg.rollout.max_prompt_tokens:
             r.status = "skipped"  # too long for the model: dropped without penalty [code]
         else:
@@ -1837,6 +2018,7 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
     for r, cs in zip(todo, outs):
         r.responses = cs
         r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0 for c in cs]
+        r.ver_prompts, r.verdicts = [None] * len(cs), [[] for _ in cs]  # filled by run_verifier, if it runs
 
 
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
@@ -1845,7 +2027,6 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
     prefix_ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
     jobs = []  # (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
-        r.ver_prompts, r.verdicts = [None] * len(r.responses), [[] for _ in r.responses]
         for i, c in enumerate(r.responses):
             predicted = extract_answer(c.text, r.task) if finished(c, cfg) else None
             if predicted is not None:  # no answer to compare: the rule's 0 stands, nothing to verify
@@ -1869,16 +2050,21 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
                                              mu=rc.mu, sigma=rc.sigma, ungrounded_penalty=rc.ungrounded_penalty,
                                              format_penalty=rc.format_penalty)
             continue
+        # with reward.judge = "rule" no verifier ran: no votes, no majority, and Eq. 6 is the rule alone
         r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs] for vs in r.verdicts]
         r.majorities = [majority_vote(v) for v in r.votes]
         r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
         r.ver_rewards = [verifier_rewards(v, m, rc.verifier_format_penalty) for v, m in zip(r.votes, r.majorities)]
-        r.res_rewards = [responder_reward(rule, m) for rule, m in zip(r.rules, r.majorities)]
+        decisions = r.majorities if rc.verifier_decision == "majority" else [v[0] if v else None for v in r.votes]
+        r.res_rewards = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mapping=rc.questioner_mapping, mu=rc.mu, sigma=rc.sigma)
         if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
             r.res_rewards = [rc.responder_format_penalty if p is None and x == 0 else x
                              for x, p in zip(r.res_rewards, r.ver_prompts)]
+        if rc.overlong_buffer:  # DAPO's soft overlong punishment, also the responder's training reward only
+            r.res_rewards = [x + overlong_penalty(len(c.token_ids), cfg.rollout.max_new_tokens, rc.overlong_buffer)
+                             for x, c in zip(r.res_rewards, r.responses)]
         if r.que_reward > 0:  # solvable: remember it, widening this cluster's evidence (Algorithm 1, line 20)
             history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question), r.question["answer"])
 
@@ -1895,15 +2081,20 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
         seconds[phase] += time.perf_counter() - t
         t = time.perf_counter()
     n = len(drawn)
-    rollouts = run_questioner(llm, tok, cfg, drawn, history, rng, request_seeds(*key, "que", count=n))
-    lap("que")
-    run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
-    lap("ground")
+    if cfg.data.qa:  # RLVR: the questions come from the static set
+        rollouts = pose_dataset_questions(drawn)
+    else:
+        rollouts = run_questioner(llm, tok, cfg, drawn, history, rng, request_seeds(*key, "que", count=n))
+        lap("que")
+        if cfg.rollout.grounding_filter:
+            run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
+            lap("ground")
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
     lap("res")
-    n_res = sum(len(r.responses) for r in rollouts)
-    run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
-    lap("ver")
+    if cfg.reward.judge == "verifier":
+        n_res = sum(len(r.responses) for r in rollouts)
+        run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
+        lap("ver")
     score_rollouts(cfg, rollouts, history)
     return rollouts
 
@@ -1984,7 +2175,7 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     abstained = [flat[k][2]["abstained"][i] for k, i in cands] if cfg.reward.verifier_format_penalty else None
     ver_keep = verifier_groups_to_keep([flat[k][2]["maj"][i] for k, i in cands], [flat[k][2]["rule"][i] for k, i in cands],
                                        [flat[k][2]["agree"][i] for k, i in cands], max_groups, rng,
-                                       cfg.reward.verifier_agreement, abstained)
+                                       cfg.reward.verifier_agreement, abstained, cfg.reward.consistency_filter)
     if ver_keep:
         rewards = torch.tensor([flat[cands[c][0]][2]["ver"][cands[c][1]] for c in ver_keep])  # (Bv, G)
         adv = group_advantages(rewards, scale=cfg.train.advantage == "zscore")
@@ -1995,18 +2186,19 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
                                 s["ver_cut"][i][j]) for j in range(len(s["ver_len"][i]))]
     # an empty completion has no token to train; with overlong = "mask", an output cut at max_new_tokens
     # stays out of the loss (DAPO's overlong filtering) though its reward counted in its group's baseline
-    frozen = frozen_roles(cfg)  # Table 2 "w/o update": the role plays, but does not learn
+    # a frozen role (Table 2 "w/o update") plays but does not learn; so does a role the recipe lacks
+    trained = trained_roles(cfg)
     items = [it for it in items if it.length > 0 and not (it.cut and cfg.reward.overlong == "mask")
-             and it.role not in frozen]
+             and it.role in trained]
     for it, w in zip(items, loss_weights([it.length for it in items], [it.group for it in items], cfg.train.loss_norm,
-                                         [it.role for it in items]) if items else []):
+                                         [it.role for it in items], cfg.rollout.max_new_tokens) if items else []):
         it.weight = w
     counts = {"res_groups": len(res_keep), "que_pos": len(pos), "que_floor": len(floor),
               "que_neg": len(que_keep) - len(pos) - len(floor),
               "ver_groups": len(ver_keep), "ver_candidates": len(cands), "sequences": len(items)}
-    if "que" in frozen:
+    if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0)
-    if "ver" in frozen:
+    if "ver" not in trained:
         counts["ver_groups"] = 0
     return items, counts
 
@@ -3073,8 +3265,8 @@ def eval_main(argv: Sequence[str]) -> None:
             model, data = (value, data) if arg == "--model" else (model, data + [value])
         else:
             args.append(arg)
-    path, _, overrides = parse_args(args)
-    cfg = load_config(path, overrides + ([f"--model.path={model}"] if model else []))
+    paths, _, overrides = parse_args(args)
+    cfg = load_config(paths, overrides + ([f"--model.path={model}"] if model else []))
     specs = data + [s for s in cfg.eval.data.split(",") if s]
     if not specs:
         raise ConfigError("spell.py eval: give benchmark files with --data FILE (or --eval.data=A,B)")
@@ -3091,6 +3283,63 @@ def eval_main(argv: Sequence[str]) -> None:
              gpu_memory_utilization=e.gpu_memory_utilization)
 
 
+def synth_main(argv: Sequence[str]) -> None:
+    """`spell.py synth --out FILE [--passes N] [--config ...] [--section.key=value ...]`: a static QA set
+    for the RLVR recipe (data.qa), written by model.path as questioner over data.corpus.
+
+    The SPELL paper's RLVR baseline trains on a set an external model synthesised (§5.1); this makes
+    one from our own corpus with any model, so RLVR and SPELL can see the same documents. Each pass
+    draws every cluster once (a task per cluster as in training), keeps the questions that parse and
+    pass the grounding filter (rollout.grounding_filter), and writes them in load_qa_set's layout.
+    """
+    from transformers import AutoTokenizer
+
+    args, out, passes = [], None, 1
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--out", "--passes"):
+            value = next(it, None)
+            if value is None or (arg == "--passes" and not value.isdigit()):
+                raise ConfigError(f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
+            out, passes = (value, passes) if arg == "--out" else (out, int(value))
+        else:
+            args.append(arg)
+    if not out:
+        raise ConfigError("spell.py synth: say where to write the set with --out FILE")
+    if Path(out).exists():
+        raise ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
+    paths, _, overrides = parse_args(args)
+    cfg = load_config(paths, overrides)
+    corpus = load_corpus(cfg.data.corpus)
+    rank, world, device = init_distributed()
+    model_dir = resolve_model(cfg, rank)
+    if device.type == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
+    set_vllm_log_level(cfg.log.vllm_log_level)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                     seed=cfg.train.seed + rank, dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
+                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+    rng = np.random.default_rng([cfg.train.seed, rank])
+    shard = list(range(rank, len(corpus), world))
+    sampler = {"shard": shard, "order": [], "pos": 0, "epoch": 0}
+    drawn = sample_clusters(corpus, sampler, len(shard) * passes, cfg.data.task_weights, rng)
+    rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,
+                              request_seeds(cfg.train.seed, rank, "synth", count=len(drawn)))
+    if cfg.rollout.grounding_filter:
+        run_grounding(llm, tok, cfg, rollouts, request_seeds(cfg.train.seed, rank, "synth-ground", count=len(drawn)))
+    records = [{"id": f"{r.cluster.id}#{rank}.{k}", "task": r.task, "documents": r.cluster.documents, **r.question}
+               for k, r in enumerate(rollouts) if r.status == "ok"]
+    everything = [x for part in all_gather_objects(records) for x in part]
+    counts = all_gather_objects((len(drawn), sum(r.status == "format" for r in rollouts),
+                                 sum(r.status == "ungrounded" for r in rollouts)))
+    if rank == 0:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(out), "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
+        drawn_n, fmt, ungr = (sum(c[i] for c in counts) for i in range(3))
+        print(f"synth: {len(everything)} questions of {drawn_n} drawn ({fmt} format errors, {ungr} ungrounded) -> {out}")
+
+
 # ==================================================================================================
 # main: the flat loop of Algorithm 1
 # ==================================================================================================
@@ -3098,20 +3347,22 @@ def eval_main(argv: Sequence[str]) -> None:
 STOP = {"requested": False}  # set by SIGTERM; the loop saves a checkpoint and exits at a step boundary
 
 
-def parse_args(argv: Sequence[str]) -> tuple[str | None, bool, list[str]]:
-    """`[--config FILE] [--resume] [--section.key=value ...]` -> (config path, resume, overrides)."""
-    path, resume, rest = str(ROOT / "config.toml"), False, []
+def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
+    """`[--config FILE ...] [--resume] [--section.key=value ...]` -> (config paths, resume, overrides).
+    Without --config, config.toml; each --config adds a file, later files overriding earlier ones."""
+    paths, resume, rest = [], False, []
     it = iter(argv)
     for arg in it:
         if arg == "--config" or arg.startswith("--config="):
             path = arg.split("=", 1)[1] if "=" in arg else next(it, "")
             if not path:  # an empty name would silently mean "no file": the dataclass defaults
                 raise ConfigError("--config needs a file name")
+            paths.append(path)
         elif arg == "--resume":
             resume = True
         else:
             rest.append(arg)
-    return path, resume, rest
+    return paths or [str(ROOT / "config.toml")], resume, rest
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -3123,18 +3374,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval":
         return eval_main(argv[1:])
-    path, resume, overrides = parse_args(argv)
+    if argv and argv[0] == "synth":
+        return synth_main(argv[1:])
+    paths, resume, overrides = parse_args(argv)
     # bad input fails here, before any process group, model or file of the run exists
-    cfg = load_config(path, overrides)
-    corpus = load_corpus(cfg.data.corpus)
+    cfg = load_config(paths, overrides)
+    corpus = load_qa_set(cfg.data.qa) if cfg.data.qa else load_corpus(cfg.data.corpus)  # RLVR | self-play
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # from torchrun
     if len(corpus) < world:
-        raise CorpusError(f"{cfg.data.corpus}: {len(corpus)} clusters for {world} ranks; each rank needs one")
+        raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {world} ranks; each rank needs one")
     ckpt = resume_checkpoint(cfg, resume, rank, world)
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     out = Path(cfg.log.out_dir)
-    print0(f"spell: {world} rank(s) on {device.type}; config {path}, all of it in {out / 'config.json'}; "
+    print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in {out / 'config.json'}; "
            f"keys set away from spell.py's defaults: {' '.join(config_changes(cfg)) or 'none'}")
 
     # --- model, tokenizer, rollout engine (vLLM first: it sizes itself from free device memory)
@@ -3164,6 +3417,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = np.random.default_rng([cfg.train.seed, rank])
     state = {"step": 0, "sampler": {"shard": shard, "order": [], "pos": 0, "epoch": 0},
              "history": HistoryMemory(cfg.rollout.history_size), "rng": rng}
+    pools = phase_pools(cfg, corpus, shard, tok) if cfg.data.qa else []
+    if cfg.data.qa:  # every phase needs a question on every rank; find out now, not at its first step
+        sizes = all_gather_objects([len(p) for p in pools])
+        for k, (first, tokens) in enumerate(phase_plan(cfg.data.phases) or [(1, cfg.rollout.max_prompt_tokens)]):
+            if min(n[k] for n in sizes) == 0:
+                raise CorpusError(f"{cfg.data.qa}: data.phases phase {k + 1} (from step {first}, prompts up to "
+                                  f"{tokens} tokens) has no question for some rank ({[n[k] for n in sizes]} per rank)")
+    index = {c.id: i for i, c in enumerate(corpus)}
     if ckpt is not None:
         saved = load_checkpoint(ckpt, policy, optimizer, rank, world)
         state["step"], state["sampler"] = saved["step"], saved["sampler"]
@@ -3192,6 +3453,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # 1. rollouts: rounds of questioner/grounding/responder/verifier until the batch is full (§4.3)
         rollouts: list[Rollout] = []
         phase_s: dict[str, float] = defaultdict(float)
+        if cfg.data.qa and enter_phase(state["sampler"], step, cfg, pools):  # QwenLong-L1's context phases
+            carried = all_reduce_sum(state["sampler"]["carried"], device)
+            print0(f"step {step}: data.phases phase {state['sampler']['phase'] + 1}, "
+                   f"{all_reduce_sum(len(state['sampler']['shard']), device)} questions ({carried} carried over)")
         for rnd in range(cfg.rollout.max_rounds):
             drawn = sample_clusters(corpus, state["sampler"], per_round, cfg.data.task_weights, rng)
             rollouts += rollout_round(llm, tok, cfg, drawn, state["history"], rng,
@@ -3199,6 +3464,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
             if all_reduce_sum(kept, device) >= cfg.train.batch_groups:
                 break
+        if cfg.data.retrospective:
+            note_unsolved(state["sampler"], rollouts, index)
         t1 = time.perf_counter()
         # 2. role-specific dynamic sampling, advantages and loss weights, on global data
         summaries = all_gather_objects([rollout_summary(r) for r in rollouts])

@@ -794,6 +794,223 @@ def test_frozen_roles_rejects_other_names():
         spell.check_config(cfg)
 
 
+# ------------------------------------------------------------------------------------------------
+# Recipes and ablations by config (Table 2, SPICE, RLVR / QwenLong-L1)
+# ------------------------------------------------------------------------------------------------
+
+GATE = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats.",
+                                     "The south gate was painted red."])
+GATE_QUESTION = '{"question": "Which colour was the north gate?", "answer": "blue"}'
+
+
+def scripted_round(monkeypatch, cfg, script: dict, drawn=None) -> tuple[spell.Rollout, list]:
+    """One rollout_round of one cluster on a scripted engine; returns the rollout and the engine's calls
+    (desc, prompts) so a test can read every prompt back (CharTokenizer decodes exactly)."""
+    calls = []
+
+    def generate(llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False, desc=""):
+        calls.append((desc, ["".join(map(chr, p)) for p in prompts]))
+        outs = script[desc]
+        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None, outs[j % len(outs)][1])
+                 for j in range(n)] for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, drawn or [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    return r, calls
+
+
+SELF_PLAY_SCRIPT = {
+    "questioner": [(GATE_QUESTION, "stop")],
+    "grounding": [("The correct answer is blue.", "stop")],  # answered without documents: ungrounded
+    "responder": [("The correct answer is blue.", "stop"), ("The correct answer is red.", "stop"),
+                  ("The correct answer is azure.", "stop"), ("The correct answer is red.", "stop")],
+    # per response: the first vote says NO, the other three YES (majority YES, the single vote NO)
+    "verifier": [("Decision: [[NO]]", "stop"), ("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "stop"),
+                 ("Decision: [[YES]]", "stop")],
+}
+
+
+def test_config_files_stack_later_ones_winning(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("[train]\nsteps = 7\nlr = 0.5\n")
+    b.write_text("[train]\nlr = 0.25\n")
+    paths, _, rest = spell.parse_args(["--config", str(a), f"--config={b}", "--train.seed=3"])
+    assert paths == [str(a), str(b)] and rest == ["--train.seed=3"]
+    cfg = spell.load_config(paths, rest)
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.seed) == (7, 0.25, 3)
+    assert spell.parse_args([])[0] == [str(spell.ROOT / "config.toml")]
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (spell.ROOT / "presets").glob("*.toml")))
+@pytest.mark.parametrize("base", ["config.toml", "learn.toml"])
+def test_presets_stack_on_the_scale_presets(preset, base):
+    cfg = spell.load_config([str(REPO / base), str(REPO / "presets" / preset)])
+    if preset == "spice.toml":
+        assert spell.trained_roles(cfg) == {"que", "res"}
+        assert (cfg.rollout.questioner_template, cfg.rollout.responder_template) == ("challenger", "reasoner")
+    if preset in ("rlvr.toml", "qwenlong_l1.toml"):
+        assert spell.trained_roles(cfg) == {"res"} and cfg.data.qa
+
+
+def test_recipe_keys_are_validated():
+    for key, value, words in [("rollout.grounding_filter", None, "responder answers without documents"),
+                              ("reward.judge", "oracle", "verifier|rule"),
+                              ("reward.verifier_decision", "first", "majority|single"),
+                              ("data.phases", "1:4096,1:8192", "STEP:TOKENS"),
+                              ("data.phases", "2:4096", "STEP:TOKENS"),
+                              ("rollout.questioner_template", "nosuch", "nosuch_doc_qa.txt"),
+                              ("reward.overlong_buffer", "-1", "overlong_buffer")]:
+        argv = ["--rollout.responder_template=reasoner"] if value is None else [f"--{key}={value}"]
+        if key == "data.phases":
+            argv.append("--data.qa=x.jsonl")
+        with pytest.raises(spell.ConfigError, match=re.escape(key)) as e:
+            spell.load_config(None, argv)
+        assert words in str(e.value), e.value
+    with pytest.raises(spell.ConfigError, match="without data.qa"):
+        spell.load_config(None, ["--data.phases=1:4096"])
+    spell.load_config(None, ["--rollout.responder_template=reasoner", "--rollout.grounding_filter=false"])
+
+
+def test_grounding_filter_off_skips_the_no_document_check(monkeypatch):
+    """Table 2 "w/o grounding filter": the question the no-document check would reject goes on to the responder."""
+    cfg = spell.Config()
+    cfg.rollout.group_size = 4
+    r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert r.status == "ungrounded" and r.que_reward == cfg.reward.ungrounded_penalty
+    cfg.rollout.grounding_filter = False
+    r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert r.status == "ok" and [d for d, _ in calls] == ["questioner", "responder", "verifier"]
+
+
+def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
+    """reward.judge = "rule" (Table 2 "w/o verifier"): no verifier call, r_i is the rule alone, no
+    verifier sequence can enter the batch."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
+    r, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert r.res_rewards == [1.0, 1.0, 1.0, 1.0]  # the verifier's YES majority lifts the wrong answers
+    cfg.reward.judge = "rule"
+    r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert [d for d, _ in calls] == ["questioner", "responder"]
+    assert r.res_rewards == r.rules == [1.0, 0.0, 0.0, 0.0] and r.majorities == [None] * 4
+    items, counts = spell.select_batch([[spell.rollout_summary(r)]], cfg, np.random.default_rng(0))
+    assert {it.role for it in items} == {"res", "que"} and counts["ver_groups"] == 0
+
+
+def test_single_vote_decides_with_the_first_vote(monkeypatch):
+    """reward.verifier_decision = "single" (Table 2 "w/o majority voting"): v_i is the first vote (NO
+    here) instead of the majority (YES); the verifier's own rewards still follow the majority."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.grounding_filter = 4, False
+    majority, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    cfg.reward.verifier_decision = "single"
+    single, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert majority.res_rewards == [1.0] * 4 and single.res_rewards == [1.0, 0.0, 0.0, 0.0]
+    assert single.ver_rewards == majority.ver_rewards == [[0.0, 1.0, 1.0, 1.0]] * 4
+    assert majority.que_reward == 0.0 and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3))
+
+
+def test_consistency_filter_off_keeps_majorities_that_contradict_the_rule():
+    """reward.consistency_filter = false (Table 2 "w/o update consistency"): a group whose majority
+    says YES to an answer the rule rejects becomes trainable; agreement bounds still hold."""
+    majorities, rules, agreements = [1, 1, 0, 1], [0.0, 1.0, 1.0, 0.0], [0.75, 0.75, 0.75, 1.0]
+    rng = lambda: np.random.default_rng(0)  # noqa: E731
+    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng()) == [1]
+    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng(), consistent=False) == [0, 1, 2]
+
+
+def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
+    """presets/spice.toml: the Challenger's prompt holds exactly one of the cluster's documents, the
+    Reasoner's none; no grounding check and no verifier run; r_que is SPICE's variance reward."""
+    cfg = spell.load_config([str(REPO / "config.toml"), str(REPO / "presets" / "spice.toml")],
+                            ["--rollout.group_size=4"])
+    r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert [d for d, _ in calls] == ["questioner", "responder"]
+    (_, [challenger]), (_, [reasoner]) = calls
+    assert sum(doc in challenger for doc in GATE.documents) == 1 and "single document" not in challenger
+    assert not any(doc in reasoner for doc in GATE.documents) and "Which colour was the north gate?" in reasoner
+    assert r.res_rewards == [1.0, 0.0, 0.0, 0.0] and r.que_reward == pytest.approx(spell.spice_mapping(0.25, 0, 0))
+    items, counts = spell.select_batch([[spell.rollout_summary(r)]], cfg, np.random.default_rng(0))
+    assert {it.role for it in items} == {"res", "que"}
+    res = [it.advantage for it in items if it.role == "res"]
+    assert res == pytest.approx([0.75, -0.25, -0.25, -0.25])  # Dr.GRPO: r - mean, no std
+    assert {it.weight for it in items} == {1.0 / (cfg.rollout.max_new_tokens * len(items))}  # constant
+
+
+def test_overlong_penalty_worked_values():
+    """DAPO's soft overlong punishment with max 100 tokens and a buffer of 20."""
+    assert [spell.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert spell.overlong_penalty(100, 100, 0) == 0.0
+
+
+def qa_record(i: int, docs: list[str], answer: str = "blue", **extra) -> dict:
+    return {"id": f"q{i}", "task": "doc_qa", "documents": docs, "question": SPEAKER_QUESTION["question"],
+            "answer": answer, **extra}
+
+
+def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    mc = {"id": "m", "task": "doc_mc", "documents": ["d"], "question": "Which?", "answer": "(C)",
+          "options": {"A": "a", "B": "b", "C": "c", "D": "d"}}
+    fin = {"id": "f", "task": "fin_math", "documents": ["d"], "question": "How much?", "answer": "$1,250.0"}
+    path.write_text("\n".join(json.dumps(x) for x in [qa_record(0, ["x", "y"]), mc, fin]) + "\n")
+    a, m, f = spell.load_qa_set(path)
+    assert (a.id, a.task, a.documents, a.qa) == ("q0", "doc_qa", ["x", "y"], {"question": SPEAKER_QUESTION["question"],
+                                                                              "answer": "blue"})
+    assert m.qa["answer"] == "C" and m.qa["options"]["C"] == "c" and f.qa["answer"] == "1250"
+    heldout = spell.load_qa_set(f"hotpotqa:{REPO / 'evals' / 'sotu_heldout_qa.jsonl'}")
+    first = spell.load_benchmark(str(REPO / "evals" / "sotu_heldout_qa.jsonl"), "hotpotqa")[0]
+    assert heldout[0].documents == [first.context] and heldout[0].qa["answer"] == first.answers[0]
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"id": "a", "documents": ["d"], "question": "Q?"}', "line 2: fields 'question', 'answer'"),
+    ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}', "line 2"),
+    ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}', "options"),
+    ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}', "qa.jsonl:2: field 'documents'"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "line 2: not valid JSON"),
+])
+def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps(qa_record(0, ["x"])) + "\n" + line + "\n")
+    with pytest.raises(spell.CorpusError, match=re.escape(words)):
+        spell.load_qa_set(path)
+
+
+def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
+    """data.qa: no questioner and no grounding call; the responder answers the set's question with
+    the item's documents, and only responder sequences can enter the batch."""
+    cfg = spell.load_config(None, ["--data.qa=x.jsonl", "--reward.judge=rule", "--rollout.group_size=4"])
+    item = spell.Cluster("q0", "doc_qa", GATE.documents, {"question": "Which colour was the north gate?", "answer": "blue"})
+    r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT, drawn=[(item, "doc_qa")])
+    assert [d for d, _ in calls] == ["responder"] and all(doc in calls[0][1][0] for doc in GATE.documents)
+    assert r.question == item.qa and r.res_rewards == [1.0, 0.0, 0.0, 0.0]
+    items, counts = spell.select_batch([[spell.rollout_summary(r)]], cfg, np.random.default_rng(0))
+    assert {it.role for it in items} == {"res"} and counts["que_pos"] + counts["que_neg"] == 0
+
+
+def test_phase_plan_and_retrospective_sampling():
+    """data.phases switches the sampler's pool at the configured step (QwenLong-L1 Eq. 9), and with
+    data.retrospective the previous phase's unsolved questions come along."""
+    assert spell.phase_plan("1:100, 3:200") == [(1, 100), (3, 200)] and spell.phase_plan("") == []
+    assert spell.phase_plan("1:100,3:50") is None and spell.phase_plan("1-100") is None
+    cfg = spell.load_config(None, ["--data.qa=x.jsonl", "--data.phases=1:100,3:200", "--data.retrospective=true"])
+    pools, sampler = [[0, 2, 4], [6, 8]], {"shard": [], "order": [], "pos": 0, "epoch": 0}
+    assert spell.enter_phase(sampler, 1, cfg, pools) and sampler["shard"] == [0, 2, 4] and sampler["phase"] == 0
+    assert not spell.enter_phase(sampler, 2, cfg, pools)
+    solved = spell.Rollout(spell.Cluster("a", "doc_qa", ["d"]), "doc_qa", [0], [], status="ok",
+                           rules=[1.0, 0.0], majorities=[None, None])
+    unsolved = spell.Rollout(spell.Cluster("b", "doc_qa", ["d"]), "doc_qa", [0], [], status="ok",
+                             rules=[0.0, 0.0], majorities=[0, None])
+    spell.note_unsolved(sampler, [solved, unsolved], {"a": 0, "b": 4})
+    assert sampler["hard"] == [4]
+    assert spell.enter_phase(sampler, 3, cfg, pools)
+    assert sampler["shard"] == [6, 8, 4] and sampler["carried"] == 1 and sampler["hard"] == []
+    cfg.data.retrospective = False
+    sampler["phase"] = 0
+    assert spell.enter_phase(sampler, 3, cfg, pools) and sampler["shard"] == [6, 8]
+
+
 def test_select_batch_spreads_kept_groups_over_ranks():
     """8 ranks with 22 trainable groups each and room for 128: every rank keeps about 16. Taken in
     rank order, as before, the first five ranks filled the batch and the last ones kept nothing."""
@@ -937,7 +1154,7 @@ def test_token_logprobs_matches_definition():
     assert torch.allclose(lp.double(), ref, rtol=0, atol=bound)
 
 
-@pytest.mark.parametrize("mode", ["role", "group", "token", "sequence"])
+@pytest.mark.parametrize("mode", ["role", "group", "token", "sequence", "constant"])
 @pytest.mark.parametrize("ratio_offset", [0.0, 0.3])
 def test_policy_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     """Loss and d loss / d logits against a per-token Python loop, for every normaliser."""
@@ -949,7 +1166,7 @@ def test_policy_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     logits = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (T,))
     old = (token_logprobs(logits, targets, 0.7) + ratio_offset * torch.randn(T, dtype=torch.float64)).detach()
-    w_seq = loss_weights(lens, groups, mode, roles)
+    w_seq = loss_weights(lens, groups, mode, roles, max_len=6)
     weights = torch.tensor([w for w, n in zip(w_seq, lens) for _ in range(n)], dtype=torch.float64)
     adv_tok = torch.tensor([a for a, n in zip(advs, lens) for _ in range(n)], dtype=torch.float64)
     loss, _ = policy_loss(token_logprobs(logits, targets, 0.7), old, adv_tok, weights)
@@ -967,6 +1184,8 @@ def test_policy_loss_and_gradient_against_naive_loop(mode, ratio_offset):
                     * len({groups[j] for j in range(len(lens)) if roles[j] == roles[i]}))
         elif mode == "token":
             norm = T
+        elif mode == "constant":  # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
+            norm = 6 * len(lens)
         else:
             norm = n * len(lens)
         for _ in range(n):
@@ -1299,6 +1518,10 @@ def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[in
         for context in (docs, None):  # with the documents, and the grounding check's empty context
             pairs.append((spell.responder_prompt("doc_qa", context, q), "",
                           ["The correct answer is blue.", "The correct answer is red."]))
+        # SPICE's Challenger (one document) and Reasoner (no document): presets/spice.toml
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:1], [], None, "challenger"), "", [json.dumps(q)]))
+        pairs.append((spell.responder_prompt("doc_qa", None, q, "reasoner"), "",
+                      ["The correct answer is blue.", "The correct answer is red."]))
         for predicted in ("blue", "red"):
             verdicts = ["Decision: [[YES]]"[len(prefix):], "Decision: [[NO]]"[len(prefix):]]
             assert "Decision: [[YES]]".startswith(prefix), "the speaker's verdicts assume this prefix"
@@ -1317,7 +1540,8 @@ def corpus_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def speaker(embedded_dir, tmp_path_factory):
-    """A tiny random model fine-tuned (150 AdamW steps, ~30 s on 2 cores) to speak the three roles."""
+    """A tiny random model fine-tuned (190 AdamW steps, ~40 s on 2 cores) to speak the three roles
+    (and SPICE's two)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = spell.make_tiny_model(str(tmp_path_factory.mktemp("speaker")), tokenizer_dir=embedded_dir, seed=0)
@@ -1328,7 +1552,7 @@ def speaker(embedded_dir, tmp_path_factory):
     rng = np.random.default_rng(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for _ in range(150):
+        for _ in range(190):  # 13 pairs per cluster, 190 x 8 / 104 ~ 15 visits each, as 150 gave the first 10
             batch = [data[i] for i in rng.choice(len(data), size=8, replace=False)]
             width = max(len(p) + len(c) for p, c in batch)
             ids = torch.full((len(batch), width), tok.eos_token_id)
@@ -1403,6 +1627,97 @@ def checkpoint_model(path: Path) -> dict[str, torch.Tensor]:
     if not flat.exists():
         dcp_to_torch_save(str(path), str(flat))
     return torch.load(flat, weights_only=False)["model"]
+
+
+def role_sequences(m: dict) -> int:
+    """train/sequences as the three roles' counts add it up (G = 4 in the demo preset)."""
+    return (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"] + 4 * m["ver/kept_groups"])
+
+
+def test_table2_ablations_compose_end_to_end(speaker, corpus_file, tmp_path):
+    """Five Table 2 ablations at once, 2 steps on 2 ranks: no grounding check ran (no ungrounded
+    question, no grounding time), and every role still trains. What each switch changes is pinned by
+    its unit test above (test_grounding_filter_off_..., test_single_vote_..., test_consistency_...)."""
+    out_dir = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", "--rollout.grounding_filter=false",
+                           "--reward.verifier_decision=single", "--reward.consistency_filter=false",
+                           "--rollout.history_size=0", "--reward.format_penalty=0"))
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["que/ungrounded"] == 0 and "perf/ground_s" not in m, m
+        assert m["res/kept_groups"] >= 1 and m["que/pos"] >= 1 and m["train/sequences"] == role_sequences(m), m
+    assert sum(m["ver/kept_groups"] for m in steps) >= 1
+
+
+def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
+    """presets/spice.toml on the demo preset, 2 steps on 2 ranks: Challenger and Reasoner train, no
+    grounding check and no verifier ran, and the run's config is SPICE's."""
+    out_dir = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--config", str(REPO / "presets" / "spice.toml"),
+                           "--log.save_every=2"))
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["res/kept_groups"] >= 1 and m["que/pos"] >= 1, m
+        assert m["ver/kept_groups"] == 0 and m["ver/candidates"] == 0 and "perf/ver_s" not in m, m
+        assert "perf/ground_s" not in m and m["train/sequences"] == role_sequences(m), m
+    saved = json.loads((out_dir / "config.json").read_text())
+    assert saved["rollout"]["responder_template"] == "reasoner" and saved["train"]["loss_norm"] == "constant"
+
+
+def test_qwenlong_phases_end_to_end(speaker, tmp_path):
+    """RLVR on a static QA set with two context phases and retrospective sampling, 2 steps on 2 ranks:
+    step 1 draws the short questions, step 2 switches to the long ones and carries the 4 questions that
+    no response could solve (their reference, "green", is never what the speaker says)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(speaker)
+    clusters = protocol_corpus()
+    short = [qa_record(i, c["documents"][:1]) for i, c in enumerate(clusters)]
+    long = [qa_record(10 + i, c["documents"]) for i, c in enumerate(clusters)]
+    hard = [qa_record(20 + i, c["documents"][:1], answer="green") for i, c in enumerate(clusters[:4])]
+    length = lambda rec: len(spell.chat_ids(tok, spell.responder_prompt("doc_qa", rec["documents"], rec)))  # noqa: E731
+    cut = max(map(length, short + hard))
+    assert cut < min(map(length, long)), "the two phases need prompts of two lengths"
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(x) + "\n" for x in short + hard + long))
+    out_dir = tmp_path / "run"
+    result = torchrun(2, *demo_args(speaker, REPO / "nonexistent.jsonl", out_dir, "--config",
+                                    str(REPO / "presets" / "rlvr.toml"), f"--data.qa={qa}",
+                                    f"--data.phases=1:{cut},2:1024", "--data.retrospective=true",
+                                    "--train.loss_norm=token", "--train.clip_high=0.28", "--reward.overlong_buffer=8",
+                                    "--log.save_every=2"))
+    print("\n".join(line for line in result.stdout.splitlines() if line.startswith("step ")))
+    assert "step 1: data.phases phase 1, 12 questions (0 carried over)" in result.stdout
+    # the 4 "green" questions at least; a short question all of whose answers said "red" comes along too
+    [(total, carried)] = re.findall(r"^step 2: data.phases phase 2, (\d+) questions \((\d+) carried over\)$",
+                                    result.stdout, flags=re.M)
+    assert int(carried) >= 4 and int(total) == len(long) + int(carried), (total, carried)
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["res/kept_groups"] >= 1 and m["que/pos"] + m["que/neg"] + m["ver/kept_groups"] == 0, m
+        assert m["train/sequences"] == 4 * m["res/kept_groups"] and "perf/que_s" not in m, m
+
+
+def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
+    """`spell.py synth`: the speaker as questioner over the protocol corpus writes a QA set in
+    load_qa_set's layout (grounded questions only, with their clusters' documents); never overwrites."""
+    out = tmp_path / "sets" / "qa.jsonl"
+    args = ["spell.py", "synth", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
+            f"--data.corpus={corpus_file}", "--out", str(out), "--passes", "2", "--rollout.max_prompt_tokens=1024",
+            "--rollout.max_new_tokens=48"]
+    result = torchrun(1, *args)
+    [(kept, drawn)] = re.findall(r"^synth: (\d+) questions of (\d+) drawn", result.stdout, flags=re.M)
+    clusters = {c["id"]: c for c in protocol_corpus()}
+    items = spell.load_qa_set(out)
+    assert int(drawn) == 2 * len(clusters) and len(items) == int(kept) >= 1
+    assert len({it.id for it in items}) == len(items)
+    for it in items:
+        assert it.documents == clusters[it.id.split("#")[0]]["documents"] and it.qa["question"] and it.qa["answer"]
+    again = torchrun(1, *args, check=False)
+    assert again.returncode != 0 and "never overwritten" in again.stdout
 
 
 def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
