@@ -108,7 +108,7 @@ LETTERS = ("A", "B", "C", "D")
 class ModelConfig:
     path: str = "Qwen/Qwen2.5-7B-Instruct"  # HF folder; "embedded" = SmolLM2-135M-Instruct from PyPI
     cache_dir: str = ".cache"  # where the embedded model is exported once
-    attn_implementation: str = "auto"  # auto: flash_attention_2 if installed on GPU, else sdpa
+    attn_implementation: str = "auto"  # auto|sdpa|flex_attention|flash_attention_2 (attention_implementation)
     gradient_checkpointing: bool = True
 
 
@@ -365,6 +365,7 @@ def check_config(cfg: Config) -> None:
     agree = w.verifier_agreement
     rules = [  # (key, holds, what the key must be)
         ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
+        ("model.attn_implementation", m.attn_implementation in ATTN_IMPLEMENTATIONS, "|".join(ATTN_IMPLEMENTATIONS)),
         ("data.task_weights", len(d.task_weights) == 3 and min(d.task_weights) >= 0 and sum(d.task_weights) > 0,
          "three non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
@@ -607,15 +608,27 @@ def resolve_model(cfg: Config, rank: int) -> str:
     return out
 
 
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flex_attention", "flash_attention_2")
+
+
 def attention_implementation(cfg: Config, on_gpu: bool) -> str:
-    """flash-attn varlen on GPU when installed (packed rows need it for speed), SDPA otherwise."""
+    """The HF attention for packed rows: one that keeps sequences apart without a (T, T) mask on GPU.
+
+    All three read the sequence boundaries from position_ids (pack_sequences restarts them at 0):
+      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed.
+      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids; O(T)
+                         memory plus (T/128)^2 block indices, compiled by torch.compile. GPU without
+                         flash-attn. Runs on CPU for inference only (torch 2.13 has no CPU backward).
+      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and simple,
+                         the CPU default, and the reference the other two are pinned to (test_spell.py
+                         on CPU, bench/bench_attention.py on a GPU).
+    """
     if cfg.model.attn_implementation != "auto":
         return cfg.model.attn_implementation
-    if on_gpu:
-        import importlib.util
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
+    if not on_gpu:
+        return "sdpa"
+    import importlib.util
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 
 
 def export_is_complete(out_dir: str) -> bool:
@@ -1021,8 +1034,9 @@ def completion_logprobs(model, input_ids, position_ids, targets, loss_mask, temp
     gathered while it runs); callable on a plain HF model as is. The LM head runs only on completion
     positions: in long-context RL the prompts are most of the tokens.
     """
-    # No attention_mask and no KV cache: HF then derives the block-diagonal causal mask from
-    # position_ids (SDPA), or cu_seqlens for flash-attn varlen. With a cache, packing is silently ignored.
+    # No attention_mask and no KV cache: HF then finds the sequence boundaries in position_ids and builds
+    # a dense block-diagonal causal mask (SDPA), a BlockMask (FlexAttention) or cu_seqlens (flash-attn
+    # varlen). Pass a mask or a cache and packing is silently ignored: sequences would attend across.
     hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     hidden = hidden[0][loss_mask]  # (N, H)
     weight = model.lm_head.weight

@@ -70,6 +70,7 @@ def test_config_file_and_overrides(tmp_path):
     ("[rollout]\ngroup_size = 'four'\n", [], "rollout.group_size: expected int"),
     ("", ["--train.lr"], "expected --section.key=value"),
     ("", ["--train.loss_norm=sum"], "train.loss_norm must be"),
+    ("", ["--model.attn_implementation=flash"], "model.attn_implementation must be"),
     ("[rollout\n", [], "not valid TOML"),
 ])
 def test_config_errors(tmp_path, text, argv, message):
@@ -1322,13 +1323,13 @@ def tiny_dir(embedded_dir, tmp_path_factory):
     return spell.make_tiny_model(str(tmp_path_factory.mktemp("tiny")), tokenizer_dir=embedded_dir, seed=0)
 
 
-def tiny_llama(seed: int = 0):
-    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32."""
+def tiny_llama(seed: int = 0, attn: str = "sdpa"):
+    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32, with HF attention `attn`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+                         tie_word_embeddings=True, attn_implementation=attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config).float()
@@ -1447,6 +1448,71 @@ def test_packed_logprobs_gradient_matches_unpacked():
     # Measured: at most 1e-6 of the scale.
     for n, p in model.named_parameters():
         torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_attention_implementation_choices(monkeypatch):
+    cfg = spell.Config()
+    assert spell.attention_implementation(cfg, on_gpu=False) == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no flash-attn
+    assert spell.attention_implementation(cfg, on_gpu=True) == "flex_attention"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # flash-attn installed
+    assert spell.attention_implementation(cfg, on_gpu=True) == "flash_attention_2"
+    cfg.model.attn_implementation = "sdpa"
+    assert spell.attention_implementation(cfg, on_gpu=True) == "sdpa"
+
+
+def packed_attention_case(impl: str):
+    """(device, three sequences of irregular lengths) for pinning `impl` to SDPA, or a skip saying why not."""
+    if impl == "flash_attention_2":
+        pytest.skip("flash-attn runs only on CUDA and only in bf16/fp16, so this fp32 test cannot pin it; "
+                    "bench/bench_attention.py compares it with SDPA in bf16 on a GPU")
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(), torch.randint(0, 1000, (c,), generator=g).tolist())
+            for p, c in [(7, 5), (3, 11), (12, 2)]]
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu"), seqs
+
+
+# fp32 throughout, so the choices differ only in summation order. Attention sums over at most 14 keys
+# and 64 head dimensions, its error (~sqrt(64) u32 = 5e-7 of O(1) activations) is small beside the log-prob's
+# own rounding derived in test_packed_logprobs_match_unpacked: ~5e-6 a side, 1e-5 between two orders.
+PACKED_ATTENTION_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_packed_attention_matches_sdpa(impl):
+    """Each attention choice gives SDPA's log-probs on a packed row of 3 sequences, and every
+    sequence's log-probs are those of the sequence alone: no attention across the boundaries."""
+    device, seqs = packed_attention_case(impl)
+    packed = spell.pack_sequences(seqs)
+    sdpa, other = tiny_llama(attn="sdpa").to(device), tiny_llama(attn=impl).to(device)
+    assert other.config._attn_implementation == impl
+    with torch.no_grad():  # FlexAttention has a CPU forward but no CPU backward in torch 2.13
+        ref = spell.packed_logprobs(sdpa, packed, TEMPERATURE)[0]  # (T,)
+        lp = spell.packed_logprobs(other, packed, TEMPERATURE)[0]  # (T,)
+        torch.testing.assert_close(lp, ref, atol=PACKED_ATTENTION_ATOL, rtol=0)
+        for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
+            # the sequence alone: a row with nothing else in it to attend to (SDPA, plain causal mask)
+            alone = spell.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]), TEMPERATURE)[0]
+            torch.testing.assert_close(lp[s:e], alone[len(prompt) - 1:-1], atol=PACKED_ATTENTION_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_packed_attention_gradient_matches_sdpa(impl):
+    """Each attention choice gives SDPA's parameter gradients of a weighted sum of packed log-probs."""
+    device, seqs = packed_attention_case(impl)
+    if impl == "flex_attention" and device.type == "cpu":
+        pytest.skip("FlexAttention has no CPU backward in torch 2.13 (NotImplementedError): needs a GPU")
+    packed = spell.pack_sequences(seqs)
+    weights = torch.randn(packed["targets"].shape, generator=torch.Generator().manual_seed(1)).to(device)  # (T,)
+    grads = []
+    for attn in ("sdpa", impl):
+        model = tiny_llama(attn=attn).to(device)
+        (weights * spell.packed_logprobs(model, packed, TEMPERATURE)[0]).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    # fp32: as in test_packed_logprobs_gradient_matches_unpacked, the longest sums are the LM head's
+    # V = 1000 terms: sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most ~3, the tied embedding) < 1e-5.
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
 
 
 # ------------------------------------------------------------------------------------------------
