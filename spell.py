@@ -136,6 +136,9 @@ class RolloutConfig:
     # 0 of 64 without. "" = off
     verifier_reply_prefix: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
+    # Weight sync: one all-gather per bucket of consecutive weights of at most this many MiB (2^20 bytes,
+    # full tensors in the sync dtype; a bigger tensor travels alone). 0 = one all-gather per tensor
+    sync_bucket_mb: int = 512
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions (AVX512-BF16 or AMX),
     # else float32 (emulated bf16 was 2.3x slower than fp32 on an AVX2 CPU). The trainer keeps fp32
@@ -345,6 +348,7 @@ def check_config(cfg: Config) -> None:
         ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("rollout.max_answer_words", r.max_answer_words >= 1, ">= 1"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
+        ("rollout.sync_bucket_mb", r.sync_bucket_mb >= 0, ">= 0 (0: one all-gather per tensor)"),
         ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
         ("rollout.sleep_level", r.sleep_level in (0, 1, 2), "0, 1 or 2"),
         ("rollout.dtype", r.dtype in ("auto", "float32", "bfloat16", "float16"), "auto|float32|bfloat16|float16"),
@@ -828,6 +832,7 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     step; the order is `state_dict()`'s, which is the same on all ranks. Casting before the gather
     halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are yielded once,
     as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor alive at a time.
+    The slow, obviously correct twin of bucketed_state_dict (rollout.sync_bucket_mb = 0).
     """
     from torch.distributed.tensor import DTensor
 
@@ -840,6 +845,115 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         yield name, tensor
+
+
+def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
+    """Indices of consecutive items grouped so that each group's sizes sum to at most `bound`; an item
+    bigger than the bound makes a group of its own (it cannot be split: vLLM loads whole tensors)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not buckets or used + size > bound:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets
+
+
+def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
+                        ahead: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """gathered_state_dict's (name, full tensor) sequence, gathered in buckets: one all-gather per bucket.
+
+    Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in `dtype`);
+    each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the way) and a single
+    `all_gather_single` brings every rank's buffer; the full tensors are then cut out of it. A model of
+    ~300 tensors thus needs ~P / bucket collectives instead of ~300 small, latency-bound ones, and the
+    memory held beyond the model is bounded by the bucket, not by the model: with `ahead` = 0 a bucket is
+    gathered only after the consumer took every tensor of the one before (peak ~2 buckets while cutting:
+    the gathered buffer and the copies, then 1 while vLLM loads).
+
+    Overlap (`ahead` = 1, the default): bucket k+1's all-gather is issued (async_op) before bucket k's
+    tensors are handed out, and waited on only after vLLM has loaded them all, so communication runs
+    while vLLM copies and post-processes bucket k. On GPU the NCCL collective runs on its own stream and
+    `wait()` makes the current stream wait for it, so no side stream of ours is needed; the input buffer
+    stays referenced until then. On CPU, gloo runs the collective on its own thread. The price is one more
+    bucket in flight: peak ~3 buckets. The tests check the sequence and the bucket bound; what the overlap
+    saves on a GPU is not measured here (bench/RESULTS.md has an estimate).
+
+    FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the N rows,
+    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. A weight that is not
+    a DTensor (an unsharded model) is only cast. Every rank must consume the iterator completely, in step.
+    """
+    entries, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # tied alias: sent once, under its first name
+            seen.add(id(tensor))
+            entries.append((name, tensor.detach()))
+    sizes = [t.numel() * dtype.itemsize for _, t in entries]
+    pending = []
+    for bucket in sync_buckets(sizes, bucket_bytes):
+        pending.append(start_bucket_gather([entries[i] for i in bucket], dtype))
+        if len(pending) > ahead:
+            yield from finish_bucket_gather(pending.pop(0))
+    for gather in pending:
+        yield from finish_bucket_gather(gather)
+
+
+def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
+    """Issue one async all-gather of the dim-0 shards of a bucket's DTensors (see bucketed_state_dict)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = [t for _, t in entries if isinstance(t, DTensor)]
+    if not sharded:
+        return {"entries": entries, "dtype": dtype}
+    mesh = sharded[0].device_mesh
+    assert all(t.device_mesh == mesh and tuple(t.placements) == (Shard(0),) for t in sharded), \
+        "bucketed_state_dict expects FSDP2's layout: every weight sharded on dim 0 over one mesh"
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = [-(-t.shape[0] // world) for t in sharded]  # c = ceil(N / world) rows a rank, padded
+    counts = [c * t[0].numel() for c, t in zip(rows, sharded)]  # elements of a padded shard
+    local = torch.zeros(sum(counts), dtype=dtype, device=sharded[0].to_local().device)  # (per-rank,)
+    offset = 0
+    for t, c, count in zip(sharded, rows, counts):
+        shard = t.to_local()
+        assert shard.shape[0] == max(0, min(c, t.shape[0] - rank * c)), "not torch.chunk's dim-0 layout"
+        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
+        offset += count
+    out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
+    work = dist.all_gather_single(out, local, group=mesh.get_group(), async_op=True)
+    return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
+            "local": local, "out": out, "work": work}
+
+
+def finish_bucket_gather(gather: dict) -> list[tuple[str, torch.Tensor]]:
+    """Wait for a bucket's all-gather and cut its full tensors out, in the bucket's order."""
+    from torch.distributed.tensor import DTensor
+
+    if "work" in gather:
+        gather["work"].wait()
+        world, rows, counts = gather["world"], iter(gather["rows"]), iter(gather["counts"])
+        by_rank = gather.pop("out").view(world, -1)  # (world, per-rank): row r = rank r's padded shards
+        gather.pop("local")  # the input may be freed only after the wait
+    full, offset = [], 0
+    for name, tensor in gather["entries"]:
+        if not isinstance(tensor, DTensor):  # not sharded: nothing to gather
+            full.append((name, tensor.to(gather["dtype"])))
+            continue
+        c, count = next(rows), next(counts)
+        whole = torch.empty((world * c, *tensor.shape[1:]), dtype=gather["dtype"], device=by_rank.device)
+        whole.view(world, count).copy_(by_rank[:, offset:offset + count])  # rank r's rows, in rank order
+        full.append((name, whole[:tensor.shape[0]]))  # drop the padding rows
+        offset += count
+    return full
+
+
+def weights_to_sync(model, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full weights for sync_weights, per rollout.sync_bucket_mb: 0 = one all-gather per
+    tensor (gathered_state_dict), else one per bucket of at most that many MiB (bucketed_state_dict)."""
+    if bucket_mb == 0:
+        return gathered_state_dict(model, dtype)
+    return bucketed_state_dict(model, dtype, bucket_mb << 20)
 
 
 def refresh_tied_lm_head_on_cpu(vllm_model) -> None:
@@ -3170,7 +3284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         state["history"].load_state_dict(saved["history"])
         rng.bit_generator.state = saved["rng"]
         set_rng_state(saved["rng_state"])
-        sync_weights(llm, gathered_state_dict(policy, dtype))
+        sync_weights(llm, weights_to_sync(policy, dtype, cfg.rollout.sync_bucket_mb))
         print0(f"resumed from {ckpt} at step {state['step']}")
     elif resume:
         print0(f"--resume: no checkpoint in {checkpoint_dir(cfg)}, starting fresh")
@@ -3216,7 +3330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
         must_sync = bool(items) or sleep_level == 2
-        sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if must_sync else 0.0
+        sync_s = sync_weights(llm, weights_to_sync(policy, dtype, cfg.rollout.sync_bucket_mb)) if must_sync else 0.0
         if sleep_level:
             llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step

@@ -1241,6 +1241,43 @@ def test_big_seeded_batch_on_cpu(tiny_dir):
     assert metrics(output)["big_batch_completions"] == 24 * 2, output[-3000:]
 
 
+def test_sync_buckets_bound():
+    """Consecutive, in order, every item once; a bucket exceeds the bound only as a lone oversized item."""
+    assert spell.sync_buckets([], 10) == []
+    assert spell.sync_buckets([4, 4, 2, 5, 5, 10, 11, 1], 10) == [[0, 1, 2], [3, 4], [5], [6], [7]]
+    assert spell.sync_buckets([3, 3], 0) == [[0], [1]]  # bound 0: one tensor a bucket
+    assert spell.sync_buckets([3, 3], 10**9) == [[0, 1]]
+    g = np.random.default_rng(0)
+    for bound in (1, 7, 50, 1000):
+        sizes = g.integers(1, 100, size=200).tolist()
+        buckets = spell.sync_buckets(sizes, bound)
+        assert [i for b in buckets for i in b] == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in b) <= bound or len(b) == 1 for b in buckets)
+        # greedy: the next bucket's first item did not fit into the one before
+        assert all(sum(sizes[i] for i in a) + sizes[b[0]] > bound for a, b in zip(buckets, buckets[1:]))
+
+
+def test_bucketed_sync_matches_unbucketed(tmp_path):
+    """Two FSDP2 ranks (gloo): the bucketed gather yields gathered_state_dict's (name, tensor) sequence,
+    bit for bit, with one all-gather per bucket, buckets within the bound, and bucket k+1 issued before
+    bucket k is handed out only when asked to (ahead = 1)."""
+    out = tmp_path / "buckets.json"
+    torchrun(2, __file__, "buckets", str(out))
+    results = json.loads(out.read_text())
+    assert len(results) == 2 * 3 * 2  # ranks x bounds x ahead
+    for r in results:
+        where = f"rank {r['rank']}, bound {r['bound']}, ahead {r['ahead']}"
+        assert r["same_names"] and r["equal"], where  # bit-equal: a gather copies, it does not round
+        sizes = [size for bucket in r["buckets"] for size in bucket]
+        assert len(sizes) == r["n_tensors"], where
+        assert all(sum(b) <= r["bound"] or len(b) == 1 for b in r["buckets"]), where
+        assert r["collectives"] == len(r["buckets"]), where
+        # ahead 0: bucket k+1 is issued after bucket k's last tensor was taken; ahead 1: before its first
+        assert r["issued_before_handed_out"] == ([r["ahead"] == 1] * (len(r["buckets"]) - 1)), where
+    assert {r["bound"] for r in results if len(r["buckets"]) == 1} == {10**9}
+    assert any(len(b) == 1 and b[0] > r["bound"] for r in results for b in r["buckets"])  # an oversized tensor
+
+
 def test_trainer_vllm_parity_after_sync(tiny_dir):
     """Two ranks: vLLM's sampled-token log-probs equal the FSDP2 trainer's, before and after a weight sync."""
     output = torchrun(2, __file__, "parity", tiny_dir).stdout
@@ -2799,7 +2836,8 @@ def worker_parity(tiny_dir: str) -> None:
         for name, tensor in items:
             names.append(name)
             yield name, tensor
-    sync_s = spell.sync_weights(llm, tap(spell.gathered_state_dict(model, torch.float32)))
+    # the bucketed gather main() uses, in 1 MiB buckets: several buckets, the embedding (25 MB) alone
+    sync_s = spell.sync_weights(llm, tap(spell.weights_to_sync(model, torch.float32, bucket_mb=1)))
     expected = [k for k in reference.state_dict() if k != "lm_head.weight"]  # tied alias sent once
     assert names == expected, (names, expected)
 
@@ -2817,6 +2855,62 @@ def worker_parity(tiny_dir: str) -> None:
             print(f"METRIC {name}={abs(value) if name.startswith(('stale', 'generate')) else value:.3g}")
         print(f"METRIC completions_changed_rank0={changed:g}")
     # no dist.destroy_process_group(): vLLM's exit hook tears its groups down and fails if we did first
+
+
+def worker_buckets(out_file: str) -> None:
+    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2; bucketed_state_dict against
+    gathered_state_dict and the unsharded weights, for several bounds, dtypes and `ahead`; every rank's
+    findings go to out_file (rank 0 writes)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).float()
+    truth = {k: v.clone() for k, v in reference.state_dict().items()}
+    model = spell.shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)),
+                               param_dtype=torch.float32)
+    real_start, real_gather = spell.start_bucket_gather, dist.all_gather_single
+
+    def start(entries, dtype):  # records each bucket's full sizes, which bucket each name is in, and when
+        buckets.append([t.numel() * dtype.itemsize for _, t in entries])
+        owner.update({name: len(buckets) - 1 for name, _ in entries})
+        events.append(f"issue {len(buckets) - 1}")
+        return real_start(entries, dtype)
+
+    def gather(*args, **kw):
+        calls.append(1)
+        return real_gather(*args, **kw)
+
+    spell.start_bucket_gather, dist.all_gather_single = start, gather
+    findings = []
+    for dtype, bound in [(torch.float32, 0), (torch.float32, 100_000), (torch.bfloat16, 10**9)]:
+        for ahead in (0, 1):
+            buckets, owner, events, calls, sent = [], {}, [], [], []
+            for name, tensor in spell.bucketed_state_dict(model, dtype, bound, ahead=ahead):
+                events.append(f"take {owner[name]}")
+                sent.append((name, tensor))
+            collectives = len(calls)
+            expected = list(spell.gathered_state_dict(model, dtype))
+            findings.append({
+                "rank": rank, "bound": bound, "ahead": ahead, "buckets": buckets, "collectives": collectives,
+                "n_tensors": len(expected),
+                "issued_before_handed_out": [events.index(f"issue {k + 1}") < events.index(f"take {k}")
+                                             for k in range(len(buckets) - 1)],
+                "same_names": [n for n, _ in sent] == [n for n, _ in expected],
+                "equal": all(torch.equal(a, b) and torch.equal(a, truth[n].to(dtype)) and a.dtype == dtype
+                             for (n, a), (_, b) in zip(sent, expected)),
+            })
+    everyone = [None] * world
+    dist.all_gather_object(everyone, findings)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps([f for fs in everyone for f in fs]))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
@@ -2935,6 +3029,6 @@ def worker_update(out_file: str) -> None:
 
 if __name__ == "__main__":
     workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "big-batch": worker_big_batch,
-               "export-vllm": worker_export_vllm, "update": worker_update, "eval-e2e": worker_eval_e2e,
+               "export-vllm": worker_export_vllm, "update": worker_update, "eval-e2e": worker_eval_e2e, "buckets": worker_buckets,
                "eval-judge-e2e": worker_eval_judge_e2e}
     workers[sys.argv[1]](*sys.argv[2:])
