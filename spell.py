@@ -535,6 +535,110 @@ def attention_implementation(cfg: Config, on_gpu: bool) -> str:
     return "sdpa"
 
 
+def parameter_counts(mc) -> dict[str, int]:
+    """Parameters of a dense Llama / Qwen2 decoder from its HF config: one decoder layer, the FSDP2 root
+    group (embeddings, final norm and LM head; the head is the embedding when tied) and the total.
+    Qwen2 has q/k/v biases without saying so in its config; Llama's `attention_bias` also biases o_proj."""
+    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    q, k = heads * hd, kv * hd  # widths of the query and of the key (= value) projections
+    if mc.model_type == "qwen2":
+        bias = q + 2 * k
+    else:
+        bias = (q + 2 * k + H) * bool(getattr(mc, "attention_bias", False))
+    attention = H * q + 2 * H * k + q * H + bias
+    mlp = 3 * H * I + (2 * I + H) * bool(getattr(mc, "mlp_bias", False))  # gate, up, down projections
+    layer = attention + mlp + 2 * H  # + the two RMSNorms
+    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
+    return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
+
+
+def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str, float]:
+    """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
+
+    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and AdamW's
+    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / world); bf16 parameters gathered for compute:
+    the root group (embeddings and LM head) all step, plus the current and the prefetched decoder layer,
+    and their unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
+    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per layer
+    boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per token its two
+    norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k) and four MLP tensors
+    (4 I); its backward is counted as twice that (saved tensors plus as much for their gradients, an upper
+    bound). The LM head holds a bounded scratch, never [T, V] logits (the torch twin's chunk budget or the
+    Triton kernel's workspace). vLLM holds `rollout.gpu_memory_utilization` of the device while it is
+    awake; it sleeps during the update when rollout.sleep_level >= 1.
+    Not counted: the CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight
+    sync's buckets (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
+    """
+    from kernels.reference import DEFAULT_CHUNK_BYTES
+
+    p = parameter_counts(mc)
+    H, I, L, T = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, cfg.train.micro_batch_tokens
+    heads = mc.num_attention_heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    q, k = heads * hd, (getattr(mc, "num_key_value_heads", None) or heads) * hd
+    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
+    if cfg.model.gradient_checkpointing:
+        activations = 2 * T * H * L + 2 * layer_saved
+    else:
+        activations = L * layer_saved + layer_saved
+    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30  # kernels/logprob.py
+    gib = {
+        "weights": 4 * p["total"] / world,
+        "grads": 4 * p["total"] / world,
+        "adamw": 8 * p["total"] / world,
+        "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
+        "activations": activations,
+        "lm_head": head_scratch,
+        # vLLM cannot start without its bf16 weights (tensor parallel 1: every engine holds the whole model)
+        # and the KV cache (K and V, every layer, bf16) of one sequence of the longest allowed length
+        "vllm_minimum": 2 * p["total"] + 2 * 2 * L * k * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens),
+    }
+    gib = {key: value / 2**30 for key, value in gib.items()}
+    gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
+    sleeps = cfg.rollout.sleep_level >= 1
+    # rollouts: vLLM awake beside the trainer's weights and optimizer state (zero_grad freed the gradients)
+    gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
+    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"] + gib["activations"]
+                           + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
+    gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
+    return gib
+
+
+def check_memory(cfg: Config, est: dict[str, float], device_gib: float, world: int) -> None:
+    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit; name the keys to change."""
+    sharded = est["weights"] + est["grads"] + est["adamw"]
+    more_gpus = f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {world})"
+    if est["vllm"] < est["vllm_minimum"]:
+        raise ConfigError(
+            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
+            f"is less than its bf16 weights (every engine holds the whole model, tensor parallel 1) plus one longest "
+            f"sequence's KV cache, {est['vllm_minimum']:.1f} GiB: raise rollout.gpu_memory_utilization, lower "
+            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model (model.path)")
+    if est["rollout_phase"] > device_gib:
+        raise ConfigError(
+            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > {device_gib:.1f} GiB: "
+            f"lower rollout.gpu_memory_utilization (vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
+    if est["update_phase"] > device_gib:
+        fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
+        if not cfg.model.gradient_checkpointing:
+            fixes.append("set model.gradient_checkpointing = true")
+        if cfg.rollout.sleep_level == 0:
+            fixes.append(f"set rollout.sleep_level = 1 (frees vLLM's {est['vllm']:.1f} GiB during the update)")
+        raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU during the update > "
+                          f"{device_gib:.1f} GiB: {', '.join(fixes)}, {more_gpus}")
+
+
+def memory_line(est: dict[str, float], device_gib: float) -> str:
+    """memory_estimate as one log line."""
+    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered", "activations",
+                                                    "lm_head", "vllm"))
+    return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
+            f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
+
+
 def export_is_complete(out_dir: str) -> bool:
     """True if `out_dir` holds a finished HF model folder (written atomically, so present = complete)."""
     return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
@@ -3256,7 +3360,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    if not on_gpu:
+    if on_gpu:  # a run that cannot fit stops here, before vLLM takes its share of the device
+        device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        estimate = memory_estimate(cfg, transformers.AutoConfig.from_pretrained(model_dir), world, device_gib)
+        print0(memory_line(estimate, device_gib))
+        check_memory(cfg, estimate, device_gib, world)
+    else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only
     set_vllm_log_level(cfg.log.vllm_log_level)

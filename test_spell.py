@@ -92,6 +92,92 @@ def test_repository_configs_load():
     spell.load_config(str(spell.ROOT / "demo.toml"))
 
 
+def test_presets_load():
+    """Every model-size preset loads on its own (and so on top of config.toml, once --config stacks)."""
+    presets = sorted((spell.ROOT / "presets").glob("*.toml"))
+    assert {p.name for p in presets} >= {"qwen2.5-7b.toml", "qwen2.5-14b.toml", "qwen2.5-32b.toml"}
+    for path in presets:
+        cfg = spell.load_config(str(path))
+        assert cfg.model.path.startswith("Qwen/Qwen2.5-"), path
+
+
+# Qwen2.5-7B-Instruct's config.json, the numbers the memory estimate reads
+QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, vocab_size=152064, intermediate_size=18944,
+                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def test_parameter_counts_match_the_hf_models():
+    """parameter_counts' formula against the parameters of the HF classes, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    small = dict(hidden_size=128, num_hidden_layers=3, vocab_size=1000, intermediate_size=352,
+                 num_attention_heads=4, num_key_value_heads=2)
+    configs = [Qwen2Config(**QWEN25_7B), Qwen2Config(**small, tie_word_embeddings=True),
+               LlamaConfig(**small, tie_word_embeddings=False), LlamaConfig(**small, attention_bias=True, mlp_bias=True, head_dim=64)]
+    for config in configs:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert spell.parameter_counts(config)["total"] == sum(p.numel() for p in model.parameters()), config
+    # the published size of Qwen2.5-7B: 7.61B parameters
+    assert spell.parameter_counts(configs[0]) == {"layer": 233_057_792, "root": 1_089_998_336, "total": 7_615_616_512}
+
+
+def test_memory_estimate_qwen25_7b():
+    """The paper's recipe (config.toml: Qwen2.5-7B, 32768-token micro-batches, vLLM at 0.5) on 8 GPUs of
+    80 GiB, against values worked out by hand from the config numbers."""
+    from transformers import Qwen2Config
+
+    cfg = spell.load_config(str(spell.ROOT / "config.toml"))
+    P, layer, root, T, H, L, I = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28, 18944
+    est = spell.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
+    GiB = 2**30
+    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values a token for backward
+    hand = {
+        "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,  # 3.546, 3.546, 7.093
+        "gathered": (4 * root + 6 * layer) / GiB,  # bf16 root + 2 layers, grads of root + 1 layer: 5.363
+        "activations": (2 * T * H * L + 2 * 2 * T * 98304) / GiB,  # 6.125 boundaries + 12.0 recompute = 18.125
+        "lm_head": 1.0,  # the Triton kernel's 1 GiB workspace (config.toml: logprob_impl = "triton")
+        "vllm": 40.0,
+        "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,  # 14.185 + 1.094 of KV cache
+    }
+    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 40.0  # sleep_level 1: vLLM sleeps in the update
+    hand["update_phase"] = sum(hand[k] for k in ("weights", "grads", "adamw", "gathered", "activations", "lm_head"))
+    hand["peak"] = max(hand["rollout_phase"], hand["update_phase"])
+    assert est.keys() == hand.keys()
+    for key in hand:  # the same few float64 operations in another order: 1e-12 relative is ~1e4 ulps
+        assert est[key] == pytest.approx(hand[key], rel=1e-12), key
+    assert est["activations"] == 18.125 and round(est["peak"], 2) == 50.64
+    spell.check_memory(cfg, est, 80.0, 8)  # fits: no error
+    line = spell.memory_line(est, 80.0)
+    assert line.startswith("memory: estimate 50.6 of 80.0 GiB per GPU (rollouts 50.6, update 38.7") and "\n" not in line
+
+
+def test_check_memory_refusals():
+    """A run that cannot fit stops with the keys to change, per phase."""
+    from transformers import Qwen2Config
+
+    mc = Qwen2Config(**QWEN25_7B)
+
+    def refusal(world=8, **keys):
+        cfg = spell.load_config(str(spell.ROOT / "config.toml"), [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
+        with pytest.raises(spell.ConfigError) as e:
+            spell.check_memory(cfg, spell.memory_estimate(cfg, mc, world, 80.0), 80.0, world)
+        return str(e.value)
+
+    # vLLM's 0.15 x 80 = 12 GiB holds less than the 14.2 GiB of bf16 weights
+    msg = refusal(rollout__gpu_memory_utilization=0.15)
+    assert "rollout.gpu_memory_utilization" in msg and "15.3 GiB" in msg
+    # one GPU: 28.4 + 56.7 GiB of weights and AdamW beside vLLM's 40
+    msg = refusal(world=1)
+    assert "during rollouts" in msg and "rollout.gpu_memory_utilization" in msg and "more GPUs" in msg
+    # 131072 tokens a micro-batch: 72.5 GiB of activations
+    msg = refusal(train__micro_batch_tokens=131072)
+    assert "during the update" in msg and "train.micro_batch_tokens (activations: 72.5 GiB)" in msg
+    assert "sleep_level" not in msg and "gradient_checkpointing" not in msg  # both already right
+    msg = refusal(rollout__sleep_level=0, model__gradient_checkpointing="false", train__micro_batch_tokens=8192)
+    assert "rollout.sleep_level = 1" in msg and "model.gradient_checkpointing = true" in msg
+
+
 # ------------------------------------------------------------------------------------------------
 # Corpus and prompts
 # ------------------------------------------------------------------------------------------------
