@@ -152,6 +152,9 @@ class RolloutConfig:
     # 0 of 64 without. "" = off
     verifier_reply_prefix: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
+    # Weight sync: one all-gather per bucket of consecutive weights of at most this many MiB (2^20 bytes,
+    # full tensors in the sync dtype; a bigger tensor travels alone). 0 = one all-gather per tensor
+    sync_bucket_mb: int = 512
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions (AVX512-BF16 or AMX),
     # else float32 (emulated bf16 was 2.3x slower than fp32 on an AVX2 CPU). The trainer keeps fp32
@@ -379,6 +382,7 @@ def check_config(cfg: Config) -> None:
         ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("rollout.max_answer_words", r.max_answer_words >= 1, ">= 1"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
+        ("rollout.sync_bucket_mb", r.sync_bucket_mb >= 0, ">= 0 (0: one all-gather per tensor)"),
         ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
         ("rollout.sleep_level", r.sleep_level in (0, 1, 2), "0, 1 or 2"),
         ("rollout.dtype", r.dtype in ("auto", "float32", "bfloat16", "float16"), "auto|float32|bfloat16|float16"),
@@ -629,6 +633,110 @@ def attention_implementation(cfg: Config, on_gpu: bool) -> str:
         return "sdpa"
     import importlib.util
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
+
+
+def parameter_counts(mc) -> dict[str, int]:
+    """Parameters of a dense Llama / Qwen2 decoder from its HF config: one decoder layer, the FSDP2 root
+    group (embeddings, final norm and LM head; the head is the embedding when tied) and the total.
+    Qwen2 has q/k/v biases without saying so in its config; Llama's `attention_bias` also biases o_proj."""
+    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    q, k = heads * hd, kv * hd  # widths of the query and of the key (= value) projections
+    if mc.model_type == "qwen2":
+        bias = q + 2 * k
+    else:
+        bias = (q + 2 * k + H) * bool(getattr(mc, "attention_bias", False))
+    attention = H * q + 2 * H * k + q * H + bias
+    mlp = 3 * H * I + (2 * I + H) * bool(getattr(mc, "mlp_bias", False))  # gate, up, down projections
+    layer = attention + mlp + 2 * H  # + the two RMSNorms
+    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
+    return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
+
+
+def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str, float]:
+    """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
+
+    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and AdamW's
+    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / world); bf16 parameters gathered for compute:
+    the root group (embeddings and LM head) all step, plus the current and the prefetched decoder layer,
+    and their unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
+    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per layer
+    boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per token its two
+    norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k) and four MLP tensors
+    (4 I); its backward is counted as twice that (saved tensors plus as much for their gradients, an upper
+    bound). The LM head holds a bounded scratch, never [T, V] logits (the torch twin's chunk budget or the
+    Triton kernel's workspace). vLLM holds `rollout.gpu_memory_utilization` of the device while it is
+    awake; it sleeps during the update when rollout.sleep_level >= 1.
+    Not counted: the CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight
+    sync's buckets (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
+    """
+    from kernels.reference import DEFAULT_CHUNK_BYTES
+
+    p = parameter_counts(mc)
+    H, I, L, T = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, cfg.train.micro_batch_tokens
+    heads = mc.num_attention_heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    q, k = heads * hd, (getattr(mc, "num_key_value_heads", None) or heads) * hd
+    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
+    if cfg.model.gradient_checkpointing:
+        activations = 2 * T * H * L + 2 * layer_saved
+    else:
+        activations = L * layer_saved + layer_saved
+    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30  # kernels/logprob.py
+    gib = {
+        "weights": 4 * p["total"] / world,
+        "grads": 4 * p["total"] / world,
+        "adamw": 8 * p["total"] / world,
+        "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
+        "activations": activations,
+        "lm_head": head_scratch,
+        # vLLM cannot start without its bf16 weights (tensor parallel 1: every engine holds the whole model)
+        # and the KV cache (K and V, every layer, bf16) of one sequence of the longest allowed length
+        "vllm_minimum": 2 * p["total"] + 2 * 2 * L * k * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens),
+    }
+    gib = {key: value / 2**30 for key, value in gib.items()}
+    gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
+    sleeps = cfg.rollout.sleep_level >= 1
+    # rollouts: vLLM awake beside the trainer's weights and optimizer state (zero_grad freed the gradients)
+    gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
+    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"] + gib["activations"]
+                           + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
+    gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
+    return gib
+
+
+def check_memory(cfg: Config, est: dict[str, float], device_gib: float, world: int) -> None:
+    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit; name the keys to change."""
+    sharded = est["weights"] + est["grads"] + est["adamw"]
+    more_gpus = f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {world})"
+    if est["vllm"] < est["vllm_minimum"]:
+        raise ConfigError(
+            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
+            f"is less than its bf16 weights (every engine holds the whole model, tensor parallel 1) plus one longest "
+            f"sequence's KV cache, {est['vllm_minimum']:.1f} GiB: raise rollout.gpu_memory_utilization, lower "
+            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model (model.path)")
+    if est["rollout_phase"] > device_gib:
+        raise ConfigError(
+            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > {device_gib:.1f} GiB: "
+            f"lower rollout.gpu_memory_utilization (vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
+    if est["update_phase"] > device_gib:
+        fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
+        if not cfg.model.gradient_checkpointing:
+            fixes.append("set model.gradient_checkpointing = true")
+        if cfg.rollout.sleep_level == 0:
+            fixes.append(f"set rollout.sleep_level = 1 (frees vLLM's {est['vllm']:.1f} GiB during the update)")
+        raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU during the update > "
+                          f"{device_gib:.1f} GiB: {', '.join(fixes)}, {more_gpus}")
+
+
+def memory_line(est: dict[str, float], device_gib: float) -> str:
+    """memory_estimate as one log line."""
+    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered", "activations",
+                                                    "lm_head", "vllm"))
+    return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
+            f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
 
 
 def export_is_complete(out_dir: str) -> bool:
@@ -928,6 +1036,7 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     step; the order is `state_dict()`'s, which is the same on all ranks. Casting before the gather
     halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are yielded once,
     as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor alive at a time.
+    The slow, obviously correct twin of bucketed_state_dict (rollout.sync_bucket_mb = 0).
     """
     from torch.distributed.tensor import DTensor
 
@@ -940,6 +1049,115 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         yield name, tensor
+
+
+def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
+    """Indices of consecutive items grouped so that each group's sizes sum to at most `bound`; an item
+    bigger than the bound makes a group of its own (it cannot be split: vLLM loads whole tensors)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not buckets or used + size > bound:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets
+
+
+def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
+                        ahead: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """gathered_state_dict's (name, full tensor) sequence, gathered in buckets: one all-gather per bucket.
+
+    Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in `dtype`);
+    each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the way) and a single
+    `all_gather_single` brings every rank's buffer; the full tensors are then cut out of it. A model of
+    ~300 tensors thus needs ~P / bucket collectives instead of ~300 small, latency-bound ones, and the
+    memory held beyond the model is bounded by the bucket, not by the model: with `ahead` = 0 a bucket is
+    gathered only after the consumer took every tensor of the one before (peak ~2 buckets while cutting:
+    the gathered buffer and the copies, then 1 while vLLM loads).
+
+    Overlap (`ahead` = 1, the default): bucket k+1's all-gather is issued (async_op) before bucket k's
+    tensors are handed out, and waited on only after vLLM has loaded them all, so communication runs
+    while vLLM copies and post-processes bucket k. On GPU the NCCL collective runs on its own stream and
+    `wait()` makes the current stream wait for it, so no side stream of ours is needed; the input buffer
+    stays referenced until then. On CPU, gloo runs the collective on its own thread. The price is one more
+    bucket in flight: peak ~3 buckets. The tests check the sequence and the bucket bound; what the overlap
+    saves on a GPU is not measured here (bench/RESULTS.md has an estimate).
+
+    FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the N rows,
+    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. A weight that is not
+    a DTensor (an unsharded model) is only cast. Every rank must consume the iterator completely, in step.
+    """
+    entries, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # tied alias: sent once, under its first name
+            seen.add(id(tensor))
+            entries.append((name, tensor.detach()))
+    sizes = [t.numel() * dtype.itemsize for _, t in entries]
+    pending = []
+    for bucket in sync_buckets(sizes, bucket_bytes):
+        pending.append(start_bucket_gather([entries[i] for i in bucket], dtype))
+        if len(pending) > ahead:
+            yield from finish_bucket_gather(pending.pop(0))
+    for gather in pending:
+        yield from finish_bucket_gather(gather)
+
+
+def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
+    """Issue one async all-gather of the dim-0 shards of a bucket's DTensors (see bucketed_state_dict)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = [t for _, t in entries if isinstance(t, DTensor)]
+    if not sharded:
+        return {"entries": entries, "dtype": dtype}
+    mesh = sharded[0].device_mesh
+    assert all(t.device_mesh == mesh and tuple(t.placements) == (Shard(0),) for t in sharded), \
+        "bucketed_state_dict expects FSDP2's layout: every weight sharded on dim 0 over one mesh"
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = [-(-t.shape[0] // world) for t in sharded]  # c = ceil(N / world) rows a rank, padded
+    counts = [c * t[0].numel() for c, t in zip(rows, sharded)]  # elements of a padded shard
+    local = torch.zeros(sum(counts), dtype=dtype, device=sharded[0].to_local().device)  # (per-rank,)
+    offset = 0
+    for t, c, count in zip(sharded, rows, counts):
+        shard = t.to_local()
+        assert shard.shape[0] == max(0, min(c, t.shape[0] - rank * c)), "not torch.chunk's dim-0 layout"
+        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
+        offset += count
+    out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
+    work = dist.all_gather_single(out, local, group=mesh.get_group(), async_op=True)
+    return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
+            "local": local, "out": out, "work": work}
+
+
+def finish_bucket_gather(gather: dict) -> list[tuple[str, torch.Tensor]]:
+    """Wait for a bucket's all-gather and cut its full tensors out, in the bucket's order."""
+    from torch.distributed.tensor import DTensor
+
+    if "work" in gather:
+        gather["work"].wait()
+        world, rows, counts = gather["world"], iter(gather["rows"]), iter(gather["counts"])
+        by_rank = gather.pop("out").view(world, -1)  # (world, per-rank): row r = rank r's padded shards
+        gather.pop("local")  # the input may be freed only after the wait
+    full, offset = [], 0
+    for name, tensor in gather["entries"]:
+        if not isinstance(tensor, DTensor):  # not sharded: nothing to gather
+            full.append((name, tensor.to(gather["dtype"])))
+            continue
+        c, count = next(rows), next(counts)
+        whole = torch.empty((world * c, *tensor.shape[1:]), dtype=gather["dtype"], device=by_rank.device)
+        whole.view(world, count).copy_(by_rank[:, offset:offset + count])  # rank r's rows, in rank order
+        full.append((name, whole[:tensor.shape[0]]))  # drop the padding rows
+        offset += count
+    return full
+
+
+def weights_to_sync(model, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full weights for sync_weights, per rollout.sync_bucket_mb: 0 = one all-gather per
+    tensor (gathered_state_dict), else one per bucket of at most that many MiB (bucketed_state_dict)."""
+    if bucket_mb == 0:
+        return gathered_state_dict(model, dtype)
+    return bucketed_state_dict(model, dtype, bucket_mb << 20)
 
 
 def refresh_tied_lm_head_on_cpu(vllm_model) -> None:
@@ -3409,7 +3627,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    if not on_gpu:
+    if on_gpu:  # a run that cannot fit stops here, before vLLM takes its share of the device
+        device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        estimate = memory_estimate(cfg, transformers.AutoConfig.from_pretrained(model_dir), world, device_gib)
+        print0(memory_line(estimate, device_gib))
+        check_memory(cfg, estimate, device_gib, world)
+    else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only
     set_vllm_log_level(cfg.log.vllm_log_level)
@@ -3445,7 +3668,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         state["history"].load_state_dict(saved["history"])
         rng.bit_generator.state = saved["rng"]
         set_rng_state(saved["rng_state"])
-        sync_weights(llm, gathered_state_dict(policy, dtype))
+        sync_weights(llm, weights_to_sync(policy, dtype, cfg.rollout.sync_bucket_mb))
         print0(f"resumed from {ckpt} at step {state['step']}")
     elif resume:
         print0(f"--resume: no checkpoint in {checkpoint_dir(cfg)}, starting fresh")
@@ -3497,7 +3720,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
         must_sync = bool(items) or sleep_level == 2
-        sync_s = sync_weights(llm, gathered_state_dict(policy, dtype)) if must_sync else 0.0
+        sync_s = sync_weights(llm, weights_to_sync(policy, dtype, cfg.rollout.sync_bucket_mb)) if must_sync else 0.0
         if sleep_level:
             llm.wake_up()  # the KV cache and the scheduler
         state["step"] = step

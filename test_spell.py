@@ -93,6 +93,92 @@ def test_repository_configs_load():
     spell.load_config(str(spell.ROOT / "demo.toml"))
 
 
+def test_presets_load():
+    """Every model-size preset loads on its own (and so on top of config.toml, once --config stacks)."""
+    presets = sorted((spell.ROOT / "presets").glob("*.toml"))
+    assert {p.name for p in presets} >= {"qwen2.5-7b.toml", "qwen2.5-14b.toml", "qwen2.5-32b.toml"}
+    for path in presets:
+        cfg = spell.load_config(str(path))
+        assert cfg.model.path.startswith("Qwen/Qwen2.5-"), path
+
+
+# Qwen2.5-7B-Instruct's config.json, the numbers the memory estimate reads
+QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, vocab_size=152064, intermediate_size=18944,
+                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def test_parameter_counts_match_the_hf_models():
+    """parameter_counts' formula against the parameters of the HF classes, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    small = dict(hidden_size=128, num_hidden_layers=3, vocab_size=1000, intermediate_size=352,
+                 num_attention_heads=4, num_key_value_heads=2)
+    configs = [Qwen2Config(**QWEN25_7B), Qwen2Config(**small, tie_word_embeddings=True),
+               LlamaConfig(**small, tie_word_embeddings=False), LlamaConfig(**small, attention_bias=True, mlp_bias=True, head_dim=64)]
+    for config in configs:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert spell.parameter_counts(config)["total"] == sum(p.numel() for p in model.parameters()), config
+    # the published size of Qwen2.5-7B: 7.61B parameters
+    assert spell.parameter_counts(configs[0]) == {"layer": 233_057_792, "root": 1_089_998_336, "total": 7_615_616_512}
+
+
+def test_memory_estimate_qwen25_7b():
+    """The paper's recipe (config.toml: Qwen2.5-7B, 32768-token micro-batches, vLLM at 0.5) on 8 GPUs of
+    80 GiB, against values worked out by hand from the config numbers."""
+    from transformers import Qwen2Config
+
+    cfg = spell.load_config(str(spell.ROOT / "config.toml"))
+    P, layer, root, T, H, L, I = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28, 18944
+    est = spell.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
+    GiB = 2**30
+    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values a token for backward
+    hand = {
+        "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,  # 3.546, 3.546, 7.093
+        "gathered": (4 * root + 6 * layer) / GiB,  # bf16 root + 2 layers, grads of root + 1 layer: 5.363
+        "activations": (2 * T * H * L + 2 * 2 * T * 98304) / GiB,  # 6.125 boundaries + 12.0 recompute = 18.125
+        "lm_head": 1.0,  # the Triton kernel's 1 GiB workspace (config.toml: logprob_impl = "triton")
+        "vllm": 40.0,
+        "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,  # 14.185 + 1.094 of KV cache
+    }
+    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 40.0  # sleep_level 1: vLLM sleeps in the update
+    hand["update_phase"] = sum(hand[k] for k in ("weights", "grads", "adamw", "gathered", "activations", "lm_head"))
+    hand["peak"] = max(hand["rollout_phase"], hand["update_phase"])
+    assert est.keys() == hand.keys()
+    for key in hand:  # the same few float64 operations in another order: 1e-12 relative is ~1e4 ulps
+        assert est[key] == pytest.approx(hand[key], rel=1e-12), key
+    assert est["activations"] == 18.125 and round(est["peak"], 2) == 50.64
+    spell.check_memory(cfg, est, 80.0, 8)  # fits: no error
+    line = spell.memory_line(est, 80.0)
+    assert line.startswith("memory: estimate 50.6 of 80.0 GiB per GPU (rollouts 50.6, update 38.7") and "\n" not in line
+
+
+def test_check_memory_refusals():
+    """A run that cannot fit stops with the keys to change, per phase."""
+    from transformers import Qwen2Config
+
+    mc = Qwen2Config(**QWEN25_7B)
+
+    def refusal(world=8, **keys):
+        cfg = spell.load_config(str(spell.ROOT / "config.toml"), [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
+        with pytest.raises(spell.ConfigError) as e:
+            spell.check_memory(cfg, spell.memory_estimate(cfg, mc, world, 80.0), 80.0, world)
+        return str(e.value)
+
+    # vLLM's 0.15 x 80 = 12 GiB holds less than the 14.2 GiB of bf16 weights
+    msg = refusal(rollout__gpu_memory_utilization=0.15)
+    assert "rollout.gpu_memory_utilization" in msg and "15.3 GiB" in msg
+    # one GPU: 28.4 + 56.7 GiB of weights and AdamW beside vLLM's 40
+    msg = refusal(world=1)
+    assert "during rollouts" in msg and "rollout.gpu_memory_utilization" in msg and "more GPUs" in msg
+    # 131072 tokens a micro-batch: 72.5 GiB of activations
+    msg = refusal(train__micro_batch_tokens=131072)
+    assert "during the update" in msg and "train.micro_batch_tokens (activations: 72.5 GiB)" in msg
+    assert "sleep_level" not in msg and "gradient_checkpointing" not in msg  # both already right
+    msg = refusal(rollout__sleep_level=0, model__gradient_checkpointing="false", train__micro_batch_tokens=8192)
+    assert "rollout.sleep_level = 1" in msg and "model.gradient_checkpointing = true" in msg
+
+
 # ------------------------------------------------------------------------------------------------
 # Corpus and prompts
 # ------------------------------------------------------------------------------------------------
@@ -1524,6 +1610,43 @@ def test_big_seeded_batch_on_cpu(tiny_dir):
     batch raised "CPU Generator does not use offset" and stopped the run; start_vllm turns it off on CPU."""
     output = torchrun(1, __file__, "big-batch", tiny_dir).stdout
     assert metrics(output)["big_batch_completions"] == 24 * 2, output[-3000:]
+
+
+def test_sync_buckets_bound():
+    """Consecutive, in order, every item once; a bucket exceeds the bound only as a lone oversized item."""
+    assert spell.sync_buckets([], 10) == []
+    assert spell.sync_buckets([4, 4, 2, 5, 5, 10, 11, 1], 10) == [[0, 1, 2], [3, 4], [5], [6], [7]]
+    assert spell.sync_buckets([3, 3], 0) == [[0], [1]]  # bound 0: one tensor a bucket
+    assert spell.sync_buckets([3, 3], 10**9) == [[0, 1]]
+    g = np.random.default_rng(0)
+    for bound in (1, 7, 50, 1000):
+        sizes = g.integers(1, 100, size=200).tolist()
+        buckets = spell.sync_buckets(sizes, bound)
+        assert [i for b in buckets for i in b] == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in b) <= bound or len(b) == 1 for b in buckets)
+        # greedy: the next bucket's first item did not fit into the one before
+        assert all(sum(sizes[i] for i in a) + sizes[b[0]] > bound for a, b in zip(buckets, buckets[1:]))
+
+
+def test_bucketed_sync_matches_unbucketed(tmp_path):
+    """Two FSDP2 ranks (gloo): the bucketed gather yields gathered_state_dict's (name, tensor) sequence,
+    bit for bit, with one all-gather per bucket, buckets within the bound, and bucket k+1 issued before
+    bucket k is handed out only when asked to (ahead = 1)."""
+    out = tmp_path / "buckets.json"
+    torchrun(2, __file__, "buckets", str(out))
+    results = json.loads(out.read_text())
+    assert len(results) == 2 * 3 * 2  # ranks x bounds x ahead
+    for r in results:
+        where = f"rank {r['rank']}, bound {r['bound']}, ahead {r['ahead']}"
+        assert r["same_names"] and r["equal"], where  # bit-equal: a gather copies, it does not round
+        sizes = [size for bucket in r["buckets"] for size in bucket]
+        assert len(sizes) == r["n_tensors"], where
+        assert all(sum(b) <= r["bound"] or len(b) == 1 for b in r["buckets"]), where
+        assert r["collectives"] == len(r["buckets"]), where
+        # ahead 0: bucket k+1 is issued after bucket k's last tensor was taken; ahead 1: before its first
+        assert r["issued_before_handed_out"] == ([r["ahead"] == 1] * (len(r["buckets"]) - 1)), where
+    assert {r["bound"] for r in results if len(r["buckets"]) == 1} == {10**9}
+    assert any(len(b) == 1 and b[0] > r["bound"] for r in results for b in r["buckets"])  # an oversized tensor
 
 
 def test_trainer_vllm_parity_after_sync(tiny_dir):
@@ -3180,7 +3303,8 @@ def worker_parity(tiny_dir: str) -> None:
         for name, tensor in items:
             names.append(name)
             yield name, tensor
-    sync_s = spell.sync_weights(llm, tap(spell.gathered_state_dict(model, torch.float32)))
+    # the bucketed gather main() uses, in 1 MiB buckets: several buckets, the embedding (25 MB) alone
+    sync_s = spell.sync_weights(llm, tap(spell.weights_to_sync(model, torch.float32, bucket_mb=1)))
     expected = [k for k in reference.state_dict() if k != "lm_head.weight"]  # tied alias sent once
     assert names == expected, (names, expected)
 
@@ -3198,6 +3322,62 @@ def worker_parity(tiny_dir: str) -> None:
             print(f"METRIC {name}={abs(value) if name.startswith(('stale', 'generate')) else value:.3g}")
         print(f"METRIC completions_changed_rank0={changed:g}")
     # no dist.destroy_process_group(): vLLM's exit hook tears its groups down and fails if we did first
+
+
+def worker_buckets(out_file: str) -> None:
+    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2; bucketed_state_dict against
+    gathered_state_dict and the unsharded weights, for several bounds, dtypes and `ahead`; every rank's
+    findings go to out_file (rank 0 writes)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).float()
+    truth = {k: v.clone() for k, v in reference.state_dict().items()}
+    model = spell.shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)),
+                               param_dtype=torch.float32)
+    real_start, real_gather = spell.start_bucket_gather, dist.all_gather_single
+
+    def start(entries, dtype):  # records each bucket's full sizes, which bucket each name is in, and when
+        buckets.append([t.numel() * dtype.itemsize for _, t in entries])
+        owner.update({name: len(buckets) - 1 for name, _ in entries})
+        events.append(f"issue {len(buckets) - 1}")
+        return real_start(entries, dtype)
+
+    def gather(*args, **kw):
+        calls.append(1)
+        return real_gather(*args, **kw)
+
+    spell.start_bucket_gather, dist.all_gather_single = start, gather
+    findings = []
+    for dtype, bound in [(torch.float32, 0), (torch.float32, 100_000), (torch.bfloat16, 10**9)]:
+        for ahead in (0, 1):
+            buckets, owner, events, calls, sent = [], {}, [], [], []
+            for name, tensor in spell.bucketed_state_dict(model, dtype, bound, ahead=ahead):
+                events.append(f"take {owner[name]}")
+                sent.append((name, tensor))
+            collectives = len(calls)
+            expected = list(spell.gathered_state_dict(model, dtype))
+            findings.append({
+                "rank": rank, "bound": bound, "ahead": ahead, "buckets": buckets, "collectives": collectives,
+                "n_tensors": len(expected),
+                "issued_before_handed_out": [events.index(f"issue {k + 1}") < events.index(f"take {k}")
+                                             for k in range(len(buckets) - 1)],
+                "same_names": [n for n, _ in sent] == [n for n, _ in expected],
+                "equal": all(torch.equal(a, b) and torch.equal(a, truth[n].to(dtype)) and a.dtype == dtype
+                             for (n, a), (_, b) in zip(sent, expected)),
+            })
+    everyone = [None] * world
+    dist.all_gather_object(everyone, findings)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps([f for fs in everyone for f in fs]))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
@@ -3316,6 +3496,6 @@ def worker_update(out_file: str) -> None:
 
 if __name__ == "__main__":
     workers = {"export-smoke": worker_export_smoke, "parity": worker_parity, "big-batch": worker_big_batch,
-               "export-vllm": worker_export_vllm, "update": worker_update, "eval-e2e": worker_eval_e2e,
+               "export-vllm": worker_export_vllm, "update": worker_update, "eval-e2e": worker_eval_e2e, "buckets": worker_buckets,
                "eval-judge-e2e": worker_eval_judge_e2e}
     workers[sys.argv[1]](*sys.argv[2:])
