@@ -8,6 +8,10 @@
         Absent keys are skipped; a logged key no figure lists gets a panel of its own (a new
         namespace goes to other.png), so metrics added later still show up.
 
+    python report.py side RUN_DIR [RUN_DIR ...] --out FILE.png [--keys K,K,...]
+        Several runs' metrics.jsonl -> one PNG with a panel per key and a line per run (labelled by
+        its folder name): recipes side by side on the same budget.
+
     python report.py compare BASE_EVAL_DIR TRAINED_EVAL_DIR [--metric rule|score] [--boot 10000] [--seed 0]
         Two `spell.py eval` output folders (eval_samples.jsonl each) on the same questions -> pass@1
         of each model with a 95 % bootstrap confidence interval over questions, and the paired
@@ -212,6 +216,41 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, smooth: int | None = No
     return written
 
 
+SIDE_BY_SIDE_KEYS = ("que/valid_rate", "res/solve_rate", "res/kept_groups", "train/sequences", "train/entropy",
+                     "perf/step_s")
+
+
+def plot_side_by_side(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = SIDE_BY_SIDE_KEYS) -> list[str]:
+    """One PNG: a panel per key (absent from every run: skipped), a line per run. Returns the keys drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(d.name, read_metrics(d / "metrics.jsonl")) for d in run_dirs]
+    keys = [k for k in keys if any(k in row for _, rows in runs for row in rows.values())]
+    if not keys:
+        raise ReportError("none of the keys is logged by any of the runs")
+    ncols = 2 if len(keys) > 1 else 1
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (name, rows) in enumerate(runs):
+            steps, y = np.array(list(rows), dtype=float), series(rows, key)
+            ok = np.isfinite(y)
+            ax.plot(steps[ok], y[ok], color=f"C{i}", marker=".", label=name)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return keys
+
+
 # ==================================================================================================
 # compare: two evals -> pass@1 with bootstrap intervals and the paired difference
 # ==================================================================================================
@@ -321,6 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
     p.add_argument("--smooth", type=int, default=None,
                    help="rolling-mean window in steps (default: none under 20 steps, else max(5, steps/20))")
+    b = sub.add_parser("side", help="one PNG comparing several runs' curves, a line per run")
+    b.add_argument("run_dirs", type=Path, nargs="+")
+    b.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    b.add_argument("--keys", default=",".join(SIDE_BY_SIDE_KEYS),
+                   help="comma-separated metric keys (default %(default)s)")
     c = sub.add_parser("compare", help="pass@1 of two evals with bootstrap intervals and the paired difference")
     c.add_argument("base", type=Path, help="eval output folder of the base model (eval_samples.jsonl)")
     c.add_argument("trained", type=Path, help="eval output folder of the trained model")
@@ -333,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "plot":
             for path in plot_run(args.run_dir, args.out, args.smooth):
                 print(path)
+        elif args.command == "side":
+            plot_side_by_side(args.run_dirs, args.out, tuple(k for k in args.keys.split(",") if k))
+            print(args.out)
         else:
             base = read_eval_samples(args.base, args.metric)
             trained = read_eval_samples(args.trained, args.metric)

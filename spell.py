@@ -203,8 +203,8 @@ class RewardConfig:
     # and trains with that reward | mask: the same rewards, but cut outputs stay out of the loss (DAPO's
     # overlong filtering) | keep: scored as if the cut text were finished (what this code did before)
     overlong: str = "zero"
-    # DAPO's soft overlong punishment (Yu et al. 2025; QwenLong-L1 §2.2 item 4) on the responder's training reward: a response longer
-    # than max_new_tokens - overlong_buffer loses up to 1, linearly, reaching -1 at max_new_tokens. 0 = off
+    # DAPO's soft overlong punishment (Yu et al. 2025; QwenLong-L1 §2.2, item 4) on the responder's training
+    # reward: past max_new_tokens - overlong_buffer tokens it falls linearly, to -1 at max_new_tokens. 0 = off
     overlong_buffer: int = 0
 
 
@@ -218,7 +218,8 @@ class TrainConfig:
     clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
-    # role: Eq. 12 per role, roles summed (Eq. 10) | group | token (DAPO) | sequence | constant (Dr.GRPO); see loss_weights
+    # role: Eq. 12 per role, roles summed (Eq. 10) | group | token (DAPO) | sequence | constant (Dr.GRPO),
+    # see loss_weights
     loss_norm: str = "role"
     advantage: str = "zscore"  # zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean, no std)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
@@ -400,11 +401,14 @@ def check_config(cfg: Config) -> None:
         ("data.phases", phase_plan(d.phases) is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
          "lengths, the first at step 1, e.g. \"1:4096,21:8192\""),
         ("data.phases", not d.phases or d.qa, "\"\" without data.qa (phases order a static QA set)"),
+        ("data.phases", (phase_plan(d.phases) or [(1, 0)])[-1][1] <= r.max_prompt_tokens,
+         "phases whose last length fits rollout.max_prompt_tokens (longer prompts are skipped)"),
         ("rollout.questioner_template", missing_templates(cfg, "questioner") == [],
          f"a prompt family with a file per task in use; missing {missing_templates(cfg, 'questioner')}"),
         ("rollout.responder_template", missing_templates(cfg, "responder") == [],
          f"a prompt family with a file per task in use; missing {missing_templates(cfg, 'responder')}"),
-        ("rollout.grounding_filter", not r.grounding_filter or "documents" in template_fields(f"{r.responder_template}_{TASKS[0]}"),
+        ("rollout.grounding_filter",
+         not r.grounding_filter or "documents" in template_fields(f"{r.responder_template}_{TASKS[0]}"),
          "false when the responder answers without documents (the check would be the responder itself)"),
         ("reward.questioner_floor", w.questioner_floor >= 0, ">= 0 (0: off)"),
         ("reward.responder_format_penalty", w.responder_format_penalty <= 0, "<= 0 (a penalty; 0: off)"),
@@ -1349,18 +1353,16 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     and its first gold answer as the reference.
     """
     spec = str(path)
-    name, sep, rest = spec.partition(":")
+    name, sep, _ = spec.partition(":")
     try:
         records = [] if sep and name in BENCHMARKS else read_records(spec)
-        if sep and name in BENCHMARKS or not (records and isinstance(records[0][1], dict) and "documents" in records[0][1]):
-            items = load_eval_data([spec])  # an eval benchmark's layout
-        else:
-            items = None
+        ours = bool(records) and isinstance(records[0][1], dict) and "documents" in records[0][1]
+        items = [] if ours else load_eval_data([spec])  # an eval benchmark's layout
     except EvalDataError as e:
         raise CorpusError(str(e)) from None
-    if items is not None:
-        return [Cluster(it.id, it.task, [it.context], {"question": it.question, "answer": it.answers[0],
-                                                        **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
+    if not ours:
+        options = lambda it: {"options": dict(zip(LETTERS, it.choices))} if it.choices else {}  # noqa: E731
+        return [Cluster(it.id, it.task, [it.context], {"question": it.question, "answer": it.answers[0], **options(it)})
                 for it in items]
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
     for c, (where, rec) in zip(clusters, records):
@@ -2292,12 +2294,13 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mapping=rc.questioner_mapping, mu=rc.mu, sigma=rc.sigma)
         if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
-            r.res_rewards = [rc.responder_format_penalty if p is None and x == 0 else x
-                             for x, p in zip(r.res_rewards, r.ver_prompts)]
+            answered = [finished(c, cfg) and extract_answer(c.text, r.task) is not None for c in r.responses]
+            r.res_rewards = [rc.responder_format_penalty if not a and x == 0 else x
+                             for x, a in zip(r.res_rewards, answered)]
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, also the responder's training reward only
             r.res_rewards = [x + overlong_penalty(len(c.token_ids), cfg.rollout.max_new_tokens, rc.overlong_buffer)
                              for x, c in zip(r.res_rewards, r.responses)]
-        if r.que_reward > 0:  # solvable: remember it, widening this cluster's evidence (Algorithm 1, line 20)
+        if r.que_reward > 0 and not cfg.data.qa:  # solvable: remember it (Algorithm 1, line 20); RLVR has no questioner
             history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question), r.question["answer"])
 
 
@@ -3569,7 +3572,8 @@ def synth_main(argv: Sequence[str]) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(out), "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
         drawn_n, fmt, ungr = (sum(c[i] for c in counts) for i in range(3))
-        print(f"synth: {len(everything)} questions of {drawn_n} drawn ({fmt} format errors, {ungr} ungrounded) -> {out}")
+        print(f"synth: {len(everything)} questions of {drawn_n} drawn ({fmt} format errors, {ungr} ungrounded) "
+              f"-> {out}")
 
 
 # ==================================================================================================
@@ -3614,7 +3618,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     corpus = load_qa_set(cfg.data.qa) if cfg.data.qa else load_corpus(cfg.data.corpus)  # RLVR | self-play
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # from torchrun
     if len(corpus) < world:
-        raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {world} ranks; each rank needs one")
+        raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {world} ranks; "
+                          "each rank needs one")
     ckpt = resume_checkpoint(cfg, resume, rank, world)
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
@@ -3629,9 +3634,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:  # a run that cannot fit stops here, before vLLM takes its share of the device
         device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        estimate = memory_estimate(cfg, transformers.AutoConfig.from_pretrained(model_dir), world, device_gib)
-        print0(memory_line(estimate, device_gib))
-        check_memory(cfg, estimate, device_gib, world)
+        model_config = transformers.AutoConfig.from_pretrained(model_dir)
+        if model_config.model_type in ("llama", "qwen2"):  # the dense decoders parameter_counts knows
+            estimate = memory_estimate(cfg, model_config, world, device_gib)
+            print0(memory_line(estimate, device_gib))
+            check_memory(cfg, estimate, device_gib, world)
+        else:
+            print0(f"memory: no start-up estimate for model_type {model_config.model_type!r} (llama and qwen2 only)")
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only

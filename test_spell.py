@@ -94,12 +94,13 @@ def test_repository_configs_load():
 
 
 def test_presets_load():
-    """Every model-size preset loads on its own (and so on top of config.toml, once --config stacks)."""
-    presets = sorted((spell.ROOT / "presets").glob("*.toml"))
-    assert {p.name for p in presets} >= {"qwen2.5-7b.toml", "qwen2.5-14b.toml", "qwen2.5-32b.toml"}
+    """Every model-size preset loads on its own and stacked on config.toml (the recipes are
+    checked by test_presets_stack_on_the_scale_presets)."""
+    presets = sorted((spell.ROOT / "presets").glob("qwen2.5-*.toml"))
+    assert {p.name for p in presets} == {"qwen2.5-7b.toml", "qwen2.5-14b.toml", "qwen2.5-32b.toml"}
     for path in presets:
-        cfg = spell.load_config(str(path))
-        assert cfg.model.path.startswith("Qwen/Qwen2.5-"), path
+        for cfg in (spell.load_config(str(path)), spell.load_config([str(spell.ROOT / "config.toml"), str(path)])):
+            assert cfg.model.path.startswith("Qwen/Qwen2.5-"), path
 
 
 # Qwen2.5-7B-Instruct's config.json, the numbers the memory estimate reads
@@ -1187,13 +1188,16 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     rewards = {}
-    for penalty in (0.0, -0.5):
-        cfg.reward.responder_format_penalty = penalty
+    for judge, penalty in (("verifier", 0.0), ("verifier", -0.5), ("rule", -0.5)):
+        # with no verifier (reward.judge = "rule") the penalty still knows which responses had an answer
+        cfg.reward.judge, cfg.reward.responder_format_penalty = judge, penalty
         [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
                                   np.random.default_rng(0), key=(0, 1, 0, 0))
-        rewards[penalty] = r.res_rewards
+        rewards[judge, penalty] = r.res_rewards
         assert r.que_reward == 0.0
-    assert rewards == {0.0: [0.0] * 4, -0.5: [0.0, -0.5, 0.0, -0.5]}
+    assert rewards == {("verifier", 0.0): [0.0] * 4, ("verifier", -0.5): [0.0, -0.5, 0.0, -0.5],
+                       ("rule", -0.5): [0.0, -0.5, 0.0, -0.5]}
+    rewards = {penalty: rewards["verifier", penalty] for penalty in (0.0, -0.5)}
     assert responder_groups_to_keep([rewards[0.0]]) == [] and responder_groups_to_keep([rewards[-0.5]]) == [0]
 
 
@@ -1837,6 +1841,24 @@ def test_table2_ablations_compose_end_to_end(speaker, corpus_file, tmp_path):
         assert m["que/ungrounded"] == 0 and "perf/ground_s" not in m, m
         assert m["res/kept_groups"] >= 1 and m["que/pos"] >= 1 and m["train/sequences"] == role_sequences(m), m
     assert sum(m["ver/kept_groups"] for m in steps) >= 1
+
+
+@pytest.mark.parametrize("keys", [("--reward.judge=rule", "--train.frozen_roles=que", "--reward.questioner_mapping=rzero"),
+                                  ("--train.frozen_roles=ver", "--reward.questioner_mapping=azr")])
+def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
+    """The other Table 2 switches and two §5.4 mappings, 2 steps on 2 ranks: without a verifier (or
+    with it frozen) no verifier sequence trains, and a frozen questioner contributes none either,
+    while the responder trains in every step."""
+    out_dir = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", *keys))
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["res/kept_groups"] >= 1 and m["ver/kept_groups"] == 0 and m["train/sequences"] == role_sequences(m), m
+        if "--reward.judge=rule" in keys:
+            assert m["que/pos"] + m["que/neg"] == 0 and "perf/ver_s" not in m and m["ver/candidates"] == 0, m
+        else:
+            assert m["que/pos"] >= 1 and m["ver/candidates"] >= 1, m
 
 
 def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
@@ -3106,6 +3128,21 @@ def test_plot_reads_the_last_line_of_a_step_and_writes_one_png_per_figure(tmp_pa
     assert written == [run / "plots" / f"{name}.png" for name in names]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_side_by_side_draws_the_keys_any_run_logs(tmp_path):
+    pytest.importorskip("matplotlib", reason="report.py side needs matplotlib (requirements-cpu.txt)")
+    runs = []
+    for name, n in (("spell", 4), ("spice", 3)):
+        (tmp_path / name).mkdir()
+        rows = [{**logged_metrics(s), **({"ver/tagged": 0.5} if name == "spell" else {})} for s in range(1, n + 1)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(tmp_path / name)
+    out = tmp_path / "side.png"
+    drawn = report.plot_side_by_side(runs, out, ("que/valid_rate", "ver/tagged", "nothing/logged"))
+    assert drawn == ["que/valid_rate", "ver/tagged"] and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(report.ReportError, match="none of the keys"):
+        report.plot_side_by_side(runs, out, ("nothing/logged",))
 
 
 # ------------------------------------------------------------------------------------------------
