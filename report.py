@@ -166,12 +166,27 @@ def other_keys(keys: set[str]) -> list[str]:
     return sorted(k for k in keys if k != "step" and not k.startswith(prefixes))
 
 
+def panel_grid(plt, n: int):
+    """A figure of n panels in two columns (one column for one panel); its n axes in reading order."""
+    ncols = 2 if n > 1 else 1
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)[:n]
+
+
+def finish_panel(ax, title: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict], smooth: int, path: Path):
     """One PNG: a grid of panels (two columns), each key a line; a rolling mean over it when smooth > 1."""
-    ncols = 2 if len(panels) > 1 else 1
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
-    for ax, (panel_title, keys) in zip(axes.flat, panels):
+    fig, axes = panel_grid(plt, len(panels))
+    for ax, (panel_title, keys) in zip(axes, panels):
         for i, key in enumerate(keys):
             color, y = f"C{i}", series(rows, key)
             ok = np.isfinite(y)
@@ -181,12 +196,7 @@ def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict
                 ax.plot(steps[ok], trend[ok], color=color, linewidth=1.8, label=f"{key} (mean of {smooth})")
             else:
                 ax.plot(steps[ok], y[ok], color=color, marker="." if ok.sum() < 30 else None, label=key)
-        ax.set_title(panel_title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
+        finish_panel(ax, panel_title)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -230,20 +240,13 @@ def plot_side_by_side(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = S
     keys = [k for k in keys if any(k in row for _, rows in runs for row in rows.values())]
     if not keys:
         raise ReportError("none of the keys is logged by any of the runs")
-    ncols = 2 if len(keys) > 1 else 1
-    nrows = math.ceil(len(keys) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
+    fig, axes = panel_grid(plt, len(keys))
+    for ax, key in zip(axes, keys):
         for i, (name, rows) in enumerate(runs):
             steps, y = np.array(list(rows), dtype=float), series(rows, key)
             ok = np.isfinite(y)
             ax.plot(steps[ok], y[ok], color=f"C{i}", marker=".", label=name)
-        ax.set_title(key, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.set_visible(False)
+        finish_panel(ax, key)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
