@@ -1075,7 +1075,7 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
 
     Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in `dtype`);
     each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the way) and a single
-    `all_gather_single` brings every rank's buffer; the full tensors are then cut out of it. A model of
+    `all_gather_into_tensor` brings every rank's buffer; the full tensors are then cut out of it. A model of
     ~300 tensors thus needs ~P / bucket collectives instead of ~300 small, latency-bound ones, and the
     memory held beyond the model is bounded by the bucket, not by the model: with `ahead` = 0 a bucket is
     gathered only after the consumer took every tensor of the one before (peak ~2 buckets while cutting:
@@ -1129,7 +1129,7 @@ def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dt
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
         offset += count
     out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
-    work = dist.all_gather_single(out, local, group=mesh.get_group(), async_op=True)
+    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(), async_op=True)  # in torch since 1.13
     return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
             "local": local, "out": out, "work": work}
 

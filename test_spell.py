@@ -3378,7 +3378,7 @@ def worker_buckets(out_file: str) -> None:
     truth = {k: v.clone() for k, v in reference.state_dict().items()}
     model = spell.shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)),
                                param_dtype=torch.float32)
-    real_start, real_gather = spell.start_bucket_gather, dist.all_gather_single
+    real_start, real_gather = spell.start_bucket_gather, dist.all_gather_into_tensor
 
     def start(entries, dtype):  # records each bucket's full sizes, which bucket each name is in, and when
         buckets.append([t.numel() * dtype.itemsize for _, t in entries])
@@ -3390,7 +3390,7 @@ def worker_buckets(out_file: str) -> None:
         calls.append(1)
         return real_gather(*args, **kw)
 
-    spell.start_bucket_gather, dist.all_gather_single = start, gather
+    spell.start_bucket_gather, dist.all_gather_into_tensor = start, gather
     findings = []
     for dtype, bound in [(torch.float32, 0), (torch.float32, 100_000), (torch.bfloat16, 10**9)]:
         for ahead in (0, 1):
