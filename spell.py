@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -475,8 +476,7 @@ def phase_plan(text: str) -> list[tuple[int, int]] | None:
 
 def template_fields(name: str) -> set[str]:
     """The placeholders of prompts/<name>.txt (empty if there is no such file)."""
-    path = ROOT / "prompts" / f"{name}.txt"
-    return set(_PLACEHOLDER.findall(load_prompt(name))) if path.is_file() else set()
+    return set(_PLACEHOLDER.findall(load_prompt(name))) if prompt_path(name).is_file() else set()
 
 
 def missing_templates(cfg: Config, role: str) -> list[str]:
@@ -489,7 +489,7 @@ def missing_templates(cfg: Config, role: str) -> list[str]:
         names += [f"{n}_history" for n in names] if cfg.rollout.history_size else []
     else:
         names = [f"{cfg.rollout.responder_template}_{t}" for t in tasks]
-    return [n + ".txt" for n in names if not (ROOT / "prompts" / f"{n}.txt").is_file()]
+    return [n + ".txt" for n in names if not prompt_path(n).is_file()]
 
 
 def config_changes(cfg: Config) -> list[str]:
@@ -1377,9 +1377,14 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+def prompt_path(name: str) -> Path:
+    return ROOT / "prompts" / f"{name}.txt"
+
+
+@functools.lru_cache(maxsize=None)  # read once per process: every rollout renders a few templates
 def load_prompt(name: str) -> str:
     """Read prompts/<name>.txt without its header: the leading '#' lines, up to the first blank line."""
-    path = ROOT / "prompts" / f"{name}.txt"
+    path = prompt_path(name)
     header, sep, body = path.read_text(encoding="utf-8").partition("\n\n")
     if not all(line.startswith("#") for line in header.split("\n")):
         raise ValueError(f"{path}: must start with '#' header lines documenting its placeholders, then a blank line")
