@@ -153,6 +153,9 @@ class RolloutConfig:
     # 0 of 64 without. "" = off
     verifier_reply_prefix: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
+    # Ranks per vLLM engine (tensor parallelism, for models one GPU cannot hold: 32B on 80 GB). Groups of
+    # consecutive ranks share one engine and the same rollouts; FSDP still shards over every rank
+    tensor_parallel_size: int = 1
     # Weight sync: one all-gather per bucket of consecutive weights of at most this many MiB (2^20 bytes,
     # full tensors in the sync dtype; a bigger tensor travels alone). 0 = one all-gather per tensor
     sync_bucket_mb: int = 512
@@ -384,6 +387,7 @@ def check_config(cfg: Config) -> None:
         ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("rollout.max_answer_words", r.max_answer_words >= 1, ">= 1"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size >= 1, ">= 1 (ranks per vLLM engine)"),
         ("rollout.sync_bucket_mb", r.sync_bucket_mb >= 0, ">= 0 (0: one all-gather per tensor)"),
         ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
         ("rollout.sleep_level", r.sleep_level in (0, 1, 2), "0, 1 or 2"),
@@ -672,7 +676,8 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
     (4 I); its backward is counted as twice that (saved tensors plus as much for their gradients, an upper
     bound). The LM head holds a bounded scratch, never [T, V] logits (the torch twin's chunk budget or the
     Triton kernel's workspace). vLLM holds `rollout.gpu_memory_utilization` of the device while it is
-    awake; it sleeps during the update when rollout.sleep_level >= 1.
+    awake; it sleeps during the update when rollout.sleep_level >= 1. With rollout.tensor_parallel_size k
+    its rank holds 1/k of the weights, and of the KV heads (at least one head: vLLM replicates the rest).
     Not counted: the CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight
     sync's buckets (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
     """
@@ -682,7 +687,10 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
     H, I, L, T = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, cfg.train.micro_batch_tokens
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
-    q, k = heads * hd, (getattr(mc, "num_key_value_heads", None) or heads) * hd
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    q, k = heads * hd, kv_heads * hd
+    tp = cfg.rollout.tensor_parallel_size
+    k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
     layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
     if cfg.model.gradient_checkpointing:
         activations = 2 * T * H * L + 2 * layer_saved
@@ -696,9 +704,9 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
         "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
         "activations": activations,
         "lm_head": head_scratch,
-        # vLLM cannot start without its bf16 weights (tensor parallel 1: every engine holds the whole model)
-        # and the KV cache (K and V, every layer, bf16) of one sequence of the longest allowed length
-        "vllm_minimum": 2 * p["total"] + 2 * 2 * L * k * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens),
+        # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V, every
+        # layer, bf16, its share of the KV heads) of one sequence of the longest allowed length
+        "vllm_minimum": 2 * p["total"] / tp + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens),
     }
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
@@ -718,8 +726,9 @@ def check_memory(cfg: Config, est: dict[str, float], device_gib: float, world: i
     if est["vllm"] < est["vllm_minimum"]:
         raise ConfigError(
             f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
-            f"is less than its bf16 weights (every engine holds the whole model, tensor parallel 1) plus one longest "
-            f"sequence's KV cache, {est['vllm_minimum']:.1f} GiB: raise rollout.gpu_memory_utilization, lower "
+            f"is less than its share of the bf16 weights (1/{cfg.rollout.tensor_parallel_size}: "
+            f"rollout.tensor_parallel_size) plus one longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
+            f"raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, lower "
             f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model (model.path)")
     if est["rollout_phase"] > device_gib:
         raise ConfigError(
@@ -869,15 +878,18 @@ class Completion(NamedTuple):
 
 def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
                gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
-               enforce_eager: bool | None = None, **engine_kwargs):
-    """Start this rank's own in-process vLLM engine (one per torchrun rank, tensor parallel 1).
+               enforce_eager: bool | None = None, tensor_parallel_size: int = 1, **engine_kwargs):
+    """Start this rank's in-process vLLM engine: its own, or its share of one with tensor parallelism.
 
     Call on every rank at the same point, after `dist.init_process_group`: with the external launcher
     vLLM reuses the torchrun world instead of making its own (which would have the wrong size), and its
-    start-up all-reduces free memory and creates process groups, all collectives.
+    start-up all-reduces free memory and creates process groups, all collectives. With
+    `tensor_parallel_size` k, ranks r with the same r // k form one engine (vLLM's own grouping of the
+    world, see engine_groups), each holding 1/k of every layer; they must then submit the same
+    requests in the same order, as one engine whose scheduler runs on every rank.
 
     vLLM reseeds Python's, NumPy's and torch's global RNGs while it starts: reseed after this call.
-    Pass a different `seed` per rank (e.g. base_seed + rank) or all ranks sample the same rollouts.
+    Pass a different `seed` per engine (e.g. base_seed + group) or all engines sample the same rollouts.
     On CPU there is no sleep mode and no CUDA graph, and the KV cache is sized by the
     VLLM_CPU_KVCACHE_SPACE environment variable (GiB; default 1 here) instead of the memory fraction.
     """
@@ -902,7 +914,7 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-        tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
         gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
         enforce_eager=enforce_eager,
         # Returned log-probs are of logits / temperature (after top-k/top-p), i.e. the distribution
@@ -910,10 +922,60 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
         logprobs_mode="processed_logprobs",
         **engine_kwargs,
     )
+    if tensor_parallel_size > 1:  # the loop keys rollouts by rank // k (engine_groups): vLLM must agree
+        from vllm.distributed.parallel_state import get_tp_group
+
+        first = dist.get_rank() // tensor_parallel_size * tensor_parallel_size
+        if list(get_tp_group().ranks) != list(range(first, first + tensor_parallel_size)):
+            raise RuntimeError(f"vLLM put rank {dist.get_rank()} in the tensor-parallel group "
+                               f"{list(get_tp_group().ranks)}, not ranks {first}-{first + tensor_parallel_size - 1}")
     if dist.get_rank() == 0:
         print(f"start_vllm: {model_dir} ({dtype}, max_model_len {max_model_len}) in "
               f"{time.perf_counter() - t0:.1f}s")
     return llm
+
+
+def engine_groups(cfg: Config, rank: int, world: int, model_config=None) -> tuple[int, int]:
+    """(this rank's engine group, the number of groups) under rollout.tensor_parallel_size k.
+
+    vLLM's external launcher groups consecutive ranks: ranks g*k ... g*k + k - 1 are engine g (its
+    initialize_model_parallel lays range(world) out as (-1, k)). Everything that decides what an
+    engine samples is keyed by g instead of the rank (corpus shard, generator, request seeds, vLLM's
+    seed), so the ranks of a group submit identical requests. With k = 1, g is the rank. Stops with a
+    ConfigError when k does not divide the world or, given the model's config, its attention heads.
+    """
+    k = cfg.rollout.tensor_parallel_size
+    if world % k:
+        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
+    if model_config is not None and k > 1:
+        heads = model_config.num_attention_heads
+        kv = getattr(model_config, "num_key_value_heads", None) or heads
+        if heads % k or (kv % k and k % kv):  # vLLM splits query heads, and splits or replicates KV heads
+            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's {heads} attention "
+                              f"heads and divide, or be a multiple of, its {kv} key/value heads")
+    return rank // k, world // k
+
+
+def rollout_fingerprint(rollouts: list) -> int:
+    """A CRC of what this rank's engine produced in a step: every status and sampled token. The ranks of
+    one tensor-parallel group must agree on it (see check_groups_agree)."""
+    crc = 0
+    for r in rollouts:
+        crc = zlib.crc32(r.status.encode(), crc)
+        for c in [r.que_output, *r.responses, *(v for vs in r.verdicts for v in vs)]:
+            crc = zlib.crc32(np.asarray(c.token_ids, dtype=np.int64).tobytes(), crc)
+    return crc
+
+
+def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
+    """Stop (on every rank alike: all see the same list) if the ranks of a tensor-parallel group sampled
+    different rollouts. Only the group's first rank reports its questions to the batch, and every rank
+    trains on its own copy: a silent split would train on sequences the engine never produced."""
+    for g in range(0, len(fingerprints), k):
+        if len(set(fingerprints[g:g + k])) > 1:
+            raise RuntimeError(f"ranks {g}-{g + k - 1} share a tensor-parallel vLLM engine but sampled different "
+                               f"rollouts (fingerprints {list(fingerprints[g:g + k])}); their requests or vLLM's "
+                               "scheduling differed")
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
@@ -2443,6 +2505,18 @@ def select_batch(summaries: list[list[dict]], cfg: Config, rng: np.random.Genera
     return items, counts
 
 
+def share_within_groups(items: list[TrainItem], k: int) -> None:
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group.
+
+    Every rank of a group holds the group's rollouts, but only its first rank reported them, so
+    select_batch saw each question once and names that rank. The items move, longest first, to the
+    group's least loaded rank; no tokens travel for it, and balance_sequences evens out the rest."""
+    load: dict[int, int] = defaultdict(int)
+    for it in sorted(items, key=lambda it: -it.length):
+        it.rank = min(range(it.rank, it.rank + k), key=lambda r: (load[r], r))
+        load[it.rank] += it.length
+
+
 # ==================================================================================================
 # Update: one token-level GRPO step on the FSDP-sharded policy, then weight sync (§4.3, Eq. 10, 12)
 # ==================================================================================================
@@ -2777,7 +2851,12 @@ def resume_checkpoint(cfg: Config, resume: bool, rank: int, world: int) -> Path 
     path, step = None, 0
     if pointer.is_file():
         path = checkpoint_dir(cfg) / pointer.read_text().strip()
-        step = check_checkpoint(path, world, ranks=[rank])["step"]
+        meta = check_checkpoint(path, world, ranks=[rank])
+        step, saved_tp = meta["step"], meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1)
+        if saved_tp != cfg.rollout.tensor_parallel_size:  # the saved samplers walk another split of the corpus
+            raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = {saved_tp}, resumed with "
+                                  f"{cfg.rollout.tensor_parallel_size}; the per-engine samplers and history "
+                                  "memories need the same")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}", flush=True)
     return path
@@ -3474,8 +3553,9 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
 def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str = "", n: int = 8,
              temperature: float = 0.7, top_p: float = 0.95, max_input_len: int = 16384, max_output_len: int = 4096,
              judge_max_tokens: int | None = None, seed: int = 42, dtype: str = "bfloat16",
-             gpu_memory_utilization: float = 0.5) -> dict:
-    """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine, evaluate."""
+             gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1) -> dict:
+    """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine (its share of
+    one, with tensor parallelism: the ranks of a group then evaluate the same questions alike), evaluate."""
     from transformers import AutoTokenizer
 
     # Every rank reads and checks the files before any engine starts: a bad file stops all ranks alike, at once.
@@ -3484,17 +3564,21 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # A separate judge's tokenizer loads now, so a wrong eval.judge_model fails before hours of sampling.
     judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
-    engine_args = dict(seed=seed + rank, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization)
+    group, groups = rank // tensor_parallel_size, world // tensor_parallel_size  # engine_groups, checked by the caller
+    engine_args = dict(seed=seed + group, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       tensor_parallel_size=tensor_parallel_size)
     # Room for a full-length prompt plus a full-length answer (the paper: 16K or 100K in, 4K or 20K out).
     llm = start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
     return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p, max_input_len=max_input_len,
                     max_output_len=max_output_len, model=model_dir, judge_model=judge_model,
                     judge_tokenizer=judge_tokenizer, judge_max_tokens=judge_max_tokens, engine_args=engine_args,
-                    rank=rank, world=world, out_dir=out_dir)
+                    rank=group, world=groups, out_dir=out_dir)
 
 
 def eval_main(argv: Sequence[str]) -> None:
     """`spell.py eval --model DIR --data FILE [--data FILE ...] [--section.key=value ...]`."""
+    from transformers import AutoConfig
+
     args, model, data = [], None, []
     it = iter(argv)
     for arg in it:  # --model and --data are short for --model.path and --eval.data
@@ -3512,6 +3596,7 @@ def eval_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py eval: give benchmark files with --data FILE (or --eval.data=A,B)")
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
+    engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir))
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
@@ -3520,7 +3605,7 @@ def eval_main(argv: Sequence[str]) -> None:
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
              dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
-             gpu_memory_utilization=e.gpu_memory_utilization)
+             gpu_memory_utilization=e.gpu_memory_utilization, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
 
 
 def synth_main(argv: Sequence[str]) -> None:
@@ -3532,7 +3617,7 @@ def synth_main(argv: Sequence[str]) -> None:
     draws every cluster once (a task per cluster as in training), keeps the questions that parse and
     pass the grounding filter (rollout.grounding_filter), and writes them in load_qa_set's layout.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     args, out, passes = [], None, 1
     it = iter(argv)
@@ -3553,26 +3638,29 @@ def synth_main(argv: Sequence[str]) -> None:
     corpus = load_corpus(cfg.data.corpus)
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
+    group, groups = engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir))
+    reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     set_vllm_log_level(cfg.log.vllm_log_level)
     tok = AutoTokenizer.from_pretrained(model_dir)
     llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     seed=cfg.train.seed + rank, dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
-                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
-    rng = np.random.default_rng([cfg.train.seed, rank])
-    shard = list(range(rank, len(corpus), world))
+                     seed=cfg.train.seed + group, dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
+                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                     tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    rng = np.random.default_rng([cfg.train.seed, group])
+    shard = list(range(group, len(corpus), groups))
     sampler = {"shard": shard, "order": [], "pos": 0, "epoch": 0}
     drawn = sample_clusters(corpus, sampler, len(shard) * passes, cfg.data.task_weights, rng)
     rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,
-                              request_seeds(cfg.train.seed, rank, "synth", count=len(drawn)))
+                              request_seeds(cfg.train.seed, group, "synth", count=len(drawn)))
     if cfg.rollout.grounding_filter:
-        run_grounding(llm, tok, cfg, rollouts, request_seeds(cfg.train.seed, rank, "synth-ground", count=len(drawn)))
-    records = [{"id": f"{r.cluster.id}#{rank}.{k}", "task": r.task, "documents": r.cluster.documents, **r.question}
-               for k, r in enumerate(rollouts) if r.status == "ok"]
+        run_grounding(llm, tok, cfg, rollouts, request_seeds(cfg.train.seed, group, "synth-ground", count=len(drawn)))
+    records = [{"id": f"{r.cluster.id}#{group}.{k}", "task": r.task, "documents": r.cluster.documents, **r.question}
+               for k, r in enumerate(rollouts) if r.status == "ok"] if reports else []
     everything = [x for part in all_gather_objects(records) for x in part]
     counts = all_gather_objects((len(drawn), sum(r.status == "format" for r in rollouts),
-                                 sum(r.status == "ungrounded" for r in rollouts)))
+                                 sum(r.status == "ungrounded" for r in rollouts)) if reports else (0, 0, 0))
     if rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(out), "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
@@ -3622,9 +3710,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)
     corpus = load_qa_set(cfg.data.qa) if cfg.data.qa else load_corpus(cfg.data.corpus)  # RLVR | self-play
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # from torchrun
-    if len(corpus) < world:
-        raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {world} ranks; "
-                          "each rank needs one")
+    group, groups = engine_groups(cfg, rank, world)  # one vLLM engine per group of tensor-parallel ranks
+    if len(corpus) < groups:
+        raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {groups} vLLM engines; "
+                          "each engine needs one")
     ckpt = resume_checkpoint(cfg, resume, rank, world)
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
@@ -3637,9 +3726,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    model_config = transformers.AutoConfig.from_pretrained(model_dir)
+    tp = cfg.rollout.tensor_parallel_size
+    engine_groups(cfg, rank, world, model_config)  # can vLLM split this model's heads tp ways?
     if on_gpu:  # a run that cannot fit stops here, before vLLM takes its share of the device
         device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        model_config = transformers.AutoConfig.from_pretrained(model_dir)
         if model_config.model_type in ("llama", "qwen2"):  # the dense decoders parameter_counts knows
             estimate = memory_estimate(cfg, model_config, world, device_gib)
             print0(memory_line(estimate, device_gib))
@@ -3651,10 +3742,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sleep_level = cfg.rollout.sleep_level if on_gpu else 0  # vLLM sleep mode is CUDA-only
     set_vllm_log_level(cfg.log.vllm_log_level)
     llm = start_vllm(model_dir, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     seed=cfg.train.seed + rank, dtype=rollout_dtype(cfg.rollout.dtype, on_gpu),
+                     seed=cfg.train.seed + group, dtype=rollout_dtype(cfg.rollout.dtype, on_gpu),
                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                     enable_sleep_mode=sleep_level > 0)
-    seed_everything(cfg.train.seed + rank)  # vLLM reseeded the global RNGs while it started
+                     enable_sleep_mode=sleep_level > 0, tensor_parallel_size=tp)
+    seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
                                                   attn_implementation=attention_implementation(cfg, on_gpu))
@@ -3663,9 +3754,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                           gradient_checkpointing=cfg.model.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
 
-    # --- per-rank state: cluster sampler over this rank's shard, history memory, generator
-    shard = list(range(rank, len(corpus), world))
-    rng = np.random.default_rng([cfg.train.seed, rank])
+    # --- per-engine state (the same on every rank of a tensor-parallel group): cluster sampler over the
+    #     engine's shard, history memory, generator
+    shard = list(range(group, len(corpus), groups))
+    rng = np.random.default_rng([cfg.train.seed, group])
     state = {"step": 0, "sampler": {"shard": shard, "order": [], "pos": 0, "epoch": 0},
              "history": HistoryMemory(cfg.rollout.history_size), "rng": rng}
     pools = phase_pools(cfg, corpus, shard, tok) if cfg.data.qa else []
@@ -3697,7 +3789,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     metrics_file = out / "metrics.jsonl"
     board = tensorboard_writer(cfg, rank)
-    per_round = max(1, cfg.rollout.clusters_per_round // world)
+    per_round = max(1, cfg.rollout.clusters_per_round // groups)
+    reports = rank % tp == 0  # a group's first rank speaks for its engine's rollouts
     while state["step"] < cfg.train.steps:
         step = state["step"] + 1
         t0 = time.perf_counter()
@@ -3711,16 +3804,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         for rnd in range(cfg.rollout.max_rounds):
             drawn = sample_clusters(corpus, state["sampler"], per_round, cfg.data.task_weights, rng)
             rollouts += rollout_round(llm, tok, cfg, drawn, state["history"], rng,
-                                      key=(cfg.train.seed, step, rank, rnd), seconds=phase_s)
+                                      key=(cfg.train.seed, step, group, rnd), seconds=phase_s)
             kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
-            if all_reduce_sum(kept, device) >= cfg.train.batch_groups:
+            if all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups:
                 break
         if cfg.data.retrospective:
             note_unsolved(state["sampler"], rollouts, index)
         t1 = time.perf_counter()
-        # 2. role-specific dynamic sampling, advantages and loss weights, on global data
-        summaries = all_gather_objects([rollout_summary(r) for r in rollouts])
+        # 2. role-specific dynamic sampling, advantages and loss weights, on global data (each engine's
+        #    questions once; its tensor-parallel ranks hold the same rollouts and share its items)
+        if tp > 1:
+            check_groups_agree(all_gather_objects(rollout_fingerprint(rollouts)), tp)
+        summaries = all_gather_objects([rollout_summary(r) for r in rollouts] if reports else [])
         items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
+        share_within_groups(items, tp)
         # 3. one update of the sharded policy (an empty batch still joins the collectives); on GPU the
         #    engine sleeps meanwhile, so its KV cache (and at level 2 its weights) free device memory
         if sleep_level:
@@ -3741,7 +3838,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # a phase lasts as long as its slowest rank (ranks wait for each other after each round)
         slowest = {k: max(d.get(k, 0.0) for d in all_gather_objects(dict(phase_s))) for k in phase_s}
         times = {**{f"{phase}_s": v for phase, v in slowest.items()},
-                 "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
+                 "rounds": rnd + 1, "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                  "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}
         m = step_metrics(summaries, counts, train, times)
         if rank == 0:

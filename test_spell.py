@@ -180,6 +180,35 @@ def test_check_memory_refusals():
     assert "rollout.sleep_level = 1" in msg and "model.gradient_checkpointing = true" in msg
 
 
+# Qwen2.5-32B-Instruct's config.json: 40 heads, 8 KV heads of 128
+QWEN25_32B = dict(hidden_size=5120, num_hidden_layers=64, vocab_size=152064, intermediate_size=27648,
+                  num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
+
+
+def test_memory_estimate_with_tensor_parallel_rollouts():
+    """presets/qwen2.5-32b.toml on 2 nodes of 8 GPUs of 80 GiB: each vLLM engine needs its 61 GiB of bf16
+    weights with tensor parallel 1 (refused, naming the key), half of them with 2 (fits)."""
+    from transformers import Qwen2Config
+
+    mc = Qwen2Config(**QWEN25_32B)
+    P, L = spell.parameter_counts(mc)["total"], 64
+    paths = [str(spell.ROOT / "config.toml"), str(spell.ROOT / "presets" / "qwen2.5-32b.toml")]
+    GiB, tokens = 2**30, 16384 + 4096
+    for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:  # 16 > 8 KV heads: one a rank, replicated
+        cfg = spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"])
+        est = spell.memory_estimate(cfg, mc, world=16, device_gib=80.0)
+        assert est["vllm_minimum"] == pytest.approx((2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
+    one, two = (spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"]) for k in (1, 2))
+    with pytest.raises(spell.ConfigError, match="rollout.tensor_parallel_size") as e:
+        spell.check_memory(one, spell.memory_estimate(one, mc, 16, 80.0), 80.0, 16)
+    assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
+    spell.check_memory(two, spell.memory_estimate(two, mc, 16, 80.0), 80.0, 16)  # 30.5 + 2.5 GiB: fits
+    # the README's and the preset's figure for this launch with vLLM at half the GPU
+    half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2", "--rollout.gpu_memory_utilization=0.5"])
+    assert spell.memory_line(spell.memory_estimate(half, mc, 16, 80.0), 80.0).startswith(
+        "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 58.8")
+
+
 # ------------------------------------------------------------------------------------------------
 # Corpus and prompts
 # ------------------------------------------------------------------------------------------------
@@ -1877,6 +1906,34 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
     assert saved["rollout"]["responder_template"] == "reasoner" and saved["train"]["loss_norm"] == "constant"
 
 
+def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
+    """rollout.tensor_parallel_size = 2 on 4 ranks, 2 steps: two vLLM engines, each split over two
+    ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated). The ranks of an
+    engine sample identical rollouts (the loop checks it every step, check_groups_agree, and start_vllm
+    checks vLLM's grouping), each question enters the batch once, and step 2 samples from the shards
+    the step-1 update was synced into."""
+    out_dir = tmp_path / "run"
+    # fp32 rollouts and top_p 1: vLLM's log-probs are then the trainer's up to rounding (with top_p < 1
+    # they are renormalised over the nucleus, which the trainer does not do)
+    torchrun(4, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", "--rollout.tensor_parallel_size=2",
+                           "--rollout.dtype=float32", "--rollout.top_p=1.0", "--train.lr=1e-3",
+                           "--rollout.kv_cache_gb=1", "--rollout.grounding_filter=false"))
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["res/kept_groups"] >= 1  # step 1 updates the policy, so step 2's engines must be synced
+    for m in steps:
+        # 16 questions a round over 2 engines, counted once each (every rank reporting would give 32)
+        assert m["que/questions"] == 16 * m["perf/rounds"] and m["train/sequences"] == role_sequences(m), m
+        # Mean |log pi_trainer - log pi_vLLM| over the trained tokens (demo.toml's questioner floor keeps
+        # a questioner sequence in every step). fp32 on both sides, so rounding only: the largest single
+        # difference is bounded by 1e-4 in test_trainer_vllm_parity_after_sync; measured here 2.4e-7 and
+        # 1.3e-7. In step 2 this holds only if step 1's update reached both halves of each engine: with
+        # the sync switched off step 2 measured 2.3e-2 (one AdamW step of lr 1e-3).
+        assert m["train/rollout_logp_gap"] < 1e-4, m
+    saved = json.loads((out_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert saved["world"] == 4 and saved["config"]["rollout"]["tensor_parallel_size"] == 2
+
+
 def test_qwenlong_phases_end_to_end(speaker, tmp_path):
     """RLVR on a static QA set with two context phases and retrospective sampling, 2 steps on 2 ranks:
     step 1 draws the short questions, step 2 switches to the long ones and carries the 4 questions that
@@ -2028,6 +2085,64 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False),
                    ("sgd_rebalanced", 64, "torch", "sgd", False)]
 
 
+def test_share_within_groups():
+    """Tensor-parallel rollouts: items named by a group's first rank spread over that group's ranks, longest
+    first to the least loaded, in place and in order; with k = 1 nothing moves."""
+    item = lambda rank, length: spell.TrainItem(rank, 0, "res", 0, 0, 0.0, ("res", rank, 0), length)  # noqa: E731
+    items = [item(0, 3), item(0, 5), item(2, 7), item(0, 1), item(0, 4), item(0, 3)]
+    spell.share_within_groups(items, 2)
+    # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8); group 1: 7 -> rank 2
+    assert [(it.rank, it.length) for it in items] == [(1, 3), (0, 5), (2, 7), (1, 1), (1, 4), (0, 3)]
+    items = [item(r, n) for r, n in [(0, 3), (1, 5), (3, 2)]]
+    spell.share_within_groups(items, 1)
+    assert [it.rank for it in items] == [0, 1, 3]
+
+
+def test_rollout_fingerprint_and_group_check():
+    """The per-step CRC the ranks of a tensor-parallel engine compare: any sampled token or status that
+    differs changes it, and a group that disagrees stops every rank with the ranks named."""
+    cluster = spell.Cluster("c", "doc_qa", ["doc"])
+
+    def rollout(tokens, status="ok", verdict=(7,)):
+        c = lambda ids: spell.Completion(list(ids), "", None, "stop")  # noqa: E731
+        return spell.Rollout(cluster, "doc_qa", [0], [1, 2], que_output=c(tokens), status=status,
+                             responses=[c([4, 5]), c([6])], verdicts=[[c(verdict)], []])
+
+    base = spell.rollout_fingerprint([rollout([1, 2, 3])])
+    assert base == spell.rollout_fingerprint([rollout([1, 2, 3])])
+    for other in ([rollout([1, 2, 4])], [rollout([1, 2, 3], status="format")], [rollout([1, 2, 3], verdict=(8,))],
+                  [rollout([1, 2, 3]), rollout([])], []):
+        assert spell.rollout_fingerprint(other) != base
+    spell.check_groups_agree([base, base, 5, 5], 2)  # each group agrees within; groups differ, as they should
+    spell.check_groups_agree([1, 2, 3], 1)
+    with pytest.raises(RuntimeError, match="ranks 2-3 share a tensor-parallel vLLM engine but sampled different"):
+        spell.check_groups_agree([base, base, 5, 6], 2)
+
+
+def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split():
+    """Groups of consecutive ranks, as vLLM's external launcher makes them (start_vllm checks that at
+    run time); a size that does not divide the world or the model's heads stops before vLLM starts."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cfg = lambda k: spell.load_config(str(REPO / "config.toml"), [f"--rollout.tensor_parallel_size={k}"])  # noqa: E731
+    assert [spell.engine_groups(cfg(1), r, 4) for r in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert [spell.engine_groups(cfg(2), r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(spell.ConfigError, match=re.escape("tensor_parallel_size = 3 must divide the number of ranks, 4")):
+        spell.engine_groups(cfg(3), 0, 4)
+    qwen7b = Qwen2Config(**QWEN25_7B)  # 28 heads, 4 KV heads
+    for k in (2, 4):
+        assert spell.engine_groups(cfg(k), 5, 8, qwen7b) == (5 // k, 8 // k)
+    with pytest.raises(spell.ConfigError, match="must divide the model's 28 attention heads"):
+        spell.engine_groups(cfg(8), 0, 8, qwen7b)  # 8 KV copies would do (replicated), 28 / 8 heads would not
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M
+    assert spell.engine_groups(cfg(3), 0, 3, smollm2) == (0, 1)
+    with pytest.raises(spell.ConfigError, match="9 attention heads"):
+        spell.engine_groups(cfg(2), 0, 2, smollm2)
+    kv = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6)
+    with pytest.raises(spell.ConfigError, match="6 key/value heads"):  # 4 splits 12 heads, neither divides 6 nor is a multiple
+        spell.engine_groups(cfg(4), 0, 4, kv)
+
+
 def test_plan_rebalance():
     """Surplus sequences move, longest first, to the least loaded rank; a balanced batch stays put."""
     moves = spell.plan_rebalance([[1500, 1400, 1000, 600, 600], []])
@@ -2121,6 +2236,8 @@ GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Anoth
     ([GOOD_CLUSTER], ["--config", "no_such_config.toml"], spell.ConfigError,
      "no_such_config.toml: cannot read the config file"),
     ([GOOD_CLUSTER], ["--config="], spell.ConfigError, "--config needs a file name"),
+    ([GOOD_CLUSTER], ["--rollout.tensor_parallel_size=2"], spell.ConfigError,
+     "rollout.tensor_parallel_size = 2 must divide the number of ranks, 1"),
 ])
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
     corpus = tmp_path / "corpus.jsonl"
@@ -2156,6 +2273,8 @@ def snapshot(root: Path) -> dict[str, bytes]:
      "not a complete checkpoint (meta.json"),  # truncated
     ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""}, True,
      spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
+    ({"meta.json": '{"step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}}}', ".metadata": "",
+      "rank0.pt": ""}, True, spell.CheckpointError, "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
 def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, message):
     corpus = tmp_path / "corpus.jsonl"
