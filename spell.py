@@ -227,6 +227,10 @@ class TrainConfig:
     loss_norm: str = "role"
     advantage: str = "zscore"  # zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean, no std)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
+    # Ranks one FSDP2 shard group spans. 0 = all of them (FSDP); S = HSDP: the weights, gradients and
+    # optimizer state are sharded over groups of S consecutive ranks (e.g. 8, a node) and replicated
+    # across the groups, so only the gradient all-reduce crosses nodes
+    fsdp_shard_size: int = 0
     logprob_impl: str = "torch"  # torch: chunked reference | triton: kernels.fused_logprob
     # Table 2's "w/o update" ablations: comma-separated roles (que, ver) that still play their part in
     # the rollouts but whose samples never enter the batch. "" = every role trains
@@ -430,9 +434,10 @@ def check_config(cfg: Config) -> None:
          "role|group|token|sequence|constant"),
         ("train.advantage", t.advantage in ("zscore", "mean"), "zscore|mean"),
         ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
+        ("train.fsdp_shard_size", t.fsdp_shard_size >= 0, ">= 0 (0: shard over every rank)"),
         ("train.logprob_impl", t.logprob_impl in ("torch", "triton"), "torch|triton"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"}, "\"\", \"que\", \"ver\" or \"que,ver\""),
-        ("train.seed", 0 <= t.seed < 2**31, "in [0, 2**31) (seed + rank seeds NumPy, torch and vLLM)"),
+        ("train.seed", 0 <= t.seed < 2**31, "in [0, 2**31) (seed + engine group seeds NumPy, torch and vLLM)"),
         ("log.out_dir", lg.out_dir != "", "a folder name"),
         ("log.save_every", lg.save_every >= 1, ">= 1"),
         ("log.sample_every", lg.sample_every >= 0, ">= 0 (0: no sample tables)"),
@@ -667,7 +672,8 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
     """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
 
     The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and AdamW's
-    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / world); bf16 parameters gathered for compute:
+    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or train.fsdp_shard_size for
+    HSDP); bf16 parameters gathered for compute:
     the root group (embeddings and LM head) all step, plus the current and the prefetched decoder layer,
     and their unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
     `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per layer
@@ -689,7 +695,7 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
     q, k = heads * hd, kv_heads * hd
-    tp = cfg.rollout.tensor_parallel_size
+    tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
     k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
     layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
     if cfg.model.gradient_checkpointing:
@@ -698,9 +704,9 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
         activations = L * layer_saved + layer_saved
     head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30  # kernels/logprob.py
     gib = {
-        "weights": 4 * p["total"] / world,
-        "grads": 4 * p["total"] / world,
-        "adamw": 8 * p["total"] / world,
+        "weights": 4 * p["total"] / shards,
+        "grads": 4 * p["total"] / shards,
+        "adamw": 8 * p["total"] / shards,
         "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
         "activations": activations,
         "lm_head": head_scratch,
@@ -722,7 +728,9 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
 def check_memory(cfg: Config, est: dict[str, float], device_gib: float, world: int) -> None:
     """Refuse, before vLLM starts, a run that memory_estimate says cannot fit; name the keys to change."""
     sharded = est["weights"] + est["grads"] + est["adamw"]
-    more_gpus = f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {world})"
+    shards = mesh_shape(cfg, world)[-1]
+    more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {shards}"
+                 + (", train.fsdp_shard_size)" if shards < world else ")"))
     if est["vllm"] < est["vllm_minimum"]:
         raise ConfigError(
             f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
@@ -1051,6 +1059,26 @@ def to_completion(output, with_logprobs: bool) -> Completion:
     return Completion(token_ids, output.text, lps, str(output.finish_reason))
 
 
+def mesh_shape(cfg: Config, world: int) -> tuple[int, ...]:
+    """The policy's device mesh: (world,) for FSDP, or for HSDP (train.fsdp_shard_size S) (world / S, S),
+    the dims named ("replicate", "shard"): rank r shards with the S ranks of its block r // S and
+    replicates across the blocks (FSDP2 reduce-scatters within a block, then all-reduces across)."""
+    S = cfg.train.fsdp_shard_size
+    if S in (0, world):
+        return (world,)
+    if world % S:
+        raise ConfigError(f"train.fsdp_shard_size = {S} must divide the number of ranks, {world}")
+    return (world // S, S)
+
+
+def policy_mesh(cfg: Config, device_type: str, world: int):
+    """init_device_mesh of mesh_shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(cfg, world)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+
+
 def shard_policy(model, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
                  gradient_checkpointing: bool = True):
     """Shard an HF causal LM with FSDP2: one group per decoder layer, then the root; checkpoint activations.
@@ -1058,8 +1086,8 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.d
     Parameters stay fp32 (the master copy); `param_dtype` is what forward/backward compute in (bf16 on
     GPU, fp32 in the CPU tests) and gradients are reduced in `reduce_dtype`. The root group holds the
     embeddings, the final norm and the LM head, so tied embeddings stay one tensor. Pass `mesh`
-    explicitly: on a GPU machine FSDP2 would otherwise pick CUDA even under a gloo process group.
-    Build the optimizer after this call, on the sharded parameters.
+    explicitly: on a GPU machine FSDP2 would otherwise pick CUDA even under a gloo process group. A 2-D
+    mesh (policy_mesh) makes it HSDP. Build the optimizer after this call, on the sharded parameters.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -1152,8 +1180,10 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
     saves on a GPU is not measured here (bench/RESULTS.md has an estimate).
 
     FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the N rows,
-    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. A weight that is not
-    a DTensor (an unsharded model) is only cast. Every rank must consume the iterator completely, in step.
+    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. Under HSDP, r and
+    world are a rank's place in its shard group and that group's size, and the gather stays within it (the
+    other groups hold the same weights). A weight that is not a DTensor (an unsharded model) is only cast.
+    Every rank must consume the iterator completely, in step.
     """
     entries, seen = [], set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -1172,15 +1202,18 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
 
 def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
     """Issue one async all-gather of the dim-0 shards of a bucket's DTensors (see bucketed_state_dict)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     sharded = [t for _, t in entries if isinstance(t, DTensor)]
     if not sharded:
         return {"entries": entries, "dtype": dtype}
-    mesh = sharded[0].device_mesh
-    assert all(t.device_mesh == mesh and tuple(t.placements) == (Shard(0),) for t in sharded), \
+    mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
+    # FSDP: (Shard(0),); HSDP: (Replicate(), Shard(0)), and the gather runs within the shard dim's group
+    dim = mesh.ndim - 1
+    assert placements == (Replicate(),) * dim + (Shard(0),) and all(
+        t.device_mesh == mesh and tuple(t.placements) == placements for t in sharded), \
         "bucketed_state_dict expects FSDP2's layout: every weight sharded on dim 0 over one mesh"
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     rows = [-(-t.shape[0] // world) for t in sharded]  # c = ceil(N / world) rows a rank, padded
     counts = [c * t[0].numel() for c, t in zip(rows, sharded)]  # elements of a padded shard
     local = torch.zeros(sum(counts), dtype=dtype, device=sharded[0].to_local().device)  # (per-rank,)
@@ -1191,7 +1224,7 @@ def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dt
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
         offset += count
     out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
-    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(), async_op=True)  # in torch since 1.13
+    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(dim), async_op=True)  # in torch since 1.13
     return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
             "local": local, "out": out, "work": work}
 
@@ -2198,8 +2231,8 @@ def finished(c: Completion, cfg: Config) -> bool:
 
 
 def request_seeds(*key: Any, count: int) -> list[int]:
-    """Per-request vLLM sampling seeds derived from (seed, step, rank, round, role): a resumed run
-    samples exactly what the uninterrupted run would have."""
+    """Per-request vLLM sampling seeds derived from (seed, step, engine group, round, role), the group being
+    the rank without tensor parallelism: a resumed run samples exactly what the uninterrupted run would have."""
     seq = np.random.SeedSequence([abs(hash_int(k)) for k in key])
     return seq.generate_state(count, dtype=np.uint32).astype(np.int64).tolist()
 
@@ -3711,6 +3744,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     corpus = load_qa_set(cfg.data.qa) if cfg.data.qa else load_corpus(cfg.data.corpus)  # RLVR | self-play
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # from torchrun
     group, groups = engine_groups(cfg, rank, world)  # one vLLM engine per group of tensor-parallel ranks
+    mesh_shape(cfg, world)  # and FSDP's shard groups: a size that does not divide the world stops here
     if len(corpus) < groups:
         raise CorpusError(f"{cfg.data.qa or cfg.data.corpus}: {len(corpus)} entries for {groups} vLLM engines; "
                           "each engine needs one")
@@ -3749,8 +3783,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,  # fp32 master weights
                                                   attn_implementation=attention_implementation(cfg, on_gpu))
-    from torch.distributed.device_mesh import init_device_mesh
-    policy = shard_policy(policy, init_device_mesh(device.type, (world,)), param_dtype=dtype,
+    policy = shard_policy(policy, policy_mesh(cfg, device.type, world), param_dtype=dtype,
                           gradient_checkpointing=cfg.model.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
 

@@ -209,6 +209,28 @@ def test_memory_estimate_with_tensor_parallel_rollouts():
         "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 58.8")
 
 
+def test_hsdp_mesh_and_memory():
+    """train.fsdp_shard_size: the mesh shape (FSDP for 0 or the world, else replicate x shard), refused when
+    it does not divide the world; the sharded terms of the memory estimate divide by the shard group,
+    and a refusal names the key. HSDP's updates and weight sync run in test_fsdp_update_... and
+    test_bucketed_sync_matches_unbucketed[hsdp-2x2]."""
+    from transformers import Qwen2Config
+
+    cfg = lambda s: spell.load_config(str(spell.ROOT / "config.toml"), [f"--train.fsdp_shard_size={s}"])  # noqa: E731
+    assert spell.mesh_shape(cfg(0), 16) == (16,) and spell.mesh_shape(cfg(16), 16) == (16,)
+    assert spell.mesh_shape(cfg(8), 16) == (2, 8) and spell.mesh_shape(cfg(1), 4) == (4, 1)
+    with pytest.raises(spell.ConfigError, match=re.escape("train.fsdp_shard_size = 3 must divide the number of ranks, 16")):
+        spell.mesh_shape(cfg(3), 16)
+    mc = Qwen2Config(**QWEN25_7B)
+    fsdp, hsdp = spell.memory_estimate(cfg(0), mc, 16, 80.0), spell.memory_estimate(cfg(8), mc, 16, 80.0)
+    for key in ("weights", "grads", "adamw"):  # sharded over 8, not 16
+        assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=1e-12), key
+    assert all(hsdp[k] == fsdp[k] for k in ("gathered", "activations", "lm_head", "vllm", "vllm_minimum"))
+    small = cfg(1)  # every rank holds everything: 16 B x 7.6 B parameters = 113 GiB
+    with pytest.raises(spell.ConfigError, match=re.escape("113.5 GiB a GPU on 1, train.fsdp_shard_size)")):
+        spell.check_memory(small, spell.memory_estimate(small, mc, 16, 80.0), 80.0, 16)
+
+
 # ------------------------------------------------------------------------------------------------
 # Corpus and prompts
 # ------------------------------------------------------------------------------------------------
@@ -1661,14 +1683,16 @@ def test_sync_buckets_bound():
         assert all(sum(sizes[i] for i in a) + sizes[b[0]] > bound for a, b in zip(buckets, buckets[1:]))
 
 
-def test_bucketed_sync_matches_unbucketed(tmp_path):
-    """Two FSDP2 ranks (gloo): the bucketed gather yields gathered_state_dict's (name, tensor) sequence,
-    bit for bit, with one all-gather per bucket, buckets within the bound, and bucket k+1 issued before
-    bucket k is handed out only when asked to (ahead = 1)."""
+@pytest.mark.parametrize("nproc, shard_size", [(2, 0), (4, 2)], ids=["fsdp-2", "hsdp-2x2"])
+def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
+    """FSDP2 on 2 ranks, and HSDP on 4 (two shard groups of 2; each gathers within its group), gloo: the
+    bucketed gather yields gathered_state_dict's (name, tensor) sequence, bit for bit, with one all-gather
+    per bucket, buckets within the bound, and bucket k+1 issued before bucket k is handed out only when
+    asked to (ahead = 1)."""
     out = tmp_path / "buckets.json"
-    torchrun(2, __file__, "buckets", str(out))
+    torchrun(nproc, __file__, "buckets", str(out), str(shard_size))
     results = json.loads(out.read_text())
-    assert len(results) == 2 * 3 * 2  # ranks x bounds x ahead
+    assert len(results) == nproc * 3 * 2  # ranks x bounds x ahead
     for r in results:
         where = f"rank {r['rank']}, bound {r['bound']}, ahead {r['ahead']}"
         assert r["same_names"] and r["equal"], where  # bit-equal: a gather copies, it does not round
@@ -1908,16 +1932,18 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
 
 def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
     """rollout.tensor_parallel_size = 2 on 4 ranks, 2 steps: two vLLM engines, each split over two
-    ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated). The ranks of an
-    engine sample identical rollouts (the loop checks it every step, check_groups_agree, and start_vllm
-    checks vLLM's grouping), each question enters the batch once, and step 2 samples from the shards
-    the step-1 update was synced into."""
+    ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated), as on two nodes:
+    the policy HSDP-sharded within pairs of ranks (train.fsdp_shard_size = 2) and synced through 1 MiB
+    buckets. The ranks of an engine sample identical rollouts (the loop checks it every step,
+    check_groups_agree, and start_vllm checks vLLM's grouping), each question enters the batch once,
+    and step 2 samples from the shards the step-1 update was synced into."""
     out_dir = tmp_path / "run"
     # fp32 rollouts and top_p 1: vLLM's log-probs are then the trainer's up to rounding (with top_p < 1
     # they are renormalised over the nucleus, which the trainer does not do)
     torchrun(4, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", "--rollout.tensor_parallel_size=2",
                            "--rollout.dtype=float32", "--rollout.top_p=1.0", "--train.lr=1e-3",
-                           "--rollout.kv_cache_gb=1", "--rollout.grounding_filter=false"))
+                           "--rollout.kv_cache_gb=1", "--rollout.grounding_filter=false", "--train.fsdp_shard_size=2",
+                           "--rollout.sync_bucket_mb=1"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     assert steps[0]["res/kept_groups"] >= 1  # step 1 updates the policy, so step 2's engines must be synced
@@ -1932,6 +1958,7 @@ def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
         assert m["train/rollout_logp_gap"] < 1e-4, m
     saved = json.loads((out_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert saved["world"] == 4 and saved["config"]["rollout"]["tensor_parallel_size"] == 2
+    assert saved["config"]["train"]["fsdp_shard_size"] == 2 and (out_dir / "hf" / "model.safetensors").is_file()
 
 
 def test_qwenlong_phases_end_to_end(speaker, tmp_path):
@@ -2164,12 +2191,13 @@ def test_plan_rebalance():
 
 
 def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
-    """update_policy on 1 and 2 ranks, with different micro-batch sizes and both log-prob paths, gives
-    the gradient of the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    """update_policy on 1 and 2 ranks (FSDP) and on 4 (HSDP: train.fsdp_shard_size 2, two shard groups of
+    2), with different micro-batch sizes and both log-prob paths, gives the gradient of the global loss
+    -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
     results = {}
-    for nproc in (1, 2):
+    for nproc, shard in ((1, 0), (2, 0), (4, 2)):
         out = tmp_path / f"update{nproc}.pt"
-        torchrun(nproc, __file__, "update", str(out))
+        torchrun(nproc, __file__, "update", str(out), str(shard))
         results[nproc] = torch.load(out)
     # the reference: plain model, unpacked sequences, the gradient of the same global loss by autograd
     model = tiny_llama()
@@ -2201,11 +2229,13 @@ def test_fsdp_update_two_ranks_equals_one_rank(tmp_path):
     # first moment. Not the parameters: Adam's first step lr g / (|g| + eps) is about lr sign(g) whatever
     # the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where |g| ~ eps.
     # Rounding: the gradient's, as for SGD, and the global norm's (torch sums it in O(log N) rounds).
-    a, b = results[1]["adamw_exp_avg"], results[2]["adamw_exp_avg"]
+    a = results[1]["adamw_exp_avg"]
     moment = max(t.abs().max().item() for t in a.values())
-    diff = max((a[n] - b[n]).abs().max().item() for n in a)
-    print(f"METRIC adamw_clipped_1_vs_2_ranks_max_abs_diff={diff:.3g} (first moment scale {moment:.3g})")
-    assert diff < 8 * math.sqrt(1000) * 2.0 ** -24 * moment
+    for nproc in (2, 4):
+        b = results[nproc]["adamw_exp_avg"]
+        diff = max((a[n] - b[n]).abs().max().item() for n in a)
+        print(f"METRIC adamw_clipped_1_vs_{nproc}_ranks_max_abs_diff={diff:.3g} (first moment scale {moment:.3g})")
+        assert diff < 8 * math.sqrt(1000) * 2.0 ** -24 * moment, nproc
     assert results[1]["grad_norm"] > 0.05, "the clip at 0.05 must bind, or the test does not cover it"
 
 
@@ -2238,6 +2268,8 @@ GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Anoth
     ([GOOD_CLUSTER], ["--config="], spell.ConfigError, "--config needs a file name"),
     ([GOOD_CLUSTER], ["--rollout.tensor_parallel_size=2"], spell.ConfigError,
      "rollout.tensor_parallel_size = 2 must divide the number of ranks, 1"),
+    ([GOOD_CLUSTER], ["--train.fsdp_shard_size=2"], spell.ConfigError,
+     "train.fsdp_shard_size = 2 must divide the number of ranks, 1"),
 ])
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
     corpus = tmp_path / "corpus.jsonl"
@@ -3480,22 +3512,23 @@ def worker_parity(tiny_dir: str) -> None:
     # no dist.destroy_process_group(): vLLM's exit hook tears its groups down and fails if we did first
 
 
-def worker_buckets(out_file: str) -> None:
-    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2; bucketed_state_dict against
-    gathered_state_dict and the unsharded weights, for several bounds, dtypes and `ahead`; every rank's
-    findings go to out_file (rank 0 writes)."""
+def worker_buckets(out_file: str, shard_size: str = "0") -> None:
+    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2 (HSDP for a shard_size
+    below the world); bucketed_state_dict against gathered_state_dict and the unsharded weights, for
+    several bounds, dtypes and `ahead`; every rank's findings go to out_file (rank 0 writes)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    mesh_cfg = spell.Config()
+    mesh_cfg.train.fsdp_shard_size = int(shard_size)
     config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
     reference = LlamaForCausalLM(config).float()
     truth = {k: v.clone() for k, v in reference.state_dict().items()}
-    model = spell.shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)),
+    model = spell.shard_policy(copy.deepcopy(reference), spell.policy_mesh(mesh_cfg, "cpu", world),
                                param_dtype=torch.float32)
     real_start, real_gather = spell.start_bucket_gather, dist.all_gather_into_tensor
 
@@ -3606,15 +3639,18 @@ def worker_export_vllm(export: str) -> None:
     print(f"METRIC export_question_ok={int(spell.parse_question(out.text, 'doc_qa') is not None)}")
 
 
-def worker_update(out_file: str) -> None:
-    """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS; rank 0
-    saves the parameter changes (SGD) or the parameters (AdamW) as full tensors."""
+def worker_update(out_file: str, shard_size: str = "0") -> None:
+    """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the mesh
+    of train.fsdp_shard_size = shard_size; rank 0 saves the parameter changes (SGD) or the parameters
+    (AdamW) as full tensors."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh_cfg = spell.Config()
+    mesh_cfg.train.fsdp_shard_size = int(shard_size)
+    mesh = spell.policy_mesh(mesh_cfg, "cpu", world)
+    assert mesh.ndim == (2 if mesh_cfg.train.fsdp_shard_size not in (0, world) else 1)
     batch = update_batch()
     results = {"layer_calls": {}}
     for name, budget, impl, opt, checkpointing in UPDATE_VARIANTS:
