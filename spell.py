@@ -3629,7 +3629,8 @@ def eval_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py eval: give benchmark files with --data FILE (or --eval.data=A,B)")
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
-    engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir))
+    split = cfg.rollout.tensor_parallel_size > 1  # then check that the model's heads split that many ways
+    engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir) if split else None)
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
@@ -3671,7 +3672,8 @@ def synth_main(argv: Sequence[str]) -> None:
     corpus = load_corpus(cfg.data.corpus)
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
-    group, groups = engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir))
+    split = cfg.rollout.tensor_parallel_size > 1  # then check that the model's heads split that many ways
+    group, groups = engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir) if split else None)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
