@@ -88,6 +88,7 @@ FIGURES = {
         ("generated tokens per second, by role", ["perf/que_tokens_per_s", "perf/res_tokens_per_s",
                                                   "perf/ver_tokens_per_s"]),
         ("trained tokens per second", ["perf/train_tokens_per_s"]),
+        ("generation rounds per step", ["perf/rounds"]),
     ]),
 }
 

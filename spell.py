@@ -3015,12 +3015,16 @@ def tensorboard_writer(cfg: Config, rank: int):
 
 
 def log_line(step: int, steps: int, m: dict) -> str:
-    """The per-step console line: each role's reward and what it put in the batch, then the clock."""
+    """The per-step console line: each role's reward and what it put in the batch, then the clock. A role
+    that did not run this step (the questioner under data.qa, the verifier under reward.judge = rule)
+    has no part in it."""
     phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver") if f"perf/{p}_s" in m)
-    return (f"step {step}/{steps} | que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
-            f"ungr {m['que/ungrounded']:.0%} pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} "
-            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} len {m['res/length']:.0f} "
-            f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
+    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} ungr {m['que/ungrounded']:.0%} "
+           f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
+    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
+           if "perf/ver_s" in m else "")
+    return (f"step {step}/{steps} {que}"
+            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} len {m['res/length']:.0f} {ver}"
             f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s sync {m['perf/sync_s']:.1f}s")
 

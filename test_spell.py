@@ -3214,9 +3214,20 @@ def logged_metrics(step: int) -> dict:
               "sequences": 9}
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100, "grad_norm": 1.0,
              "micro_batches": 2, "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100}
-    times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rollout_s": 2.0, "update_s": 1.0,
+    times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1, "rollout_s": 2.0, "update_s": 1.0,
              "sync_s": 0.1, "step_s": 3.1, "train_tokens_per_s": 100.0}
     return {"step": step, **spell.step_metrics([[ok, bad]], counts, train, times)}
+
+
+def test_log_line_shows_the_roles_that_ran():
+    """The console line has a part per role that ran: all three in self-play, no questioner under data.qa
+    (RLVR) and no verifier under reward.judge = rule, whose counts would read as meaningless zeros."""
+    m = logged_metrics(1)
+    line = spell.log_line(1, 2, m)
+    assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 | res r 0.25 kept 1/1 len 25 "
+                           "| ver maj 75% =rule 100% kept 1 | train 9 seq")
+    rlvr = spell.log_line(1, 2, {k: v for k, v in m.items() if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
+    assert rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq") and "(res 0)" in rlvr
 
 
 def test_plot_figures_list_every_key_spell_logs_and_derive_figure_4_difficulty():
