@@ -10,6 +10,13 @@ Implementations (per-token logp of the sampled tokens and the entropy, fp32):
   naive    materialised logits: (X @ W.T).float() / tau, log_softmax, gather; entropy under no_grad
   chunked  kernels.chunked_logprob, the torch twin (token chunks, recompute in the backward)
   triton   kernels.fused_logprob (Triton), and its fused loss path kernels.fused_logprob_loss
+  liger    peer: Liger-Kernel's fused linear cross-entropy (LigerFusedLinearCrossEntropyFunction,
+           reduction "none"; it computes the gradient in its forward), logp = -CE
+  cce      peer: Apple's Cut Cross-Entropy (cut_cross_entropy.linear_cross_entropy, its "cce" Triton
+           kernels with their default gradient filter, filter_eps "high"), logp = -CE
+  The peers compute no entropy and have no temperature: they run at tau = 1 only, in the fwd and
+  fwd+bwd modes (credited like the others), when importable; on a GPU machine without them, carry the
+  wheels (bench/RESULTS.md, "Peers").
 
 Modes and the FLOPs credited (the LM-head GEMMs only):
   fwd      no-grad forward, as for old/reference log-probs          2 T H V
@@ -53,8 +60,37 @@ def naive_logprob(hidden, weight, targets, temperature):
     return logp, entropy
 
 
+def peer_logprob(impl, hidden, weight, targets):
+    """A peer's per-token log-probs at tau = 1: minus its unreduced linear cross-entropy."""
+    if impl == "liger":
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        ce = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, -100, 0.0, 0.0, "none")
+    else:
+        from cut_cross_entropy import linear_cross_entropy
+        ce = linear_cross_entropy(hidden, weight, targets, reduction="none", impl="cce")
+    ce = ce[0] if isinstance(ce, tuple) else ce  # Liger returns (loss, z_loss, ...) in some versions
+    return -ce.float()
+
+
+PEERS = ("liger", "cce")
+
+
+def peer_available(impl) -> bool:
+    import importlib.util
+    return importlib.util.find_spec({"liger": "liger_kernel", "cce": "cut_cross_entropy"}[impl]) is not None
+
+
 def run_once(impl, mode, x, w, y, g, tau, workspace):
     """One call of `impl` in `mode`; returns nothing (results are discarded)."""
+    if impl in PEERS:
+        if mode == "fwd":
+            with torch.no_grad():
+                peer_logprob(impl, x, w, y)
+            return
+        xr, wr = x.requires_grad_(), w.requires_grad_()
+        (g * peer_logprob(impl, xr, wr, y)).sum().backward()
+        xr.grad = wr.grad = None
+        return
     kw = {} if impl == "naive" else dict(workspace_bytes=workspace)
     if mode == "fwd":
         with torch.no_grad():
@@ -121,7 +157,9 @@ def check_agreement(impls, x, w, y, tau, workspace):
     for impl in impls:
         try:
             with torch.no_grad():
-                if impl == "naive":
+                if impl in PEERS:
+                    outs[impl] = (peer_logprob(impl, x, w, y), None)
+                elif impl == "naive":
                     outs[impl] = naive_logprob(x, w, y, tau)
                 elif impl == "chunked":
                     outs[impl] = chunked_logprob(x, w, y, tau, workspace_bytes=workspace)
@@ -129,12 +167,14 @@ def check_agreement(impls, x, w, y, tau, workspace):
                     outs[impl] = fused_logprob(x, w, y, tau, backend="triton", workspace_bytes=workspace)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
+        except Exception as e:  # a peer's API may differ from the version this was written against
+            print(f"check: {impl} failed: {type(e).__name__}: {e}")
     if len(outs) < 2:
         return
     first, (lp0, en0) = next(iter(outs.items()))
     for impl, (lp, en) in list(outs.items())[1:]:
-        print(f"check: max |logp {impl} - {first}| = {(lp - lp0).abs().max().item():.2e}, "
-              f"max |entropy diff| = {(en - en0).abs().max().item():.2e}")
+        entropy = "" if en is None else f", max |entropy diff| = {(en - en0).abs().max().item():.2e}"
+        print(f"check: max |logp {impl} - {first}| = {(lp - lp0).abs().max().item():.2e}{entropy}")
     print()
 
 
@@ -173,7 +213,8 @@ def main():
     ap.add_argument("--V", type=int, help="vocabulary (default: GPU 152064, CPU 4096)")
     ap.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: GPU bf16, CPU fp32)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--impls", nargs="+", default=["naive", "chunked", "triton"])
+    ap.add_argument("--impls", nargs="+", default=["naive", "chunked", "triton", *PEERS],
+                    help="naive chunked triton liger cce (the peers run only where importable)")
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd", "loss"])
     ap.add_argument("--workspace-mib", type=int, default=1024, help="workspace of triton/chunked")
     ap.add_argument("--repeats", type=int, default=None)
@@ -204,6 +245,12 @@ def main():
         if "triton" in impls:
             impls.remove("triton")
             print("Triton timings skipped (no GPU): the CPU interpreter is an emulator, not a backend.")
+    for impl in [i for i in impls if i in PEERS]:
+        why = ("no GPU (peers are timed on GPUs only)" if not cuda else "not installed" if not peer_available(impl)
+               else "tau != 1 (they have no temperature)" if args.temperature != 1.0 else "")
+        if why:
+            impls.remove(impl)
+            print(f"peer {impl} skipped: {why}")
     peak = matmul_peak(device, dtype, 8192 if cuda else 1024)
     print(f"measured {dtype} matmul peak: {peak:.3g} TFLOP/s;  H={H} V={V} tau={args.temperature} "
           f"workspace={args.workspace_mib} MiB\n")
@@ -217,8 +264,8 @@ def main():
         x, w, y, g = make_inputs(T, H, V, dtype, device)
         for impl in impls:
             for mode in args.modes:
-                if mode == "loss" and impl == "naive":
-                    continue                      # the naive loss is its fwd+bwd row
+                if mode == "loss" and impl in ("naive", *PEERS):
+                    continue                      # their loss is their fwd+bwd row
                 flops = flops_per[mode] * T * H * V
                 if mode == "loss" and impl == "chunked":
                     flops = 8 * T * H * V         # the twin's loss path recomputes in its backward
@@ -228,6 +275,10 @@ def main():
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     line = f"| {impl} | {mode} | {T} | OOM | | | |"
+                except Exception as e:  # a peer failing must not cost the rest of the table
+                    if impl not in PEERS:
+                        raise
+                    line = f"| {impl} | {mode} | {T} | error: {type(e).__name__} | | | |"
                 else:
                     tf = flops / sec / 1e12
                     mem_s = f"{mem / GiB:.2f}" if mem is not None else "n/a"
