@@ -2212,6 +2212,7 @@ class Rollout:
     verdicts: list = field(default_factory=list)  # per response: G Completions (empty if not verified)
     votes: list = field(default_factory=list)  # per response: G votes in {0, 1, None}
     majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
+    solved: list = field(default_factory=list)  # per response: Eq. 6's r_i before training-only penalties
     agreements: list = field(default_factory=list)
     ver_rewards: list = field(default_factory=list)  # per response: G rewards r_ij (Eq. 5), or None
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
@@ -2292,7 +2293,7 @@ def note_unsolved(sampler: dict, rollouts: list[Rollout], index: dict[str, int])
     """Remember the questions of this phase that no response solved (retrospective sampling)."""
     hard = set(sampler.setdefault("hard", []))
     hard |= {index[r.cluster.id] for r in rollouts if r.status == "ok" and r.rules
-             and not any(responder_reward(x, m) for x, m in zip(r.rules, r.majorities))}
+             and not any(r.solved)}
     sampler["hard"] = sorted(hard)
 
 
@@ -2390,7 +2391,7 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
         r.ver_rewards = [verifier_rewards(v, m, rc.verifier_format_penalty) for v, m in zip(r.votes, r.majorities)]
         decisions = r.majorities if rc.verifier_decision == "majority" else [v[0] if v else None for v in r.votes]
-        r.res_rewards = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]
+        r.solved = r.res_rewards = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mapping=rc.questioner_mapping, mu=rc.mu, sigma=rc.sigma)
         if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
@@ -2446,7 +2447,7 @@ def rollout_summary(r: Rollout) -> dict:
     """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
     cut = lambda c: c.finish_reason == "length"  # noqa: E731
     return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_output.token_ids),
-            "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "agree": r.agreements,
+            "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "solved": r.solved, "agree": r.agreements,
             "res_len": [len(c.token_ids) for c in r.responses], "res_cut": [cut(c) for c in r.responses],
             "ver": r.ver_rewards, "abstained": [sum(v is None for v in vs) for vs in r.votes],
             "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts],
@@ -2973,11 +2974,11 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s["rule"]])) if ok else 0.0,
-        # Eq. 6's r_i = max(rule, majority vote), without reward.responder_format_penalty: pass@1 on the
-        # questioner's valid questions (1 - this is Figure 4's difficulty)
-        "res/solve_rate": float(np.mean([responder_reward(r, m) for s in ok for r, m in zip(s["rule"], s["maj"])]))
+        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the training-only
+        # penalties: pass@1 on the questioner's valid questions (1 - this is Figure 4's difficulty)
+        "res/solve_rate": float(np.mean([x for s in ok for x in s["solved"]]))
         if ok else 0.0,
-        "res/all_solved": sum(min(s["res"]) == 1 for s in ok), "res/none_solved": sum(max(s["res"]) == 0 for s in ok),
+        "res/all_solved": sum(min(s["solved"]) == 1 for s in ok), "res/none_solved": sum(max(s["solved"]) == 0 for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,
         "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,

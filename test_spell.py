@@ -896,7 +896,7 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
     maj = [spell.majority_vote(v) for v in votes]
     return {"task": task, "status": "ok", "r_que": r_que, "que_len": 30, "que_cut": False, "res": res,
-            "rule": res, "maj": maj, "agree": [spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
+            "rule": res, "maj": maj, "solved": res, "agree": [spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
             "res_len": [20] * G, "res_cut": [False] * G,
             "ver": [verifier_rewards(v, m) for v, m in zip(votes, maj)], "abstained": [0] * len(res),
             "ver_len": [[5] * 4 for _ in res],
@@ -1047,6 +1047,11 @@ def test_single_vote_decides_with_the_first_vote(monkeypatch):
     assert majority.res_rewards == [1.0] * 4 and single.res_rewards == [1.0, 0.0, 0.0, 0.0]
     assert single.ver_rewards == majority.ver_rewards == [[0.0, 1.0, 1.0, 1.0]] * 4
     assert majority.que_reward == 0.0 and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3))
+    # the logged solve rate follows the decision that scored the responses
+    counts = {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0, "ver_groups": 0, "ver_candidates": 0,
+              "sequences": 0}
+    rate = lambda r: spell.step_metrics([[spell.rollout_summary(r)]], counts, {}, {})["res/solve_rate"]  # noqa: E731
+    assert rate(majority) == 1.0 and rate(single) == 0.25
 
 
 def test_consistency_filter_off_keeps_majorities_that_contradict_the_rule():
@@ -1138,9 +1143,9 @@ def test_phase_plan_and_retrospective_sampling():
     assert spell.enter_phase(sampler, 1, cfg, pools) and sampler["shard"] == [0, 2, 4] and sampler["phase"] == 0
     assert not spell.enter_phase(sampler, 2, cfg, pools)
     solved = spell.Rollout(spell.Cluster("a", "doc_qa", ["d"]), "doc_qa", [0], [], status="ok",
-                           rules=[1.0, 0.0], majorities=[None, None])
+                           rules=[1.0, 0.0], majorities=[None, None], solved=[1.0, 0.0])
     unsolved = spell.Rollout(spell.Cluster("b", "doc_qa", ["d"]), "doc_qa", [0], [], status="ok",
-                             rules=[0.0, 0.0], majorities=[0, None])
+                             rules=[0.0, 0.0], majorities=[0, None], solved=[0.0, 0.0])
     spell.note_unsolved(sampler, [solved, unsolved], {"a": 0, "b": 4})
     assert sampler["hard"] == [4]
     assert spell.enter_phase(sampler, 3, cfg, pools)
@@ -1246,6 +1251,10 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
                                   np.random.default_rng(0), key=(0, 1, 0, 0))
         rewards[judge, penalty] = r.res_rewards
         assert r.que_reward == 0.0
+        # the logged solve counts read Eq. 6, not the training reward: nothing solved, whatever the penalty
+        m = spell.step_metrics([[spell.rollout_summary(r)]], {"que_pos": 0, "que_floor": 0, "que_neg": 0,
+                               "res_groups": 0, "ver_groups": 0, "ver_candidates": 0, "sequences": 0}, {}, {})
+        assert (m["res/solve_rate"], m["res/none_solved"], m["res/all_solved"]) == (0.0, 1, 0)
     assert rewards == {("verifier", 0.0): [0.0] * 4, ("verifier", -0.5): [0.0, -0.5, 0.0, -0.5],
                        ("rule", -0.5): [0.0, -0.5, 0.0, -0.5]}
     rewards = {penalty: rewards["verifier", penalty] for penalty in (0.0, -0.5)}
@@ -3207,7 +3216,7 @@ def logged_metrics(step: int) -> dict:
     """A metrics.jsonl row as main() writes it: spell.step_metrics of two questions, one valid, one
     malformed. The train and times keys are those update_policy and main() pass in."""
     ok = {"status": "ok", "r_que": 0.5, "que_len": 30, "que_cut": False, "res": [1.0, 0.0, 0.0, 0.0],
-          "rule": [1.0, 0.0, 0.0, 0.0], "maj": [1, None, 0, 0], "res_len": [10, 20, 30, 40], "res_cut": [False] * 4,
+          "rule": [1.0, 0.0, 0.0, 0.0], "maj": [1, None, 0, 0], "solved": [1.0, 0.0, 0.0, 0.0], "res_len": [10, 20, 30, 40], "res_cut": [False] * 4,
           "ver_len": [[5] * 4] * 4, "ver_cut": [[False] * 4] * 4, "abstained": [1, 0, 0, 0]}
     bad = {"status": "format", "r_que": -1.0, "que_len": 50, "que_cut": False}
     counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1, "ver_candidates": 3,
