@@ -712,7 +712,8 @@ def memory_estimate(cfg: Config, mc, world: int, device_gib: float) -> dict[str,
         "lm_head": head_scratch,
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V, every
         # layer, bf16, its share of the KV heads) of one sequence of the longest allowed length
-        "vllm_minimum": 2 * p["total"] / tp + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens),
+        "vllm_minimum": (2 * p["total"] / tp
+                         + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)),
     }
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
@@ -2391,7 +2392,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
         r.ver_rewards = [verifier_rewards(v, m, rc.verifier_format_penalty) for v, m in zip(r.votes, r.majorities)]
         decisions = r.majorities if rc.verifier_decision == "majority" else [v[0] if v else None for v in r.votes]
-        r.solved = r.res_rewards = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]
+        r.solved = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]
+        r.res_rewards = list(r.solved)
         mean = float(np.mean(r.res_rewards))
         r.que_reward = questioner_reward(mean, mapping=rc.questioner_mapping, mu=rc.mu, sigma=rc.sigma)
         if rc.responder_format_penalty:  # bootstrapping: only the responder's own training reward changes
@@ -2447,7 +2449,8 @@ def rollout_summary(r: Rollout) -> dict:
     """The few numbers of a rollout that batch selection needs; cheap to all-gather."""
     cut = lambda c: c.finish_reason == "length"  # noqa: E731
     return {"task": r.task, "status": r.status, "r_que": r.que_reward, "que_len": len(r.que_output.token_ids),
-            "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities, "solved": r.solved, "agree": r.agreements,
+            "que_cut": cut(r.que_output), "res": r.res_rewards, "rule": r.rules, "maj": r.majorities,
+            "solved": r.solved, "agree": r.agreements,
             "res_len": [len(c.token_ids) for c in r.responses], "res_cut": [cut(c) for c in r.responses],
             "ver": r.ver_rewards, "abstained": [sum(v is None for v in vs) for vs in r.votes],
             "ver_len": [[len(c.token_ids) for c in vs] for vs in r.verdicts],
@@ -2978,7 +2981,8 @@ def step_metrics(summaries: list[list[dict]], counts: dict, train: dict, times: 
         # penalties: pass@1 on the questioner's valid questions (1 - this is Figure 4's difficulty)
         "res/solve_rate": float(np.mean([x for s in ok for x in s["solved"]]))
         if ok else 0.0,
-        "res/all_solved": sum(min(s["solved"]) == 1 for s in ok), "res/none_solved": sum(max(s["solved"]) == 0 for s in ok),
+        "res/all_solved": sum(min(s["solved"]) == 1 for s in ok),
+        "res/none_solved": sum(max(s["solved"]) == 0 for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,
         "ver/majority_rate": len(maj) / max(sum(len(s["maj"]) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
@@ -3025,7 +3029,8 @@ def log_line(step: int, steps: int, m: dict) -> str:
     ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
            if "perf/ver_s" in m else "")
     return (f"step {step}/{steps} {que}"
-            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} len {m['res/length']:.0f} {ver}"
+            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
+            f"len {m['res/length']:.0f} {ver}"
             f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s sync {m['perf/sync_s']:.1f}s")
 
@@ -3878,7 +3883,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # a phase lasts as long as its slowest rank (ranks wait for each other after each round)
         slowest = {k: max(d.get(k, 0.0) for d in all_gather_objects(dict(phase_s))) for k in phase_s}
         times = {**{f"{phase}_s": v for phase, v in slowest.items()},
-                 "rounds": rnd + 1, "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s, "step_s": time.perf_counter() - t0,
+                 "rounds": rnd + 1, "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s,
+                 "step_s": time.perf_counter() - t0,
                  "train_tokens_per_s": all_reduce_sum(int(train.get("tokens", 0)), device) / max(t2 - t1, 1e-9)}
         m = step_metrics(summaries, counts, train, times)
         if rank == 0:
