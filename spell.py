@@ -229,7 +229,7 @@ class TrainConfig:
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     # Ranks one FSDP2 shard group spans. 0 = all of them (FSDP); S = HSDP: the weights, gradients and
     # optimizer state are sharded over groups of S consecutive ranks (e.g. 8, a node) and replicated
-    # across the groups, so only the gradient all-reduce crosses nodes
+    # across them: parameters are gathered within a group, and only the gradients' all-reduce crosses groups
     fsdp_shard_size: int = 0
     logprob_impl: str = "torch"  # torch: chunked reference | triton: kernels.fused_logprob
     # Table 2's "w/o update" ablations: comma-separated roles (que, ver) that still play their part in
