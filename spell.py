@@ -944,19 +944,23 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     return llm
 
 
-def engine_groups(cfg: Config, rank: int, world: int, model_config=None) -> tuple[int, int]:
+def engine_groups(cfg: Config, rank: int, world: int, model_dir: str = "") -> tuple[int, int]:
     """(this rank's engine group, the number of groups) under rollout.tensor_parallel_size k.
 
     vLLM's external launcher groups consecutive ranks: ranks g*k ... g*k + k - 1 are engine g (its
     initialize_model_parallel lays range(world) out as (-1, k)). Everything that decides what an
     engine samples is keyed by g instead of the rank (corpus shard, generator, request seeds, vLLM's
     seed), so the ranks of a group submit identical requests. With k = 1, g is the rank. Stops with a
-    ConfigError when k does not divide the world or, given the model's config, its attention heads.
+    ConfigError when k does not divide the world or, given the model's folder (read only when k > 1),
+    its attention heads.
     """
+    from transformers import AutoConfig
+
     k = cfg.rollout.tensor_parallel_size
     if world % k:
         raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
-    if model_config is not None and k > 1:
+    if model_dir and k > 1:
+        model_config = AutoConfig.from_pretrained(model_dir)
         heads = model_config.num_attention_heads
         kv = getattr(model_config, "num_key_value_heads", None) or heads
         if heads % k or (kv % k and k % kv):  # vLLM splits query heads, and splits or replicates KV heads
@@ -3620,8 +3624,6 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
 
 def eval_main(argv: Sequence[str]) -> None:
     """`spell.py eval --model DIR --data FILE [--data FILE ...] [--section.key=value ...]`."""
-    from transformers import AutoConfig
-
     args, model, data = [], None, []
     it = iter(argv)
     for arg in it:  # --model and --data are short for --model.path and --eval.data
@@ -3639,8 +3641,7 @@ def eval_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py eval: give benchmark files with --data FILE (or --eval.data=A,B)")
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
-    split = cfg.rollout.tensor_parallel_size > 1  # then check that the model's heads split that many ways
-    engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir) if split else None)
+    engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
@@ -3661,7 +3662,7 @@ def synth_main(argv: Sequence[str]) -> None:
     draws every cluster once (a task per cluster as in training), keeps the questions that parse and
     pass the grounding filter (rollout.grounding_filter), and writes them in load_qa_set's layout.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     args, out, passes = [], None, 1
     it = iter(argv)
@@ -3682,8 +3683,7 @@ def synth_main(argv: Sequence[str]) -> None:
     corpus = load_corpus(cfg.data.corpus)
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
-    split = cfg.rollout.tensor_parallel_size > 1  # then check that the model's heads split that many ways
-    group, groups = engine_groups(cfg, rank, world, AutoConfig.from_pretrained(model_dir) if split else None)
+    group, groups = engine_groups(cfg, rank, world, model_dir)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
@@ -3772,11 +3772,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    model_config = transformers.AutoConfig.from_pretrained(model_dir)
     tp = cfg.rollout.tensor_parallel_size
-    engine_groups(cfg, rank, world, model_config)  # can vLLM split this model's heads tp ways?
+    engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads tp ways?
     if on_gpu:  # a run that cannot fit stops here, before vLLM takes its share of the device
         device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        model_config = transformers.AutoConfig.from_pretrained(model_dir)
         if model_config.model_type in ("llama", "qwen2"):  # the dense decoders parameter_counts knows
             estimate = memory_estimate(cfg, model_config, world, device_gib)
             print0(memory_line(estimate, device_gib))

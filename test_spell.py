@@ -2155,7 +2155,7 @@ def test_rollout_fingerprint_and_group_check():
         spell.check_groups_agree([base, base, 5, 6], 2)
 
 
-def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split():
+def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
     """Groups of consecutive ranks, as vLLM's external launcher makes them (start_vllm checks that at
     run time); a size that does not divide the world or the model's heads stops before vLLM starts."""
     from transformers import LlamaConfig, Qwen2Config
@@ -2165,16 +2165,23 @@ def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split():
     assert [spell.engine_groups(cfg(2), r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     with pytest.raises(spell.ConfigError, match=re.escape("tensor_parallel_size = 3 must divide the number of ranks, 4")):
         spell.engine_groups(cfg(3), 0, 4)
-    qwen7b = Qwen2Config(**QWEN25_7B)  # 28 heads, 4 KV heads
+    # without tensor parallelism the model's folder is not read (a hub name need not resolve offline)
+    assert spell.engine_groups(cfg(1), 1, 2, str(tmp_path / "no_such_model")) == (1, 2)
+
+    def saved(config, name):  # engine_groups reads the model folder's config.json, as main() passes it
+        config.save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    qwen7b = saved(Qwen2Config(**QWEN25_7B), "qwen7b")  # 28 heads, 4 KV heads
     for k in (2, 4):
         assert spell.engine_groups(cfg(k), 5, 8, qwen7b) == (5 // k, 8 // k)
     with pytest.raises(spell.ConfigError, match="must divide the model's 28 attention heads"):
         spell.engine_groups(cfg(8), 0, 8, qwen7b)  # 8 KV copies would do (replicated), 28 / 8 heads would not
-    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M
+    smollm2 = saved(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3), "smollm2")  # SmolLM2-135M
     assert spell.engine_groups(cfg(3), 0, 3, smollm2) == (0, 1)
     with pytest.raises(spell.ConfigError, match="9 attention heads"):
         spell.engine_groups(cfg(2), 0, 2, smollm2)
-    kv = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6)
+    kv = saved(LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6), "kv6")
     with pytest.raises(spell.ConfigError, match="6 key/value heads"):  # 4 splits 12 heads, neither divides 6 nor is a multiple
         spell.engine_groups(cfg(4), 0, 4, kv)
 
@@ -3532,6 +3539,13 @@ def worker_parity(tiny_dir: str) -> None:
     # no dist.destroy_process_group(): vLLM's exit hook tears its groups down and fails if we did first
 
 
+def worker_mesh(shard_size: str, world: int):
+    """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size (a command-line string)."""
+    cfg = spell.Config()
+    cfg.train.fsdp_shard_size = int(shard_size)
+    return spell.policy_mesh(cfg, "cpu", world)
+
+
 def worker_buckets(out_file: str, shard_size: str = "0") -> None:
     """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2 (HSDP for a shard_size
     below the world); bucketed_state_dict against gathered_state_dict and the unsharded weights, for
@@ -3541,15 +3555,12 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh_cfg = spell.Config()
-    mesh_cfg.train.fsdp_shard_size = int(shard_size)
     config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
     reference = LlamaForCausalLM(config).float()
     truth = {k: v.clone() for k, v in reference.state_dict().items()}
-    model = spell.shard_policy(copy.deepcopy(reference), spell.policy_mesh(mesh_cfg, "cpu", world),
-                               param_dtype=torch.float32)
+    model = spell.shard_policy(copy.deepcopy(reference), worker_mesh(shard_size, world), param_dtype=torch.float32)
     real_start, real_gather = spell.start_bucket_gather, dist.all_gather_into_tensor
 
     def start(entries, dtype):  # records each bucket's full sizes, which bucket each name is in, and when
@@ -3667,10 +3678,8 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh_cfg = spell.Config()
-    mesh_cfg.train.fsdp_shard_size = int(shard_size)
-    mesh = spell.policy_mesh(mesh_cfg, "cpu", world)
-    assert mesh.ndim == (2 if mesh_cfg.train.fsdp_shard_size not in (0, world) else 1)
+    mesh = worker_mesh(shard_size, world)
+    assert mesh.ndim == (2 if int(shard_size) not in (0, world) else 1)
     batch = update_batch()
     results = {"layer_calls": {}}
     for name, budget, impl, opt, checkpointing in UPDATE_VARIANTS:
