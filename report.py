@@ -61,7 +61,7 @@ FIGURES = {
     ]),
     "responder": ("Responder (§4.1; reward Eq. 6)", "res/", [
         ("solve rate max(rule, vote) (Eq. 6) / rule pass rate", ["res/solve_rate", "res/rule_pass"]),
-        ("training reward (with reward.responder_format_penalty)", ["res/reward"]),
+        ("training reward (with bootstrap.responder_format_penalty)", ["res/reward"]),
         ("groups: valid / kept / all solved / none solved", ["res/groups", "res/kept_groups",
                                                             "res/all_solved", "res/none_solved"]),
         ("response length (tokens)", ["res/length"]),
@@ -99,7 +99,7 @@ def add_derived(row: dict) -> dict:
     drawn, valid, solved = (number(row.get(k)) for k in ("que/questions", "res/groups", "res/solve_rate"))
     if drawn > 0 and math.isfinite(valid):
         row["que/valid_rate"] = valid / drawn
-    # not from res/reward: that is the training reward, which reward.responder_format_penalty can make
+    # not from res/reward: that is the training reward, which bootstrap.responder_format_penalty can make
     # negative. Logs written before res/solve_rate existed get no difficulty
     if valid > 0 and math.isfinite(solved):  # with no valid question the solve rate is a placeholder 0
         row["que/difficulty"] = 1.0 - solved

