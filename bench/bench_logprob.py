@@ -15,13 +15,14 @@ Implementations (per-token logp of the sampled tokens and the entropy, fp32):
   cce      peer: Apple's Cut Cross-Entropy (cut_cross_entropy.linear_cross_entropy, its "cce" Triton
            kernels with their default gradient filter, filter_eps "high"), logp = -CE
   The peers compute no entropy and have no temperature: they run at tau = 1 only, in the fwd and
-  fwd+bwd modes (credited like the others), when importable; on a GPU machine without them, carry the
-  wheels (bench/RESULTS.md, "Peers").
+  fwd+bwd modes (credited like the others), when importable; on a GPU machine without them, carry
+  the wheels (bench/RESULTS.md, "Peers").
 
 Modes and the FLOPs credited (the LM-head GEMMs only):
   fwd      no-grad forward, as for old/reference log-probs          2 T H V
   fwd+bwd  forward, then backward of sum_t g_t logp_t              8 T H V (recompute in backward)
-           (the naive path keeps its logits, so it really does 6 T H V; credited 8 for comparability)
+           (the naive path keeps its logits, so it really does 6 T H V;
+           credited 8 for comparability)
   loss     fused loss path: gradient computed in the forward       6 T H V
 
 TFLOP/s are compared with the measured dense matmul peak of the same device and dtype (a large
@@ -64,11 +65,13 @@ def peer_logprob(impl, hidden, weight, targets):
     """A peer's per-token log-probs at tau = 1: minus its unreduced linear cross-entropy."""
     if impl == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-        ce = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, -100, 0.0, 0.0, "none")
+        ce = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, -100,
+                                                        0.0, 0.0, "none")
     else:
         from cut_cross_entropy import linear_cross_entropy
         ce = linear_cross_entropy(hidden, weight, targets, reduction="none", impl="cce")
-    ce = ce[0] if isinstance(ce, tuple) else ce  # Liger returns (loss, z_loss, ...) in some versions
+    # Liger returns (loss, z_loss, ...) in some versions
+    ce = ce[0] if isinstance(ce, tuple) else ce
     return -ce.float()
 
 
@@ -77,7 +80,8 @@ PEERS = ("liger", "cce")
 
 def peer_available(impl) -> bool:
     import importlib.util
-    return importlib.util.find_spec({"liger": "liger_kernel", "cce": "cut_cross_entropy"}[impl]) is not None
+    module = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}[impl]
+    return importlib.util.find_spec(module) is not None
 
 
 def run_once(impl, mode, x, w, y, g, tau, workspace):
@@ -107,7 +111,8 @@ def run_once(impl, mode, x, w, y, g, tau, workspace):
         loss, _, _ = fused_logprob_loss(xr, wr, y, g, tau, backend=backend, **kw)
     else:
         fn = {"naive": naive_logprob, "chunked": chunked_logprob}.get(impl)
-        logp, _ = fn(xr, wr, y, tau, **kw) if fn else fused_logprob(xr, wr, y, tau, backend="triton", **kw)
+        logp, _ = (fn(xr, wr, y, tau, **kw) if fn
+                   else fused_logprob(xr, wr, y, tau, backend="triton", **kw))
         loss = (g * logp).sum()
     loss.backward()
     xr.grad = wr.grad = None
@@ -164,7 +169,8 @@ def check_agreement(impls, x, w, y, tau, workspace):
                 elif impl == "chunked":
                     outs[impl] = chunked_logprob(x, w, y, tau, workspace_bytes=workspace)
                 else:
-                    outs[impl] = fused_logprob(x, w, y, tau, backend="triton", workspace_bytes=workspace)
+                    outs[impl] = fused_logprob(x, w, y, tau, backend="triton",
+                                               workspace_bytes=workspace)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
         except Exception as e:  # a peer's API may differ from the version this was written against
@@ -173,7 +179,8 @@ def check_agreement(impls, x, w, y, tau, workspace):
         return
     first, (lp0, en0) = next(iter(outs.items()))
     for impl, (lp, en) in list(outs.items())[1:]:
-        entropy = "" if en is None else f", max |entropy diff| = {(en - en0).abs().max().item():.2e}"
+        entropy = ("" if en is None
+                   else f", max |entropy diff| = {(en - en0).abs().max().item():.2e}")
         print(f"check: max |logp {impl} - {first}| = {(lp - lp0).abs().max().item():.2e}{entropy}")
     print()
 
@@ -208,10 +215,12 @@ def set_tiles(spec: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one (the smallest) T only, fewer repeats")
-    ap.add_argument("--T", type=int, nargs="+", help="token counts (default: GPU 4K..64K, CPU 512 1024)")
+    ap.add_argument("--T", type=int, nargs="+",
+                    help="token counts (default: GPU 4K..64K, CPU 512 1024)")
     ap.add_argument("--H", type=int, help="hidden size (default: GPU 3584, CPU 256)")
     ap.add_argument("--V", type=int, help="vocabulary (default: GPU 152064, CPU 4096)")
-    ap.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: GPU bf16, CPU fp32)")
+    ap.add_argument("--dtype", default=None,
+                    help="bfloat16 | float16 | float32 (default: GPU bf16, CPU fp32)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--impls", nargs="+", default=["naive", "chunked", "triton", *PEERS],
                     help="naive chunked triton liger cce (the peers run only where importable)")
@@ -244,9 +253,11 @@ def main():
         print(f"device: CPU, {torch.get_num_threads()} threads")
         if "triton" in impls:
             impls.remove("triton")
-            print("Triton timings skipped (no GPU): the CPU interpreter is an emulator, not a backend.")
+            print("Triton timings skipped (no GPU): "
+                  "the CPU interpreter is an emulator, not a backend.")
     for impl in [i for i in impls if i in PEERS]:
-        why = ("no GPU (peers are timed on GPUs only)" if not cuda else "not installed" if not peer_available(impl)
+        why = ("no GPU (peers are timed on GPUs only)" if not cuda
+               else "not installed" if not peer_available(impl)
                else "tau != 1 (they have no temperature)" if args.temperature != 1.0 else "")
         if why:
             impls.remove(impl)
@@ -255,7 +266,8 @@ def main():
     print(f"measured {dtype} matmul peak: {peak:.3g} TFLOP/s;  H={H} V={V} tau={args.temperature} "
           f"workspace={args.workspace_mib} MiB\n")
 
-    check_agreement(impls, *make_inputs(Ts[0], H, V, dtype, device)[:3], args.temperature, workspace)
+    check_agreement(impls, *make_inputs(Ts[0], H, V, dtype, device)[:3], args.temperature,
+                    workspace)
     flops_per = {"fwd": 2, "fwd+bwd": 8, "loss": 6}
     rows = []
     print("| impl | mode | T | time (ms) | TFLOP/s | % of peak | peak extra mem (GiB) |")

@@ -34,8 +34,8 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "m_ptr", "s_ptr", "r_ptr", "zy_ptr", "z_pt
 
 def compile_kernel(fn, signature, constexprs, sm, tiles):
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in signature if k in ALIGNED}
-    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
-                    attrs=attrs)
+    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", sm, 32),
                           options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
@@ -58,10 +58,12 @@ def resources(compiled):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sm", type=int, nargs="+", default=[90, 80])
-    ap.add_argument("--tiles", default=None, help="BMxBNxBK/SPLIT/WARPS/STAGES (default: the table)")
+    ap.add_argument("--tiles", default=None,
+                    help="BMxBNxBK/SPLIT/WARPS/STAGES (default: the table)")
     args = ap.parse_args()
     for sm in args.sm:
-        for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                ("fp32", torch.float32)):
             tiles = K.pick_tiles(torch_dtype, 4096, 4096)
             if args.tiles:
                 dims, split, warps, stages = args.tiles.split("/")
@@ -83,7 +85,8 @@ def main():
                            H="i32", inv_tau="fp32", stride_z="i32", stride_dz="i32")
             for load_z, has_gh in ((False, True), (False, False), (True, False)):
                 c = compile_kernel(K._logprob_bwd_kernel, bwd_sig,
-                                   dict(LOAD_Z=load_z, HAS_G=True, HAS_GH=has_gh, **common), sm, tiles)
+                                   dict(LOAD_Z=load_z, HAS_G=True, HAS_GH=has_gh, **common),
+                                   sm, tiles)
                 print(f"sm_{sm} {dt} dZ (LOAD_Z={load_z}, HAS_GH={has_gh}): {resources(c)}")
         merge_sig = dict(m_ptr="*fp32", s_ptr="*fp32", r_ptr="*fp32", zy_ptr="*fp32",
                          logp_ptr="*fp32", ent_ptr="*fp32", mx_ptr="*fp32", logs_ptr="*fp32",

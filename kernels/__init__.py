@@ -46,7 +46,8 @@ def _use_triton(backend: str, hidden: torch.Tensor) -> bool:
     raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
 
 
-def fused_logprob(hidden, weight, targets, temperature=1.0, *, backend="auto", workspace_bytes=None):
+def fused_logprob(hidden, weight, targets, temperature=1.0, *, backend="auto",
+                  workspace_bytes=None):
     """logp, entropy (fp32 [T]) of `targets` under softmax(hidden @ weight.T / temperature).
 
     hidden [T, H], weight [V, H] (same dtype: fp32/fp16/bf16; contiguous; may be a non-leaf view),

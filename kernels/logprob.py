@@ -29,8 +29,8 @@ function of the inputs and the tile table: the no-grad pass and the training pas
 same logp.
 
 Backward (`_logprob_bwd_kernel` + torch GEMMs). The forward keeps only (M, log S) and H (12 bytes
-per token). The backward walks [token chunk x vocab slice] blocks sized so that one block of dZ fits in
-a workspace bounded in bytes; the kernel recomputes each BM x BN logit tile, forms dZ in fp32 and
+per token). The backward walks [token chunk x vocab slice] blocks sized so that one block of dZ fits
+in a workspace bounded in bytes; the kernel recomputes each BM x BN logit tile, forms dZ in fp32 and
 rounds it once to the GEMM operand dtype; then torch (cuBLAS) does dX += dZ W_slice (accumulated in
 fp32 across slices) and dW_slice = dZ^T X. When one token chunk covers all T (the usual case for
 T < ~100k at the default 1 GiB workspace) every dW row slice is written exactly once, with no
@@ -38,9 +38,10 @@ T < ~100k at the default 1 GiB workspace) every dW row slice is written exactly 
 
 Fused loss path (`triton_logprob_loss`). When every token's loss weight coef_t is known before the
 forward, as in on-policy GRPO (loss = sum_t coef_t logp_t), the gradient needs no second pass: per
-token chunk the forward kernel also stores the fp32 logits in the workspace, the merge gives (M, log S),
-the backward kernel turns the stored logits into dZ (g = coef), and the two GEMMs give dX and dW
-right away. 6 T H V FLOPs; the backward only scales the stored dX, dW by the incoming scalar.
+token chunk the forward kernel also stores the fp32 logits in the workspace, the merge gives
+(M, log S), the backward kernel turns the stored logits into dZ (g = coef), and the two GEMMs give
+dX and dW right away. 6 T H V FLOPs; the backward only scales the stored dX, dW by the
+incoming scalar.
 
 Limits: X and W fp32, fp16 or bf16 (same dtype), contiguous; y int64 in [0, V); tau > 0. fp32
 inputs use IEEE fp32 dots unless torch's float32 matmul precision allows TF32. All offsets are
@@ -140,14 +141,17 @@ def _grouped_tile(pid, n_m, n_n, GROUP_M: tl.constexpr):
 def _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_tau,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """z[BM, BN] = X[rows] W[cols]^T * inv_tau in fp32 (int64 rows/cols; padded rows/cols give 0)."""
+    """z[BM, BN] = X[rows] W[cols]^T * inv_tau in fp32
+    (int64 rows/cols; padded rows/cols give 0)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < H
-        x = tl.load(x_ptr + rows[:, None] * H + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * H + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # W tile loaded already transposed, [BK, BN]: W is [V, H] row-major, so k is contiguous.
-        w = tl.load(w_ptr + cols[None, :] * H + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * H + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -179,16 +183,18 @@ def _logprob_fwd_kernel(
     for v0 in range(v_begin, v_end, BN):
         cols = v0 + tl.arange(0, BN)
         col_ok = cols < V
-        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_tau, BM, BN, BK, UPCAST, PRECISION)
+        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_tau,
+                        BM, BN, BK, UPCAST, PRECISION)
         if STORE_Z:
-            tl.store(z_ptr + rows[:, None] * V + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
-        z = tl.where(col_ok[None, :], z, float("-inf"))                # vocab tail: -inf before the max
+            tl.store(z_ptr + rows[:, None] * V + cols[None, :], z,
+                     mask=row_ok[:, None] & col_ok[None, :])
+        z = tl.where(col_ok[None, :], z, float("-inf"))  # vocab tail: -inf before the max
         zy += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(z, axis=1))                       # finite: every tile has a real column
-        alpha = tl.exp(m - m_new)                                      # 0 on the first tile (m = -inf)
+        m_new = tl.maximum(m, tl.max(z, axis=1))         # finite: every tile has a real column
+        alpha = tl.exp(m - m_new)                        # 0 on the first tile (m = -inf)
         shift = tl.where(m == float("-inf"), 0.0, m - m_new)
         d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
-        e = tl.exp(z - m_new[:, None])                                 # exactly 0 on the tail
+        e = tl.exp(z - m_new[:, None])                   # exactly 0 on the tail
         r = alpha * (r + shift * s) + tl.sum(e * d, axis=1)
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
@@ -203,7 +209,8 @@ def _logprob_fwd_kernel(
 @triton.jit
 def _logprob_merge_kernel(
     m_ptr, s_ptr, r_ptr, zy_ptr,          # partials [n_splits, T]
-    logp_ptr, ent_ptr, mx_ptr, logs_ptr,  # outputs [T] fp32: logp, H, and lse = M + log S in two parts
+    logp_ptr, ent_ptr, mx_ptr, logs_ptr,  # outputs [T] fp32: logp, H, and lse = M + log S
+                                          # in two parts
     T, n_splits, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -254,7 +261,8 @@ def _logprob_bwd_kernel(
         z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :],
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     else:
-        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_tau, BM, BN, BK, UPCAST, PRECISION)
+        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_tau,
+                        BM, BN, BK, UPCAST, PRECISION)
     mx = tl.load(mx_ptr + rows, mask=row_ok, other=0.0)
     log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
     # Padding lanes (rows past T, columns past the slice) get p = 0, and never exp of a big number.
@@ -273,7 +281,8 @@ def _logprob_bwd_kernel(
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         dz -= gh[:, None] * p * (log_p + ent[:, None])
     dz = dz * inv_tau
-    tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
+    tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :],
+             dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,7 +321,8 @@ def _forward_stats(x, w, y, inv_tau, tiles, z_out=None):
 
 
 def _launch_dz(dz, x, w, z, y, norm, ent, g, gh, v_offset, inv_tau, tiles):
-    """Fill dz [Tc, Vs] (a view with unit column stride) from recomputed (z None) or stored logits."""
+    """Fill dz [Tc, Vs] (a view with unit column stride)
+    from recomputed (z None) or stored logits."""
     Tc, Vs = dz.shape
     grid = (triton.cdiv(Tc, tiles.bm) * triton.cdiv(Vs, tiles.bn),)
     _logprob_bwd_kernel[grid](
@@ -362,7 +372,8 @@ def _grad_outputs(x, w, need_dx, need_dw, one_chunk):
     dW32 (V H 4 bytes) and dW is made from it at the end."""
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw and one_chunk else None
-    dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw and not one_chunk else None
+    dw32 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            if need_dw and not one_chunk else None)
     return dx, dw, dw32
 
 
@@ -409,7 +420,8 @@ def loss_chunk_tokens(T: int, V: int, elem_bytes: int, workspace_bytes: int, til
 
 
 def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, tiles):
-    """logp, entropy, and dX, dW of sum_t coef_t logp_t, from one pass over the vocabulary (6THV)."""
+    """logp, entropy, and dX, dW of sum_t coef_t logp_t,
+    from one pass over the vocabulary (6THV)."""
     T, H = x.shape
     V = w.shape[0]
     logp = torch.empty(T, dtype=torch.float32, device=x.device)

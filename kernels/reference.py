@@ -55,7 +55,8 @@ def check_inputs(hidden, weight, targets, temperature, *, dtypes, coef=None) -> 
         raise ValueError(f"targets must be 1-D [T] with T = hidden.shape[0] = {hidden.shape[0]}, "
                          f"got shape {tuple(targets.shape)}")
     if hidden.dtype not in dtypes:
-        raise ValueError(f"hidden dtype must be one of {[str(d) for d in dtypes]}, got {hidden.dtype}")
+        raise ValueError(f"hidden dtype must be one of {[str(d) for d in dtypes]}, "
+                         f"got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
     if targets.dtype != torch.int64:
@@ -71,7 +72,8 @@ def check_inputs(hidden, weight, targets, temperature, *, dtypes, coef=None) -> 
                          f"V={weight.shape[0]}")
     tau = float(temperature)
     if not (math.isfinite(tau) and tau > 0):
-        # tau -> 0 is greedy decoding; its log-probs are not defined, so refuse rather than divide by 0.
+        # tau -> 0 is greedy decoding; its log-probs are not defined,
+        # so refuse rather than divide by 0.
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if coef is not None:
         if not isinstance(coef, torch.Tensor):
@@ -143,7 +145,7 @@ def half_gemm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
                 torch.addmm(c, a, b, out_dtype=torch.float32, out=c)          # accumulate in place
                 ok = (got.dtype == torch.float32 and torch.allclose(got, prod, rtol=1e-4, atol=1e-4)
                       and torch.allclose(c, want, rtol=1e-4, atol=1e-4))
-            except (RuntimeError, TypeError):                 # NotImplementedError is a RuntimeError
+            except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
                 ok = False
         _FP32_OUT_OK[key] = ok
     return _FP32_OUT_OK[key]
@@ -182,7 +184,8 @@ def _chunk_tokens(vocab: int, chunk_bytes: int) -> int:
 
 
 def _chunk_stats(x_c, w_c, y_c, inv_tau):
-    """log softmax of one token chunk's tempered logits, its exp, logp, entropy (fp32; fp64 for fp64)."""
+    """log softmax of one token chunk's tempered logits, its exp, logp, entropy
+    (fp32; fp64 for fp64)."""
     z = mm_fp32(x_c, w_c.T) * inv_tau                               # (C, V)
     # log_softmax subtracts the max before adding log-sum-exp back, so a large common offset in z
     # never passes through a rounded lse (z - logsumexp(z) would leave sum p != 1 by ~1e-4 at 1e3).
@@ -199,7 +202,7 @@ class _ChunkedLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, inv_tau, chunk_bytes):
         T, V = hidden.shape[0], weight.shape[0]
         cdt = operand_dtype(weight)
-        w_c = weight.to(cdt)                                         # upcast once (if at all), not per chunk
+        w_c = weight.to(cdt)  # upcast once (if at all), not per chunk
         stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp = torch.empty(T, dtype=stat_dtype, device=hidden.device)
         entropy = torch.empty_like(logp)
@@ -239,7 +242,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             # Chain rule through z = raw / tau, in fp32; only then round to the GEMM operand dtype.
             dz = (dz * ctx.inv_tau).to(cdt)
             if need_dx:
-                dx[t0:t0 + step] = dz @ w_c                          # one product per chunk: no accumulation
+                # one product per chunk: no accumulation
+                dx[t0:t0 + step] = dz @ w_c
             if need_dw:
                 addmm_fp32_(dw, dz.T, x_c)                           # fp32 accumulation over chunks
         return dx, (dw.to(weight.dtype) if need_dw else None), None, None, None
@@ -262,6 +266,7 @@ def chunked_logprob_loss(hidden, weight, targets, coef, temperature=1.0, *, work
     """Twin of `fused_logprob_loss`: loss = sum_t coef[t] logp[t], with logp, entropy detached."""
     check_inputs(hidden, weight, targets, temperature,
                  dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64), coef=coef)
-    logp, entropy = chunked_logprob(hidden, weight, targets, temperature, workspace_bytes=workspace_bytes)
+    logp, entropy = chunked_logprob(hidden, weight, targets, temperature,
+                                    workspace_bytes=workspace_bytes)
     loss = (coef.to(logp.dtype) * logp).sum()
     return loss, logp.detach(), entropy.detach()
