@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 from fractions import Fraction
 from math import comb
 from pathlib import Path
@@ -19,15 +18,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from conftest import SPEAKER_QUESTION, qa_record
-
-from conftest import make_tiny_model
-
 import evaluation
 import spell
-from conftest import CharTokenizer, REPO, protocol_corpus, torchrun
-from evaluation import EvalDataError, EvalItem, eval_metrics, eval_table, evaluate, infer_benchmark, load_benchmark, load_eval_data, middle_truncate, pass_at_k
-from spell import cover_exact_match
+from conftest import (CharTokenizer, REPO, SPEAKER_QUESTION, make_tiny_model, protocol_corpus,
+                      qa_record, run_worker, torchrun)
+from evaluation import (EvalDataError, EvalItem, eval_metrics, eval_table, evaluate,
+                        infer_benchmark, load_benchmark, load_eval_data, middle_truncate, pass_at_k)
+from spell import (cover_exact_match)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,11 +95,9 @@ def test_pass_at_k_rejects_bad_arguments(n, c, k, error):
         pass_at_k(n, c, k)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Middle truncation
 # ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("length, max_len, head, tail", [
     (10, 4, 2, 2),     # even: equal halves
@@ -132,11 +127,9 @@ def test_middle_truncate_rejects_empty_budget():
         middle_truncate([1, 2, 3], 0)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Loaders, native layouts, inference of the benchmark, errors naming file / position / field
 # ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("name, content", [
     ("hotpotqa.jsonl", b'{"input": "a"}\n{"input": "caf\xe9"}\n'),
@@ -336,11 +329,9 @@ def test_parquet(tmp_path):
     assert load_benchmark(str(tmp_path / "musique.parquet")) == load_benchmark(str(FIXTURES / "musique.jsonl"))
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Metrics and the table
 # ------------------------------------------------------------------------------------------------
-
 
 def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None) -> dict:
     rules = scores if rules is None else rules
@@ -375,19 +366,14 @@ def test_eval_metrics_guards():
         eval_metrics([_record("musique", 0, [1, 0, 1])], n=4)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # The driver with a scripted engine: who gets judged, how scores combine, what is written
 # ------------------------------------------------------------------------------------------------
-
 
 class FakeCompletion(NamedTuple):
     token_ids: list[int]
     text: str
     finish_reason: str
-
-
-
 
 
 RULE_RIGHT = 2  # the scripted responder: samples 0..1 pass the rule, sample 2 needs the judge, 3.. fail
@@ -541,7 +527,6 @@ def test_two_ranks_match_one_rank(tmp_path, monkeypatch):
     assert two.read_text() == one.read_text()
 
 
-
 # ------------------------------------------------------------------------------------------------
 # End to end: real vLLM on CPU, the tiny random model, all six fixture files
 # ------------------------------------------------------------------------------------------------
@@ -576,11 +561,9 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
     assert calls["responder_prompts"] == len(items)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # A separate judge (eval.judge_model) takes the evaluated engine's place after the answers
 # ------------------------------------------------------------------------------------------------
-
 
 def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]:
     """scripted_engine, plus a log of which engine served each call and of engine stops and starts."""
@@ -671,7 +654,6 @@ def test_separate_judge_end_to_end_vllm(tiny_dir, tiny_judge_dir, tmp_path):
     assert header in proc.stdout
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Held-out eval set: evals/sotu_heldout_qa.jsonl (State of the Union 1961-1980, not in training)
 # ------------------------------------------------------------------------------------------------
@@ -711,11 +693,9 @@ def test_heldout_sotu_set_loads_and_every_answer_is_in_its_passage():
     assert build.build() == records
 
 
-
 # ------------------------------------------------------------------------------------------------
 # RLVR's static QA set (data.qa): load_qa_set
 # ------------------------------------------------------------------------------------------------
-
 
 def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
     path = tmp_path / "qa.jsonl"
@@ -752,7 +732,6 @@ def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
 # Synth: a static QA set for RLVR
 # ------------------------------------------------------------------------------------------------
 
-
 @pytest.mark.stack
 def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     """`spell.py synth`: the speaker as questioner over the protocol corpus writes a QA set in
@@ -773,11 +752,9 @@ def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     assert again.returncode != 0 and "never overwritten" in again.stdout
 
 
-
 # ------------------------------------------------------------------------------------------------
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
-
 
 def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
     """One torchrun rank: `spell.py eval` on the tiny model over every fixture file, counting engine calls."""
@@ -786,13 +763,13 @@ def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
     counts = {"responder_prompts": 0, "judge_prompts": 0}
 
-    real_generate = spell.generate
+    real_generate = evaluation.generate
 
     def counting_generate(engine, prompts, **kw):
         counts["judge_prompts" if kw["temperature"] == 0.0 else "responder_prompts"] += len(prompts)
         return real_generate(engine, prompts, **kw)
 
-    spell.generate = counting_generate
+    evaluation.generate = counting_generate
     evaluation.run_eval(model_dir, [str(FIXTURES / name) for name in FIXTURE_FILES], out_dir=out_dir, seed=0,
                 dtype="float32", **EVAL_E2E)
     for key, value in counts.items():
@@ -810,7 +787,7 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
 
     dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
     rank = dist.get_rank()
-    real_generate, real_start = spell.generate, spell.start_vllm
+    real_generate, real_start = evaluation.generate, evaluation.start_vllm
     models = []  # weak references to the model of every engine started so far
     log = {"calls": [], "freed_before_judge": None}
 
@@ -827,14 +804,12 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
         log["calls"].append((engine.llm_engine.model_config.model, kind, len(prompts)))
         return real_generate(engine, prompts, **kw)
 
-    spell.generate, spell.start_vllm = generate, start_vllm
+    evaluation.generate, evaluation.start_vllm = generate, start_vllm
     evaluation.run_eval(model_dir, [str(FIXTURES / "hotpotqa.jsonl"), str(FIXTURES / "longbench_v2.json")],
                    out_dir=out_dir, judge_model=judge_dir, n=2, max_input_len=200, max_output_len=16, seed=0,
                    dtype="float32")
     Path(out_dir, f"worker_rank{rank}.json").write_text(json.dumps(log))
 
 
-
 if __name__ == "__main__":
-    workers = {"eval-e2e": worker_eval_e2e, "eval-judge-e2e": worker_eval_judge_e2e}
-    workers[sys.argv[1]](*sys.argv[2:])
+    run_worker({"eval-e2e": worker_eval_e2e, "eval-judge-e2e": worker_eval_judge_e2e})

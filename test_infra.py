@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -15,17 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import logged_inputs, logged_metrics
-
 import infra
 import spell
-from conftest import GOOD_CLUSTER, REPO, TEMPERATURE, metrics, snapshot, torchrun, worker_mesh
+from conftest import (GOOD_CLUSTER, REPO, TEMPERATURE, logged_inputs, logged_metrics, metrics,
+                      run_worker, snapshot, torchrun, worker_mesh)
 
 
 # ------------------------------------------------------------------------------------------------
 # Config mechanics: stacking, coercion, unreadable files
 # ------------------------------------------------------------------------------------------------
-
 
 def test_config_files_stack_later_ones_winning(tmp_path):
     a, b = tmp_path / "a.toml", tmp_path / "b.toml"
@@ -88,7 +85,6 @@ def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content,
     with pytest.raises(spell.ConfigError, match=re.escape(message)):
         spell.main(["--config", str(config), f"--log.out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,11 +219,9 @@ def test_hsdp_mesh_and_memory():
         infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0), 80.0, 16)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # The embedded model's export
 # ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.stack
 def test_export_loads_in_transformers(embedded_dir, capsys):
@@ -270,11 +264,9 @@ def test_export_runs_in_vllm(embedded_dir):
     assert m["export_vllm_answer_ok"] == 1.0
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Bucketed weight sync
 # ------------------------------------------------------------------------------------------------
-
 
 def test_sync_buckets_bound():
     """Consecutive, in order, every item once; a bucket exceeds the bound only as a lone oversized item."""
@@ -316,11 +308,9 @@ def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
     assert any(len(b) == 1 and b[0] > r["bound"] for r in results for b in r["buckets"])  # an oversized tensor
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Tensor-parallel rollouts and rebalancing
 # ------------------------------------------------------------------------------------------------
-
 
 def test_share_within_groups():
     """Tensor-parallel rollouts: items named by a group's first rank spread over that group's ranks, longest
@@ -407,11 +397,9 @@ def test_plan_rebalance():
         assert max(load) <= sum(load) / len(load) + longest
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Checkpoint integrity
 # ------------------------------------------------------------------------------------------------
-
 
 def tiny_checkpoint(out_dir: Path, step: int = 1) -> Path:
     """A real one-rank checkpoint (DCP shard, .metadata, rank0.pt, meta.json) of a Linear and its AdamW moments."""
@@ -556,11 +544,9 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
             infra.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Logging: the step line, metrics.jsonl, TensorBoard
 # ------------------------------------------------------------------------------------------------
-
 
 def test_log_line_shows_the_roles_that_ran():
     """The console line has a part per role that ran: all three in self-play, no questioner under data.qa
@@ -601,7 +587,6 @@ def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
-
 
 def worker_export_smoke(model_dir: str) -> None:
     """One rank: the exported SmolLM2 folder starts in vLLM and answers a chat prompt, stopping at <|im_end|>."""
@@ -682,7 +667,6 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
     dist.destroy_process_group()
 
 
-
 if __name__ == "__main__":
-    workers = {"export-smoke": worker_export_smoke, "buckets": worker_buckets}
-    workers[sys.argv[1]](*sys.argv[2:])
+    run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets})
+

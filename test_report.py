@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import report
-from conftest import logged_metrics
+from conftest import (logged_metrics)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,7 +97,6 @@ def test_compare_refuses_different_questions_and_bad_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| base: " in out and "| 2 | 1 | 50.0 |" in out
     assert "| trained - base (paired) | 2 | | +0.0 | [+0.0, +0.0] |" in out
-
 
 
 # ------------------------------------------------------------------------------------------------

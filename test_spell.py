@@ -32,21 +32,21 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import qa_record
-
-
-from conftest import make_tiny_model
-
 import infra
 import spell
-from conftest import CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S, demo_args, metrics, protocol_corpus, read_metrics, role_sequences, snapshot, start_torchrun, tiny_llama, torchrun, worker_mesh
-from spell import HistoryMemory, cover_exact_match, extract_answer, group_advantages, majority_vote, numbers_match, parse_question, parse_verdict, questioner_reward, questioner_samples_to_keep, responder_groups_to_keep, responder_reward, rule_reward, token_logprobs, verifier_groups_to_keep, verifier_rewards
+from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S, demo_args,
+                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics,
+                      role_sequences, run_worker, snapshot, start_torchrun, tiny_llama, torchrun,
+                      worker_mesh)
+from spell import (HistoryMemory, cover_exact_match, extract_answer, group_advantages,
+                   majority_vote, numbers_match, parse_question, parse_verdict, questioner_reward,
+                   questioner_samples_to_keep, responder_groups_to_keep, responder_reward,
+                   rule_reward, token_logprobs, verifier_groups_to_keep, verifier_rewards)
 
 
 # ------------------------------------------------------------------------------------------------
 # Config
 # ------------------------------------------------------------------------------------------------
-
 
 def test_config_file_and_overrides(tmp_path):
     p = tmp_path / "c.toml"
@@ -176,7 +176,6 @@ def test_every_number_key_rejects_nonsense(key):
             spell.check_config(cfg)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 1. Tasks and prompts
 # ------------------------------------------------------------------------------------------------
@@ -228,7 +227,6 @@ def test_rendered_examples():
     assert "<text>\nEmpty\n</text>" in r and "(C) 1803" in r
     v = spell.verifier_prompt(mc, "B", "C")
     assert "Question: Which year?\n(A) 1801" in v and "Answer 1: B" in v and "Answer 2: C" in v
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -600,11 +598,9 @@ def test_fuzz_parsers_never_raise():
     assert slowest < 15.0  # 10x the slowest measured (a 1 MB output)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 3. History memory
 # ------------------------------------------------------------------------------------------------
-
 
 def test_history_memory_growth_until_exhausted():
     rng = np.random.default_rng(0)
@@ -634,11 +630,9 @@ def test_history_memory_dedup_and_state():
     assert restored.size == 3 and restored.get("c", "doc_qa")[0].doc_ids == [0, 1]
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 4. Rewards
 # ------------------------------------------------------------------------------------------------
-
 
 def test_verifier_and_responder_rewards():
     assert verifier_rewards([1, 0, 1, None], 1) == [1.0, 0.0, 1.0, 0.0]
@@ -719,11 +713,9 @@ def test_overlong_penalty_worked_values():
     assert spell.overlong_penalty(100, 100, 0) == 0.0
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 5. Role phases: rollout_round on a scripted engine
 # ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
 def test_score_rollouts_uses_the_configured_mapping(mapping):
@@ -971,11 +963,9 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
     assert responder_groups_to_keep([rewards[0.0]]) == [] and responder_groups_to_keep([rewards[-0.5]]) == [0]
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 6. The batch (§4.3)
 # ------------------------------------------------------------------------------------------------
-
 
 def test_responder_groups_to_keep():
     assert responder_groups_to_keep([[1, 1, 1], [0, 1, 0], [0, 0, 0], [1]]) == [1]
@@ -1126,7 +1116,6 @@ def test_select_batch_spreads_kept_groups_over_ranks():
     # hypergeometric: mean 22 * 128 / 176 = 16, sd 2.0; 6 sd either side would still catch the old order
     assert sum(per_rank) == 128 and all(16 - 12 <= k <= 22 for k in per_rank), per_rank
     assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]  # same on every rank
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1361,11 +1350,9 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
         spell.role_norm([1, 2], ["a", "b"], None, 0)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 8. The update: update_policy on 1, 2 and 4 ranks
 # ------------------------------------------------------------------------------------------------
-
 
 def update_batch() -> list[spell.Seq]:
     """12 sequences of a global batch (vocabulary 1000): (prompt, completion, advantage, weight),
@@ -1439,11 +1426,9 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     assert results[1]["grad_norm"] > 0.05, "the clip at 0.05 must bind, or the test does not cover it"
 
 
-
 # ------------------------------------------------------------------------------------------------
 # 9. The cluster sampler
 # ------------------------------------------------------------------------------------------------
-
 
 def test_phase_plan_and_retrospective_sampling():
     """data.phases switches the sampler's pool at the configured step (QwenLong-L1 Eq. 9), and with
@@ -1489,11 +1474,9 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
     assert [c.id for c, _ in again.draw(5)] == [c.id for c, _ in sampler.draw(5)]
 
 
-
 # ------------------------------------------------------------------------------------------------
 # main: the loop on the real stack (torchrun + FSDP2 on gloo + in-process vLLM, CPU)
 # ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.stack
 def test_demo_preset_end_to_end(demo_run):
@@ -1845,11 +1828,9 @@ def test_bad_input_is_one_line_on_the_command_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Machine room: data, packing, vLLM, sync, logging
 # ------------------------------------------------------------------------------------------------
-
 
 def test_load_corpus(tmp_path):
     p = tmp_path / "c.jsonl"
@@ -2039,14 +2020,9 @@ def test_trainer_vllm_parity_after_sync(tiny_dir):
     assert m["fsdp_grad_max_abs_diff"] < 1e-5
 
 
-
-
-
-
 # ------------------------------------------------------------------------------------------------
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
-
 
 def worker_big_batch(tiny_dir: str) -> None:
     """One rank: a batch of seeded requests whose prompts do not fit one engine step together."""
@@ -2202,7 +2178,6 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
     dist.destroy_process_group()
 
 
-
 if __name__ == "__main__":
-    workers = {"big-batch": worker_big_batch, "parity": worker_parity, "export-vllm": worker_export_vllm, "update": worker_update}
-    workers[sys.argv[1]](*sys.argv[2:])
+    run_worker({"big-batch": worker_big_batch, "parity": worker_parity, "export-vllm": worker_export_vllm, "update": worker_update})
+

@@ -8,7 +8,7 @@
 
 The trainer packs several sequences into one row with position_ids restarting at 0
 (spell.pack_sequences), and HF attention finds the sequence boundaries there
-(spell.attention_implementation):
+(infra.attention_implementation):
   sdpa               builds a dense (T, T) block-diagonal causal mask: O(T^2) memory (4 GiB at 64K)
   flex_attention     builds a BlockMask from the sequence ids and runs torch's
                      FlexAttention (compiled)

@@ -18,10 +18,10 @@ local port, nccl on GPU, gloo on CPU), a Qwen2ForCausalLM with fp32 master weigh
 checkpointing), AdamW with the recipe's lr and weight decay, and
 spell.update_policy(policy, optimizer, seqs, cfg, 1, device) with cfg = spell.Config() but for
 train.micro_batch_tokens, train.logprob_impl and model.attn_implementation (resolved by
-spell.attention_implementation, as main() does). seqs are what spell.training_sequences returns,
+infra.attention_implementation, as main() does). seqs are what spell.training_sequences returns,
 (prompt ids, completion ids, advantage, weight): random tokens, sequences of irregular lengths
 that fill --micro-batches micro-batches of exactly T tokens, ~90 % prompt (long context, short
-answers), weights from spell.loss_weights.
+answers), weights from spell.LOSS_NORMS.
 
 Reported per case: seconds per update (median of --repeats after one warm-up update, which holds
 FlexAttention's compilation and AdamW's state allocation), tokens/s (prompt + completion tokens
@@ -62,6 +62,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import spell
 
+import infra  # noqa: E402
 import spell  # noqa: E402
 
 GiB = 1 << 30
@@ -83,11 +84,11 @@ def model_config(shape: dict, layers: int, max_tokens: int) -> Qwen2Config:
 
 def build_policy(config: Qwen2Config, cfg: spell.Config, mesh, param_dtype: torch.dtype,
                  init_on: torch.device, seed: int = 0):
-    """main()'s policy: fp32 masters, the attention spell.attention_implementation picks,
+    """main()'s policy: fp32 masters, the attention infra.attention_implementation picks,
     shard_policy. Random weights drawn on `init_on`: main() loads its checkpoint on the CPU and
     FSDP2 moves it to the mesh's device, as it does here for init_on = cpu (the same weights on
     every device: --check); init_on = the GPU draws 7B-shaped weights in seconds."""
-    attn = spell.attention_implementation(cfg, on_gpu=mesh.device_type == "cuda")
+    attn = infra.attention_implementation(cfg, on_gpu=mesh.device_type == "cuda")
     torch.manual_seed(seed)
     with init_on:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn,
@@ -121,12 +122,12 @@ def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed
     completions = [max(1, min(n - 1, round(n * (1 - s)))) for n, s in zip(lengths, share.tolist())]
     # a responder group of G sequences per group id; the advantages' values do not change the cost
     groups = [i // cfg.rollout.group_size for i in range(len(lengths))]
-    weights = spell.loss_weights(completions, groups, cfg.train.loss_norm, ["res"] * len(lengths),
-                                 cfg.rollout.max_new_tokens)
+    weights = spell.LOSS_NORMS[cfg.train.loss_norm](completions, groups, ["res"] * len(lengths),
+                                                    cfg.rollout.max_new_tokens)
     advantages = torch.randn(len(lengths), generator=g).tolist()
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
-    return [(ids(n - c), ids(c), a, w)
+    return [spell.Seq(ids(n - c), ids(c), a, w)
             for n, c, a, w in zip(lengths, completions, advantages, weights)]
 
 
@@ -135,7 +136,7 @@ def model_flops(config: Qwen2Config, seqs: list[tuple]) -> float:
     H, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q = config.num_attention_heads * head_dim
-    decoder = L * spell.parameter_counts(config)["layer"]  # embedding lookups and the head excluded
+    decoder = L * infra.parameter_counts(config)["layer"]  # embedding lookups and the head excluded
     total = sum(len(p) + len(c) for p, c, _, _ in seqs)
     completion = sum(len(c) for _, c, _, _ in seqs)  # the LM head runs on completion positions only
     # causal: half of 12 L q n^2
@@ -159,14 +160,14 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192) -> floa
 
 
 def layers_that_fit(T: int, device_gib: float) -> tuple[int, float]:
-    """The most decoder layers (<= 28) whose update, by spell.memory_estimate at T tokens, fits in
+    """The most decoder layers (<= 28) whose update, by infra.memory_estimate at T tokens, fits in
     85 % of the device less 2 GiB (CUDA context, allocator slack)
     and SDPA's dense (T, T) bool mask."""
     cfg = spell.Config()
     cfg.train.micro_batch_tokens, cfg.train.logprob_impl = T, "triton"  # the larger LM-head scratch
     budget = 0.85 * device_gib - 2 - T * T / GiB
     for layers in range(FULL_LAYERS, 0, -1):
-        est = spell.memory_estimate(cfg, model_config(QWEN25_7B, layers, T), world=1,
+        est = infra.memory_estimate(cfg, model_config(QWEN25_7B, layers, T), world=1,
                                     device_gib=device_gib)
         if est["update_phase"] <= budget:  # no vLLM beside it (sleep_level 1 leaves it out anyway)
             return layers, est["update_phase"]
@@ -229,7 +230,7 @@ def bench(args) -> None:
           f"MLP {config.intermediate_size}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, "
           f"V {config.vocab_size}, untied; "
-          f"{spell.parameter_counts(config)['total'] / 1e9:.3g}B parameters; "
+          f"{infra.parameter_counts(config)['total'] / 1e9:.3g}B parameters; "
           f"FLOPs count these {layers} layers")
     print(f"# FSDP2 world 1, params fp32, compute {str(param_dtype).removeprefix('torch.')}, "
           f"gradient checkpointing; AdamW; {args.micro_batches} micro-batches of T tokens "

@@ -65,16 +65,17 @@ def worker(buckets: list[int], repeats: int) -> None:
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO))
+    import infra
     import spell
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model_dir = str(REPO / ".cache" / "SmolLM2-135M-Instruct")
     if rank == 0:
-        spell.export_embedded_model(model_dir)  # a no-op once exported
+        infra.export_embedded_model(model_dir)  # a no-op once exported
     dist.barrier()
-    spell.set_vllm_log_level("ERROR")
-    rollout_dtype = spell.rollout_dtype("auto", on_gpu=False)
+    infra.set_vllm_log_level("ERROR")
+    rollout_dtype = infra.rollout_dtype("auto", on_gpu=False)
     llm = spell.start_vllm(model_dir, max_model_len=1024, seed=rank, dtype=rollout_dtype)
     transformers.utils.logging.disable_progress_bar()
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -91,7 +92,7 @@ def worker(buckets: list[int], repeats: int) -> None:
         def weights():
             if mb == 0:
                 return spell.gathered_state_dict(policy, dtype)
-            return spell.bucketed_state_dict(policy, dtype, mb << 20, ahead=ahead)
+            return infra.bucketed_state_dict(policy, dtype, mb << 20, ahead=ahead)
 
         def gather_only():
             for _ in weights():
