@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from infra import (ConfigError, CorpusError, InputError, all_gather_objects, engine_groups, resolve_model,
-                   parse_args, rollout_dtype, set_vllm_log_level, write_atomic)
-from spell import (LETTERS, TASKS, Cluster, ClusterSampler, HistoryMemory, _validate_question,
-                   chat_ids, extract_answer, generate, init_distributed, load_config, load_corpus,
-                   parse_verdict, render_prompt, request_seeds, rule_reward,
-                   run_grounding, run_questioner, start_engine, start_vllm)
+from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
+                   engine_groups, parse_args, resolve_model, rollout_dtype, set_vllm_log_level,
+                   write_atomic)
+from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
+                   _validate_question, chat_ids, extract_answer, generate, init_distributed,
+                   load_config, load_corpus, parse_verdict, render_prompt, request_seeds,
+                   rule_reward, run_grounding, run_questioner, start_engine, start_vllm,
+                   strip_verdict_tags)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -198,7 +200,7 @@ def _text(rec: dict, key: str, where: str) -> str:
     value = rec.get(key)
     if not isinstance(value, str) or not value.strip():
         raise _bad(where, rec, key, "a non-empty string")
-    return value
+    return _tokenizable(value, where, key)
 
 
 def _texts(rec: dict, key: str, where: str) -> list[str]:
@@ -206,6 +208,8 @@ def _texts(rec: dict, key: str, where: str) -> list[str]:
     value = rec.get(key)
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):
         raise _bad(where, rec, key, "a non-empty list of non-empty strings")
+    for i, v in enumerate(value):
+        _tokenizable(v, where, f"{key}[{i}]")
     return value
 
 
@@ -214,7 +218,16 @@ def _ident(rec: dict, key: str, where: str) -> str:
     value = rec.get(key)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
         raise _bad(where, rec, key, "an id (string or integer)")
-    return str(value)
+    return _tokenizable(str(value), where, key)
+
+
+def _tokenizable(value: str, where: str, key: str) -> str:
+    """value, refused at load when it holds a lone surrogate (JSON "\\ud800"): chat_ids would raise
+    on it in the middle of the run."""
+    if not _utf8(value):
+        raise EvalDataError(f"{where}, field {key!r}: expected text without a lone surrogate "
+                            "(a JSON \\ud800-\\udfff escape, which no tokenizer can encode)")
+    return value
 
 
 # ---- the four native layouts
@@ -331,8 +344,12 @@ def eval_prompt(item: EvalItem) -> str:
 
 def judge_prompt(item: EvalItem, prediction: str | None) -> str:
     """The LLM-judge prompt for one extracted answer against the first gold answer (Appendix C.2, Table 3)."""
-    return render_prompt("judge", question=item.question, prediction=prediction or NO_ANSWER,
-                         reference=item.answers[0])
+    # as in verifier_prompt: a tag in a field (the prediction is the model's) must not read as the
+    # judge's decision, so each field loses its [[YES]] / [[NO]]; a bare tag is no answer
+    shown = strip_verdict_tags(prediction or "")
+    return render_prompt("judge", question=strip_verdict_tags(item.question),
+                         prediction=shown if shown.strip() else NO_ANSWER,
+                         reference=strip_verdict_tags(item.answers[0]))
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
@@ -672,12 +689,22 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
     for c, (where, rec) in zip(clusters, records):
         c.task = c.task or "doc_qa"
+        if bad := _surrogate_fields(rec):  # _validate_question would only say "no question"
+            raise CorpusError(f"{where}: field {bad[0]!r} {SURROGATE_NOTE}")
         c.qa = _validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = "'question', 'answer'" + (", 'options'" if TASKS[c.task].multiple_choice else "")
             raise CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
     return clusters
+
+
+def _surrogate_fields(rec: dict) -> list[str]:
+    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+    options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
+    fields = {"question": rec.get("question"), "answer": rec.get("answer"),
+              **{f"options.{k}": v for k, v in options.items()}}
+    return [key for key, v in fields.items() if isinstance(v, str) and not _utf8(v)]
 
 
 # ==================================================================================================

@@ -13,6 +13,7 @@ object, so spell.py reads top to bottom without it, like kernels/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -20,10 +21,12 @@ import os
 import random
 import re
 import shutil
+import string
 import tempfile
 import time
 import tomllib
 import typing
+import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
@@ -51,6 +54,11 @@ class ConfigError(InputError):
 
 class CorpusError(InputError):
     """A corpus or QA-set file that does not follow the format; the message names file, line and field."""
+
+
+# JSON can write half of a UTF-16 pair ("\ud800"): Python reads it into a str no tokenizer encodes
+SURROGATE_NOTE = ("holds a lone surrogate (a JSON \\ud800-\\udfff escape), "
+                   "which no tokenizer can encode")
 
 
 class CheckpointError(InputError):
@@ -245,7 +253,8 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
 
 
 # ==================================================================================================
-# Reading the policy's JSON in linear time, whatever it writes (spell.parse_question)
+# Reading the policy's text in linear time, whatever it writes: JSON candidates, normalised
+# words, an answer's candidates, control tokens (spell.parse_question, the rules, chat_ids)
 # ==================================================================================================
 
 def fenced_blocks(text: str) -> list[tuple[int, str]]:
@@ -262,33 +271,156 @@ def fenced_blocks(text: str) -> list[tuple[int, str]]:
     return found
 
 
-_JSON_TOKEN = re.compile(r'\\.|[{}"]', re.S)  # an escaped character, a brace or a quote
+_JSON_TOKEN = re.compile(r'\\.|[{}"\n]', re.S)  # an escaped character, a brace, a quote, a newline
 
 
 def json_candidates(text: str, key: str) -> list[str]:
-    """Fenced blocks and balanced top-level {...} spans holding `key` (e.g. '"question"'), in order
-    of where they end: what spell.parse_question tries to read, in linear time."""
-    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing
-    # 10**5 parses
+    """Fenced blocks and outermost balanced {...} spans holding `key` (e.g. '"question"'), by where
+    they end: what spell.parse_question tries to read, in linear time.
+
+    A span is outermost when no brace around it ever closes: an unclosed '{' in prose ("I think {
+    maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
+    key in each, and parsing each, stays linear in the text.
+    """
+    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing 10**5 parses
     if key not in text:
         return []
     found = [(end, body) for end, body in fenced_blocks(text) if key in body]
-    depth, start, in_str = 0, 0, False
+    opened: list[int] = []  # positions of the braces open here, outermost first
+    inner: dict[int, list] = {}  # depth d -> the spans that closed right inside opened[d]
+    top: list[tuple[int, int]] = []  # spans that closed with no brace open around them
+    in_str = False
     for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
-        if in_str:  # inside a JSON string braces do not count, nor does an escaped quote
-            in_str = m[0] != '"'
+        # inside a JSON string braces do not count, nor does an escaped quote; and a JSON string
+        # holds no raw newline, so a quote opened in prose ends at the line's end
+        if in_str:
+            in_str = m[0] not in ('"', "\n")
             continue
         ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
-        if ch == '"' and depth > 0:
+        if ch == '"' and opened:
             in_str = True
         elif ch == "{":
-            start = i if depth == 0 else start
-            depth += 1
-        elif ch == "}" and depth > 0:
-            depth -= 1
-            if depth == 0 and text.find(key, start, i + 1) >= 0:
-                found.append((i + 1, text[start:i + 1]))
+            opened.append(i)
+        elif ch == "}" and opened:
+            start = opened.pop()
+            inner.pop(len(opened), None)  # the spans inside it stop being outermost
+            (inner.setdefault(len(opened) - 1, []) if opened else top).append((start, i + 1))
+    # a brace that never closed was prose: the spans inside it are outermost too
+    spans = top + [span for inside in inner.values() for span in inside]
+    found += [(end, text[start:end]) for start, end in spans
+              if text.find(key, start, end) >= 0]
     return [s for _, s in sorted(found, key=lambda p: p[0])]
+
+
+# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
+# ~20x slower)
+_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
+_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
+_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
+# punctuation and symbols, also combining marks
+_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def _space_if_punctuation(m: re.Match) -> str:
+    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
+    word."""
+    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
+
+
+def normalize_text(s: str) -> str:
+    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
+    Unicode-aware)."""
+    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
+    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
+    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
+    s = _ASCII_PUNCTUATION.sub(" ", s)
+    if not s.isascii():
+        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
+    return " ".join(w for w in s.split() if w not in _ARTICLES)
+
+
+# "/", ";", "&" and a comma stand between alternatives; a comma between digits is a number's "1,500"
+ALTERNATIVE_MARK = re.compile(r"[/;&]|,(?:(?!\d)|(?<!\d,))")
+BREAK = "/"  # marks that place in a list of words: normalize_text never leaves a "/" in a word
+CONJUNCTIONS = frozenset(("or", "and", "nor"))  # words that join alternatives: "Paris or Berlin"
+# words that deny what follows them: "not Paris", "isn't Paris" (normalize_text leaves "isn t")
+NEGATIONS = frozenset(("not", "never", "neither", "nor", "t"))
+YES_NO = frozenset(("yes", "no"))
+
+
+def answer_tokens(text: str) -> list[str]:
+    """normalize_text's words of text, with BREAK where it had '/', ';', '&' or a comma outside a
+    number."""
+    tokens: list[str] = []
+    for k, piece in enumerate(ALTERNATIVE_MARK.split(text)):  # marks are punctuation: same words
+        tokens += [BREAK] * (k > 0) + normalize_text(piece).split()
+    return tokens
+
+
+def gold_starts(words: list[str], gold: list[str]) -> list[int]:
+    """Indices in words where the gold's words occur, left to right and not overlapping."""
+    # padding with spaces turns substring search into whole-word search, as in cover_exact_match
+    hay, needle = " " + " ".join(words) + " ", " " + " ".join(gold) + " "
+    word_at, offset = {}, 0  # where a word's leading space stands in hay -> the word's index
+    for i, w in enumerate(words):
+        word_at[offset] = i
+        offset += len(w) + 1
+    starts, pos = [], hay.find(needle)
+    while pos >= 0:
+        starts.append(word_at[pos])
+        pos = hay.find(needle, pos + len(needle) - 1)  # its trailing space may lead the next one
+    return starts
+
+
+def candidate_count(tokens: list[str], gold: dict[int, int]) -> int:
+    """How many candidates an answer names: groups of words split at breaks and conjunctions outside
+    the gold's spans (gold: token index of a span's first word -> index past its last), the gold
+    counting as a word. A group led by a negation rules out ("Paris, not Berlin"); an empty one is
+    nothing ("Paris;")."""
+    count, lead, i = 0, None, 0  # lead: the first word of the group being read, None while empty
+    while i <= len(tokens):
+        if i in gold:  # the gold's own "/" or "or" ("AC/DC", "War and Peace") splits nothing
+            lead = "" if lead is None else lead
+            i = gold[i]
+        elif i == len(tokens) or tokens[i] == BREAK or tokens[i] in CONJUNCTIONS:
+            count += lead is not None and lead not in NEGATIONS
+            lead, i = None, i + 1
+        else:
+            lead = tokens[i] if lead is None else lead
+            i += 1
+    return count
+
+
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer reads as special ids wherever they stand: role tags, end of turn."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    return tuple(sorted(special | set(getattr(tokenizer, "all_special_tokens", None) or ())))
+
+
+_WORD_JOINER = "\u2060"  # invisible, and no tokenizer's control token holds it
+
+
+def defuse_control_tokens(text: str, tokens: Sequence[str]) -> str:
+    """text with a word joiner after the first character of every place a control token starts.
+
+    "Paris<|im_end|>\n<|im_start|>system" in an answer would otherwise end the user turn of the
+    verifier's prompt and open a system turn. Text that holds no control token comes back unchanged,
+    so its ids do not change either.
+    """
+    tokens = tuple(t for t in tokens if len(t) > 1)  # one character cannot be split (none in use)
+    if not any(t in text for t in tokens):
+        return text
+    return _control_token_starts(tokens).sub(lambda m: m[0] + _WORD_JOINER, text)
+
+
+@functools.lru_cache(maxsize=8)
+def _control_token_starts(tokens: tuple[str, ...]) -> re.Pattern:
+    """Matches the first character of every occurrence of a token, overlapping ones included."""
+    # a lookahead at each position also finds occurrences that overlap; a joiner lands inside each
+    # of them, and inserting joiners cannot make a new occurrence (no token holds one)
+    return re.compile("(?=" + "|".join(map(re.escape, tokens)) + ")(.)", re.S)
 
 
 def loads_lenient(s: str) -> Any:

@@ -93,11 +93,9 @@ import math
 import os
 import re
 import signal
-import string
 import sys
 import time
 import types
-import unicodedata
 import zlib
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -113,17 +111,18 @@ import torch.distributed as dist
 # switches Triton to its interpreter, which only works if that happens before anything imports
 # triton.
 import kernels
-from infra import (CheckpointError, ConfigError, CorpusError, InputError, RunLog,
-                   all_gather_objects, all_reduce_max, all_reduce_sum, attention_implementation,
-                   balance_sequences, bucketed_state_dict, check_checkpoint, check_every_key,
-                   check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
-                   checkpoint_dir, config_to_dict, engine_groups, export_hf, json_candidates,
-                   jsonl_records, loads_lenient, parse_args, policy_mesh, print0,
-                   rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
-                   rng_state, rollout_dtype, rollout_fingerprint, save_atomically, seed_everything,
-                   set_rng_state, set_vllm_log_level, share_within_groups, step_times,
-                   train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
-                   write_run_config)
+from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
+                   SURROGATE_NOTE, YES_NO, all_gather_objects, all_reduce_max, all_reduce_sum,
+                   answer_tokens, attention_implementation, balance_sequences, bucketed_state_dict,
+                   candidate_count, check_checkpoint, check_every_key, check_groups_agree,
+                   check_launch, check_memory_at_start, check_vllm_groups, checkpoint_dir,
+                   config_to_dict, control_tokens, defuse_control_tokens, engine_groups, export_hf,
+                   gold_starts, json_candidates, jsonl_records, loads_lenient, normalize_text,
+                   parse_args, policy_mesh, print0, rank0_progress_bar, read_config,
+                   refresh_tied_lm_head_on_cpu, resolve_model, rng_state, rollout_dtype,
+                   rollout_fingerprint, save_atomically, seed_everything, set_rng_state,
+                   set_vllm_log_level, share_within_groups, step_times, train_mode_without_dropout,
+                   vllm_platform_kwargs, world_of_one_env, write_run_config)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -423,9 +422,15 @@ LETTERS = ("A", "B", "C", "D")
 
 def check_doc_qa(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
     """A general-QA question: the reference answer is a short span (rollout.max_answer_words)."""
-    if not answer.strip() or len(answer.split()) > max_words:
+    if not answer.strip() or len(answer.split()) > max_words or not _matchable_gold(answer):
         return None
     return {"question": question, "answer": answer.strip()}
+
+
+def _matchable_gold(answer: str) -> bool:
+    """A doc_qa gold that the rule can match at all: some word left after normalisation (not a bare
+    "A" or "The"), one line (extraction reads one), no '*' (extraction drops an answer's '*')."""
+    return bool(normalize_text(answer)) and "\n" not in answer.strip() and "*" not in answer
 
 
 def check_fin_math(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
@@ -468,16 +473,36 @@ def extract_number_answer(body: str) -> str | None:
 
 
 def extract_letter_answer(body: str) -> str | None:
-    """A multiple-choice answer: the last '\\boxed{X}' or 'answer is (X)'; a letter must stand alone
-    (not the 'A' of 'Apple')."""
+    """The option a multiple-choice response settles on (SPEC §3): the last of '\\boxed{X}',
+    'answer is (X)' or 'answer is option x', an 'Answer: X' line, a last line of only 'Option X'."""
+    # a letter must stand alone (not the 'A' of 'Apple'); 'Option B' counts only as the answer,
+    # never in prose ("option A is wrong because..."): after a marker, or alone on the last line
     hits = [(m.start(), m[1]) for m in re.finditer(r"\\boxed\{\s*\(?([A-D])\)?\s*\}", body)]
-    hits += [(m.start(), m[1]) for m in _MC_ANSWER.finditer(body)]
-    return max(hits)[1] if hits else None
+    hits += [(m.start(), m[1] or m[2]) for m in _MC_ANSWER.finditer(body)]
+    hits += [(m.start(), m[1] or m[2] or m[3]) for m in _MC_ANSWER_LINE.finditer(body)]
+    last = body.rstrip()
+    start = last.rfind("\n") + 1
+    if m := _MC_OPTION_LINE.fullmatch(last, start):
+        hits.append((start, m[1]))
+    return max(hits)[1].upper() if hits else None
 
 
-def rule_doc_qa(predicted: str, gold: str) -> bool:
-    """Cover exact match (§4.2), for a prediction not far longer than the gold (departure 1)."""
-    return short_enough(predicted, gold) and cover_exact_match(predicted, gold)
+def rule_doc_qa(prediction: str, gold: str) -> bool:
+    """R_rule for doc_qa (Eq. 6, SPEC §3): the prediction covers the gold on word boundaries (CEM,
+    §4.2), offers no other candidate ("Paris/Berlin"), does not deny the gold ("not Paris") and is
+    not far longer than it; a yes/no gold needs the answer to be yes or no (departure 1)."""
+    g = normalize_text(gold).split()
+    if " ".join(g) in YES_NO:  # a yes/no question is answered by yes or no, never by "yes/no"
+        return normalize_text(prediction) == g[0]
+    if not g or not short_enough(prediction, gold):
+        return False
+    tokens = answer_tokens(prediction)
+    at = [i for i, t in enumerate(tokens) if t != BREAK]  # the token index of each word
+    words = [tokens[i] for i in at]
+    starts = gold_starts(words, g)
+    if not starts or any(k > 0 and words[k - 1] in NEGATIONS for k in starts):
+        return False
+    return candidate_count(tokens, {at[k]: at[k + len(g) - 1] + 1 for k in starts}) < 2
 
 
 def rule_doc_mc(predicted: str, gold: str) -> bool:
@@ -606,8 +631,13 @@ def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a one-turn chat with the generation prompt, tokenised once, by the trainer."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+    """Token ids of a one-turn chat with the generation prompt, tokenised once on the trainer side.
+
+    Every prompt enters here, and its text is documents, model output and our templates: none of it
+    may become a control token, so a role tag written as text is defused first.
+    """
+    content = defuse_control_tokens(text, control_tokens(tokenizer))
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                               add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
 
@@ -699,7 +729,16 @@ def parse_question(text: str, task: str, correct_letter: str | None = None,
 # match the same characters, so 200k spaces after a marker cost linear time (r"\s*:?\s*\**\s*" was
 # cubic)
 _MARKER = re.compile(r"\banswer\s+is\b\s*:?", re.I)
-_MC_ANSWER = re.compile(r"\b(?i:answer\s+is)\b[\s:*]*\(?([A-D])\)?(?![A-Za-z0-9])")
+# a letter after 'answer is': '(C)' or 'C' in capitals, or after 'option' / 'choice' in either case
+_MC_CHOICE = r"(?:(?i:option|choice)[ \t]*\(?([A-Da-d])\)?|\(?([A-D])\)?)(?![A-Za-z0-9])"
+_MC_ANSWER = re.compile(r"\b(?i:answer\s+is)\b[\s:*]*" + _MC_CHOICE)
+# a line that starts 'Answer:' (also 'Final answer:', markdown allowed): a bare letter must end the
+# line, so the 'A' of 'Answer: A lot depends on...' is prose
+_MC_ANSWER_LINE = re.compile(r"^[ \t*#>]*(?i:(?:final|correct)[ \t]+)?(?i:answer)[ \t*]*:[ \t*]*(?:"
+                             r"(?i:option|choice)[ \t]*\(?([A-Da-d])\)?(?![A-Za-z0-9])|\(([A-D])\)"
+                             r"|([A-D])[.)*]*[ \t\r]*$)", re.M)
+# a last line that is only an option: 'Option B.', '**option (b)**'
+_MC_OPTION_LINE = re.compile(r"[ \t*#>]*(?i:option|choice)[ \t]*\(?([A-Da-d])\)?[ \t.*!]*")
 _PLACEHOLDER_ANSWER = "insert answer here"
 
 
@@ -728,8 +767,12 @@ _CURRENCY = ("$", "€", "£", "¥")
 
 
 def parse_number(text: Any) -> float | None:
-    """The first finite number in a string ('$1,234.5 million' -> 1234.5, '-12%' -> -12.0), else
-    None."""
+    """The number a text gives as its answer, else None ('$1,234.5 million' -> 1234.5, '-1%' -> -1).
+
+    Where: the line after the last 'answer is' (as extract_answer reads it), else the last non-empty
+    line; there the first number that is not a label ('FY2023: 1.5' -> 1.5, 'Q4' and '2023:' are
+    labels). Accounting parentheses make it negative: '$(1,234)' -> -1234.0.
+    """
     if isinstance(text, bool):
         return None
     if isinstance(text, (int, float)):
@@ -738,20 +781,57 @@ def parse_number(text: Any) -> float | None:
         except OverflowError:  # an integer beyond the float range (JSON integers are unbounded)
             return None
         return value if math.isfinite(value) else None
-    s = str(text).replace("\u2212", "-").replace(",", "")
-    m = _NUMBER.search(s)
-    if not m:
+    s = _number_region(str(text).replace("\u2212", "-")).replace(",", "")
+    m = _answer_number(s)
+    if m is None:
         return None
     value = float(m[0])
     if not math.isfinite(value):  # "1e999"
         return None
-    # the sign stands before the number or before its currency: "-12", "- $12", "$-12". Looked up
-    # with str methods: a regex r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
+    return -value if _is_negative(s, m) else value
+
+
+def _number_region(s: str) -> str:
+    """The part of a text that states its number: the answer after the last 'answer is' marker, else
+    the last non-empty line (a derivation that ends 'Profit: 20' states 20)."""
+    if _MARKER.search(s):
+        return _after_last_marker(s) or ""  # a marker with nothing after it states no number
+    s = s.rstrip()
+    return s[s.rfind("\n") + 1:]
+
+
+def _answer_number(s: str) -> re.Match | None:
+    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
+    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
+    # first number, not the last
+    first = None
+    for m in _NUMBER.finditer(s):
+        if not _is_label(s, m):
+            return m
+        first = first or m
+    return first
+
+
+def _is_label(s: str, m: re.Match) -> bool:
+    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
+    ('2023: 1.5')."""
+    glued = m.start() > 0 and s[m.start() - 1].isalpha()
+    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
+    return glued or colon
+
+
+_CLOSING_PAREN = re.compile(r"\s*\)")
+
+
+def _is_negative(s: str, m: re.Match) -> bool:
+    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
+    around them ('(12)', '$(1,234)', '($1,234)')."""
+    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
     head = s[:m.start()].rstrip()
-    negative = head.endswith("-")
-    if head.endswith(_CURRENCY):
-        negative = negative or head[:-1].rstrip().endswith("-")
-    return -value if negative else value
+    if head.endswith(_CURRENCY):  # the sign or the parenthesis may stand before the currency
+        head = head[:-1].rstrip()
+    accounting = head.endswith("(") and _CLOSING_PAREN.match(s, m.end()) is not None
+    return head.endswith("-") or accounting
 
 
 def format_number(value: float) -> str:
@@ -763,34 +843,6 @@ def format_number(value: float) -> str:
     return format(Decimal(repr(value)), "f")  # repr: the shortest digits that give the float back
 
 
-# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
-# ~20x slower)
-_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
-_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
-_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
-# punctuation and symbols, also combining marks
-_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
-_ARTICLES = frozenset(("a", "an", "the"))
-
-
-def _space_if_punctuation(m: re.Match) -> str:
-    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
-    word."""
-    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
-
-
-def normalize_text(s: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
-    Unicode-aware)."""
-    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
-    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
-    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
-    s = _ASCII_PUNCTUATION.sub(" ", s)
-    if not s.isascii():
-        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
-    return " ".join(w for w in s.split() if w not in _ARTICLES)
-
-
 def cover_exact_match(prediction: str, gold: str) -> bool:
     """CEM (§4.2): the normalised gold answer occurs in the prediction, on word boundaries."""
     p, g = normalize_text(prediction), normalize_text(gold)
@@ -800,17 +852,15 @@ def cover_exact_match(prediction: str, gold: str) -> bool:
     return f" {g} " in f" {p} "
 
 
-# a doc_qa prediction may hold at most this many words per word of the gold
-CEM_MAX_LENGTH_RATIO = 2
+CEM_MAX_LENGTH_RATIO = 3  # a doc_qa prediction holds at most this many words per word of the gold
 
 
 def short_enough(prediction: str, gold: str, ratio: int = CEM_MAX_LENGTH_RATIO) -> bool:
-    """The prediction is at most `ratio` times the gold's length in normalised words (Eq. 6's rule).
+    """The prediction is at most `ratio` times the gold's length in normalised words (rule of Eq. 6).
 
-    CEM alone pays a list of candidates ("Paris, London, Berlin, Madrid" holds "Berlin"), and
-    Eq. 6's max lets that override the verifier's NO. With ratio 2 the gold plus as many words again
-    passes ("Berlin, Germany", "Eiffel Tower in Paris"), a list of three same-length candidates
-    never does; a longer correct paraphrase is left to the verifier.
+    The bound for what _candidate_count cannot see, candidates with nothing between them ("Paris
+    Berlin Madrid Rome"); with ratio 3 the gold inside a short phrase passes ("the city of Berlin",
+    "Eiffel Tower in Paris"), and a longer correct paraphrase is left to the verifier.
     """
     return len(normalize_text(prediction).split()) <= ratio * len(normalize_text(gold).split())
 
@@ -824,11 +874,13 @@ def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
         return p == g
     if (p < 0) != (g < 0):
         return False
-    # percent vs fraction, and thousands/millions/billions
-    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):
-        for a, b in ((p * scale, g), (p, g * scale)):
-            if abs(a - b) <= rel_tol * abs(b):
-                return True
+    # |p*s - g| <= tol*|g| written as |ratio*s - 1| <= tol: scaling a gold of 1e300 by 1e9 gave inf,
+    # and inf <= tol*inf let every number of its sign match. The ratio itself turns inf or 0 only
+    # for numbers hundreds of orders apart, which no scale bridges
+    ratio = p / g
+    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):  # percent vs fraction, and thousands/millions/billions
+        if abs(ratio * scale - 1) <= rel_tol or abs(ratio / scale - 1) <= rel_tol:
+            return True
     return False
 
 
@@ -2377,6 +2429,8 @@ def load_corpus(path: str | os.PathLike) -> list[Cluster]:
             raise CorpusError(f"{where}: field 'id' must be a non-empty string")
         if cid in seen:
             raise CorpusError(f"{where}: field 'id' {cid!r} repeats line {seen[cid]}")
+        if not _utf8(cid):
+            raise CorpusError(f"{where}: field 'id' {SURROGATE_NOTE}")
         docs = obj.get("documents")
         if docs is None:
             raise CorpusError(f"{where}: missing field 'documents'")
@@ -2385,6 +2439,8 @@ def load_corpus(path: str | os.PathLike) -> list[Cluster]:
         for i, d in enumerate(docs):
             if not isinstance(d, str) or not d.strip():
                 raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
+            if not _utf8(d):  # caught here, not when a rollout first tokenises the document
+                raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
         task = obj.get("task")
         if task is not None and task not in TASKS:
             raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "

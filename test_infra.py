@@ -88,6 +88,21 @@ def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content,
 
 
 # ------------------------------------------------------------------------------------------------
+# Reading the policy's text: control tokens
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, tokens", [
+    ("a<|x|>b<|x|>", ("<|x|>",)),
+    ("<a><", ("<a>", "a><")),                    # two tokens overlapping
+    ("<<|x|>|x|>>", ("<|x|>",)),                 # nested
+    ("<aaa>", ("<aa", "aa>", "aaa")),
+])
+def test_defused_text_holds_no_control_token(text, tokens):
+    out = infra.defuse_control_tokens(text, tokens)
+    assert not any(t in out for t in tokens) and out.replace(infra._WORD_JOINER, "") == text
+
+
+# ------------------------------------------------------------------------------------------------
 # Memory estimate
 # ------------------------------------------------------------------------------------------------
 
