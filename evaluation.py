@@ -31,10 +31,10 @@ from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gat
                    engine_groups, parse_args, resolve_model, rollout_dtype, set_vllm_log_level,
                    write_atomic)
 from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
-                   _validate_question, chat_ids, extract_answer, generate, init_distributed,
-                   load_config, load_corpus, parse_verdict, render_prompt, request_seeds,
-                   rule_reward, run_grounding, run_questioner, start_engine, start_vllm,
-                   strip_verdict_tags)
+                   _validate_question, chat_ids, extract_answer, generate, generator,
+                   init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
+                   request_seeds, rule_reward, run_grounding, run_questioner, start_engine,
+                   start_vllm, strip_verdict_tags)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -743,7 +743,7 @@ def synth_main(argv: Sequence[str]) -> None:
     group, groups = engine_groups(cfg, rank, world)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
     _, tok, llm = start_engine(cfg, rank, world, device, group, training=False)
-    rng = np.random.default_rng([cfg.train.seed, group])
+    rng = generator(cfg, "engine", group)
     shard = list(range(group, len(corpus), groups))
     drawn = ClusterSampler(cfg, corpus, shard, rng).draw(len(shard) * passes)
     rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,

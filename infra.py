@@ -500,15 +500,31 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 
 def all_reduce_max(x: int, device: torch.device) -> int:
+    """The largest x over the ranks (x itself without a process group: a world of one)."""
+    if not dist.is_initialized():
+        return x
     t = torch.tensor([x], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def all_reduce_sum(x: int, device: torch.device) -> int:
+    """The sum of x over the ranks (x itself without a process group)."""
+    if not dist.is_initialized():
+        return x
     t = torch.tensor([x], dtype=torch.long, device=device)
     dist.all_reduce(t)
     return int(t.item())
+
+
+def all_reduce_stats(stats: dict[str, float], keys: Sequence[str],
+                     device: torch.device) -> dict[str, float]:
+    """stats with each of `keys` summed over the ranks, in float64, one collective for all."""
+    if not dist.is_initialized():
+        return dict(stats)
+    t = torch.tensor([float(stats.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {**stats, **dict(zip(keys, t.tolist()))}
 
 
 def seed_everything(seed: int) -> None:
@@ -1143,7 +1159,7 @@ def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seqs, behaviour
     rank = dist.get_rank()
-    moves = plan_rebalance(all_gather_objects([len(p) + len(c) for p, c, _, _ in seqs]))
+    moves = plan_rebalance(all_gather_objects([len(s[0]) + len(s[1]) for s in seqs]))
     given = {i for src, i, _ in moves if src == rank}
     sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
     received, taken = [], [0] * len(sent)

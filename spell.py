@@ -112,17 +112,18 @@ import torch.distributed as dist
 # triton.
 import kernels
 from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
-                   SURROGATE_NOTE, YES_NO, all_gather_objects, all_reduce_max, all_reduce_sum,
-                   answer_tokens, attention_implementation, balance_sequences, bucketed_state_dict,
-                   candidate_count, check_checkpoint, check_every_key, check_groups_agree,
-                   check_launch, check_memory_at_start, check_vllm_groups, checkpoint_dir,
-                   config_to_dict, control_tokens, defuse_control_tokens, engine_groups, export_hf,
-                   gold_starts, json_candidates, jsonl_records, loads_lenient, normalize_text,
-                   parse_args, policy_mesh, print0, rank0_progress_bar, read_config,
-                   refresh_tied_lm_head_on_cpu, resolve_model, rng_state, rollout_dtype,
-                   rollout_fingerprint, save_atomically, seed_everything, set_rng_state,
-                   set_vllm_log_level, share_within_groups, step_times, train_mode_without_dropout,
-                   vllm_platform_kwargs, world_of_one_env, write_run_config)
+                   SURROGATE_NOTE, YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats,
+                   all_reduce_sum, answer_tokens, attention_implementation, balance_sequences,
+                   bucketed_state_dict, candidate_count, check_checkpoint, check_every_key,
+                   check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
+                   checkpoint_dir, config_to_dict, control_tokens, defuse_control_tokens,
+                   engine_groups, export_hf, gold_starts, json_candidates, jsonl_records,
+                   loads_lenient, normalize_text, parse_args, policy_mesh, print0,
+                   rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
+                   rng_state, rollout_dtype, rollout_fingerprint, save_atomically, seed_everything,
+                   set_rng_state, set_vllm_log_level, share_within_groups, step_times,
+                   train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   write_run_config)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -210,6 +211,10 @@ class RewardConfig:
     ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
     format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
+    # The questioner samples that train. spell: §4.3's, the questions of the kept responder groups
+    # plus negative_ratio as many with r_que <= 0 | all: every valid or invalid question (SPICE's
+    # Algorithm 1 trains every task it drew, the too easy and too hard ones with A < 0)
+    questioner_pool: Literal["spell", "all"] = "spell"
     # Who judges a response against the reference (Eq. 6). verifier: the policy, G votes, majority
     # vote v_i, and it learns from them (SPELL) | rule: nobody, r_i = R_rule (Table 2 "w/o
     # verifier"; RLVR's rule reward). A hybrid max(rule, judge) with a frozen judge is verifier +
@@ -267,6 +272,10 @@ class TrainConfig:
     clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
+    # Optimiser steps per pass: the batch's groups split into this many mini-batches, each its own
+    # Eq. 12 objective (QwenLong-L1: 128 prompts, 32 a step). Above 1 (or with ppo_epochs > 1)
+    # the policy moves within a batch, the ratio leaves 1 and the clip can bind
+    mini_batches: int = 1
     # The objective per token, a key of POLICY_LOSSES: grpo (Eq. 2's clipped token ratio) | gspo
     # (one ratio per sequence) | cispo (a clipped, stop-gradient importance weight). On-policy
     # (ppo_epochs = 1) the ratio is 1 and all three give the same gradient
@@ -349,7 +358,7 @@ def check_config(cfg: Config) -> None:
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
         "reward.negative_ratio": 0, "reward.verifier_share": 0, "train.steps": 1,
         "train.batch_groups": 1, "train.lr": 0, "train.weight_decay": 0, "train.clip_high": 0,
-        "train.ppo_epochs": 1}
+        "train.ppo_epochs": 1, "train.mini_batches": 1}
     rules = [(key, value(key) >= n, f">= {n}") for key, n in at_least.items()]
     rules += [  # (key, holds, what the key must be)
         ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
@@ -978,6 +987,15 @@ class HistoryMemory:
         del entries[:-self.size]  # keep the L latest
         return True
 
+    def forget_oldest(self, cluster_id: str, task: str) -> bool:
+        """Drop the oldest entry, when the questioner's prompt outgrew rollout.max_prompt_tokens
+        (the cluster would be skipped for ever otherwise); False if there is none to drop."""
+        entries = self.entries.get(self.key(cluster_id, task))
+        if not entries:
+            return False
+        del entries[0]
+        return True
+
     def questioner_context(self, cluster_id: str, task: str, n_docs: int, m: int,
                            rng: np.random.Generator) -> tuple[list[int], list[HistoryEntry]]:
         """Documents and examples for the questioner: history docs + m unseen ones (§4.1)."""
@@ -1131,10 +1149,14 @@ class Rollout:
     majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
     # per response: Eq. 6's r_i before training-only penalties
     solved: list = field(default_factory=list)
+    # per response: what §4.3's variance test reads, Eq. 6's r_i with bootstrap's answer-format
+    # penalty (not the overlong shaping: a length-only difference keeps no group)
+    selection: list = field(default_factory=list)
     agreements: list = field(default_factory=list)
     ver_rewards: list = field(default_factory=list)  # per response: G rewards r_ij (Eq. 5), or None
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
     que_reward: float = 0.0  # r_que (Eq. 7)
+    evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
 
 
 def sampling(cfg: Config) -> dict:
@@ -1147,6 +1169,12 @@ def finished(c: Completion, cfg: Config) -> bool:
     """Whether a completion is scored as a finished output: not cut at max_new_tokens, unless
     reward.overlong = "keep" scores cut text as it stands."""
     return c.finish_reason != "length" or cfg.reward.overlong == "keep"
+
+
+def generator(cfg: Config, purpose: str, index: int) -> np.random.Generator:
+    """A NumPy generator of its own for each purpose ("engine": an engine's draws, "batch": a step's
+    selection) and index: streams of different purposes never coincide."""
+    return np.random.default_rng([cfg.train.seed, zlib.crc32(purpose.encode()), index])
 
 
 def request_seeds(*key: Any, count: int) -> list[int]:
@@ -1164,16 +1192,21 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
     (§4.1)."""
     rollouts, letters = [], []
     for cluster, task in drawn:
-        doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
-                                                       cfg.rollout.docs_per_question, rng)
         # the letter that must be correct, drawn uniformly (departure 3)
         letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
-        text = questioner_prompt(task, [cluster.documents[i] for i in doc_ids], examples, letter,
-                                 cfg.rollout.questioner_template)
-        ids = chat_ids(tok, text)
-        if len(ids) > cfg.rollout.max_prompt_tokens:
-            continue  # the history grew past the prompt budget: skip this draw, no penalty
-        rollouts.append(Rollout(cluster, task, doc_ids, ids))
+        evicted = -1
+        while True:  # a history grown past the prompt budget forgets its oldest entry (departure)
+            evicted += 1
+            doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
+                                                           cfg.rollout.docs_per_question, rng)
+            ids = chat_ids(tok, questioner_prompt(task, [cluster.documents[i] for i in doc_ids],
+                                                  examples, letter, cfg.rollout.questioner_template))
+            fits = len(ids) <= cfg.rollout.max_prompt_tokens
+            if fits or not history.forget_oldest(cluster.id, task):
+                break
+        if not fits:
+            continue  # m documents alone are too long: skip this draw, no penalty
+        rollouts.append(Rollout(cluster, task, doc_ids, ids, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg), logprobs=True, desc="questioner")
@@ -1266,15 +1299,19 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         decisions = (r.majorities if rc.verifier_decision == "majority"
                      else [v[0] if v else None for v in r.votes])
         r.solved = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]  # Eq. 6
-        r.que_reward = questioner_reward(float(np.mean(r.solved)), mapping=rc.questioner_mapping,
-                                         mu=rc.mu, sigma=rc.sigma)  # Eq. 7
+        solve_rate = float(np.mean(r.solved))
+        r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
+                                         sigma=rc.sigma)  # Eq. 7
         r.res_rewards = list(r.solved)  # the responder's training reward: Eq. 6, then shaping
         bootstrap_rewards(r, cfg)
+        r.selection = list(r.res_rewards)
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, the responder's training reward
             r.res_rewards = [x + overlong_penalty(len(c.token_ids), cfg.rollout.max_new_tokens,
                                                   rc.overlong_buffer)
                              for x, c in zip(r.res_rewards, r.responses)]
-        if r.que_reward > 0 and r.que_prompt:  # solvable, and from the questioner (not RLVR's set)
+        # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
+        # and written by the questioner (not RLVR's set)
+        if 0 < solve_rate < 1 and r.que_prompt:
             history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question),
                          r.question["answer"])
 
@@ -1329,10 +1366,12 @@ class Summary:
     que_reward: float
     que_len: int
     que_cut: bool  # the generation hit rollout.max_new_tokens
+    evicted: int  # history entries forgotten for the questioner's prompt
     res_rewards: list[float] | None
     rules: list[float]
     majorities: list[int | None]
     solved: list[float]
+    selection: list[float]
     agreements: list[float]
     ver_rewards: list[list[float] | None]
     res_lens: list[int]
@@ -1346,7 +1385,9 @@ def summarize(r: Rollout) -> Summary:
     """The Summary of a rollout."""
     cut = lambda c: c.finish_reason == "length"  # noqa: E731
     return Summary(r.task, r.status, r.que_reward, len(r.que_output.token_ids), cut(r.que_output),
-                   r.res_rewards, r.rules, r.majorities, r.solved, r.agreements, r.ver_rewards,
+                   r.evicted,
+                   r.res_rewards, r.rules, r.majorities, r.solved, r.selection, r.agreements,
+                   r.ver_rewards,
                    [len(c.token_ids) for c in r.responses], [cut(c) for c in r.responses],
                    [sum(v is None for v in vs) for vs in r.votes],
                    [[len(c.token_ids) for c in vs] for vs in r.verdicts],
@@ -1366,6 +1407,7 @@ class TrainItem:
     length: int
     cut: bool = False  # the generation hit max_new_tokens
     weight: float = 0.0  # 1 / the loss normaliser (LOSS_NORMS)
+    mini_batch: int = 0  # train.mini_batches: the optimiser step it trains in
 
 
 def responder_groups_to_keep(group_rewards: Sequence[Sequence[float]]) -> list[int]:
@@ -1447,11 +1489,11 @@ Flat = list[tuple[int, int, Summary]]  # every question of the step: (rank, roll
 
 
 def select_responder(flat: Flat, cfg: Config, rng: np.random.Generator) -> list[int]:
-    """§4.3 for the responder: groups with reward variance, batch_groups of them at random when
-    there are more. The shuffle uses the step's shared generator: taking them in (rank, idx) order
+    """§4.3 for the responder: groups with reward variance (in Rollout.selection: solved or not,
+    and answered or not under bootstrap), batch_groups of them at random when there are more. The shuffle uses the step's shared generator: taking them in (rank, idx) order
     would cut the last ranks' groups first, and each rank samples a fixed shard of the corpus."""
     ok = [k for k, (_, _, s) in enumerate(flat) if s.status == "ok"]
-    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].res_rewards for k in ok])]
+    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].selection for k in ok])]
     return sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist()) if eligible else []
 
 
@@ -1459,9 +1501,12 @@ def select_questioner(flat: Flat, res_keep: list[int], cfg: Config,
                       rng: np.random.Generator) -> tuple[list[int], int, int]:
     """§4.3 for the questioner: positives are the questions of the kept responder groups, plus as
     many negatives (r_que <= 0) per task; bootstrap.questioner_floor adds well-formed questions as
-    positives. Returns the kept questions, the number of positives and of floor positives."""
+    positives (reward.questioner_pool = "all": every question). Returns the kept questions, the
+    number of positives and of floor positives."""
     pool = [k for k, (_, _, s) in enumerate(flat) if s.status != "skipped"]
     pos = [pool.index(k) for k in res_keep]
+    if cfg.reward.questioner_pool == "all":  # SPICE: every question drawn trains (its Alg. 1)
+        return pool, len(pos), 0
     r_que, tasks = [flat[k][2].que_reward for k in pool], [flat[k][2].task for k in pool]
     floor = cfg.bootstrap.questioner_floor
     extra = questioner_floor_samples(r_que, tasks, [flat[k][2].status != "format" for k in pool],
@@ -1525,12 +1570,16 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
     trained = trained_roles(cfg)
     items = [it for it in items if it.length > 0 and it.role in trained
              and not (it.cut and cfg.reward.overlong == "mask")]
-    # Eq. 12's normaliser, over the global batch (departure 8)
-    norm = LOSS_NORMS[cfg.train.loss_norm]
-    weights = norm([it.length for it in items], [it.group for it in items],
-                   [it.role for it in items], cfg.rollout.max_new_tokens) if items else []
-    for it, w in zip(items, weights):
-        it.weight = w
+    # Eq. 12's normaliser, over the global batch (departure 8), or over each mini-batch: a group
+    # goes whole to one, the groups dealt out in turn
+    norm, k = LOSS_NORMS[cfg.train.loss_norm], cfg.train.mini_batches
+    dealt = {g: j % k for j, g in enumerate(dict.fromkeys(it.group for it in items))}
+    for b in range(k):
+        mine = [it for it in items if dealt[it.group] == b]
+        weights = norm([it.length for it in mine], [it.group for it in mine],
+                       [it.role for it in mine], cfg.rollout.max_new_tokens) if mine else []
+        for it, w in zip(mine, weights):
+            it.weight, it.mini_batch = w, b
     counts = {"res_groups": len(res_keep), "que_pos": n_pos, "que_floor": n_floor,
               "que_neg": len(que_keep) - n_pos - n_floor, "ver_groups": len(ver_keep),
               "ver_candidates": n_cands, "sequences": len(items)}
@@ -1545,7 +1594,7 @@ def batch_is_full(rollouts: list[Rollout], cfg: Config, reports: bool,
                   device: torch.device) -> bool:
     """Algorithm 1, line 6: |B_res| >= N, counted over every engine (each engine's first rank
     reports; the others share its rollouts under tensor parallelism)."""
-    kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
+    kept = len(responder_groups_to_keep([r.selection for r in rollouts if r.status == "ok"]))
     return all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups
 
 
@@ -1676,15 +1725,15 @@ LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
 
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and the
-    share of trained tokens whose term the clip bound. All (T,)."""
+    """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and how many
+    trained tokens there are and how many the clip bound. All (T,)."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     objective = torch.minimum(unclipped, clipped)  # pessimistic bound of PPO
     loss = -(objective * weights).sum()
     active = weights > 0
-    clipfrac = ((clipped < unclipped) & active).float().sum() / active.float().sum().clamp(min=1)
-    return loss, {"clipfrac": clipfrac.item()}
+    return loss, {"clipped": float(((clipped < unclipped) & active).sum()),
+                  "active": float(active.sum())}
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -1723,8 +1772,8 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     capped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -(capped * advantages * logp * weights).sum()
     active = weights > 0
-    clipfrac = ((capped != ratio) & active).float().sum() / active.float().sum().clamp(min=1)
-    return loss, {"clipfrac": clipfrac.item()}
+    return loss, {"clipped": float(((capped != ratio) & active).sum()),
+                  "active": float(active.sum())}
 
 
 # train.policy_loss -> the objective of a micro-batch
@@ -1743,6 +1792,7 @@ class Seq(NamedTuple):
     completion: list[int]
     advantage: float  # A_i, the same at every token
     weight: float  # per-token weight: 1 / the loss normaliser (LOSS_NORMS)
+    mini_batch: int = 0  # which optimiser step of the batch it trains in (train.mini_batches)
 
 
 def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
@@ -1761,7 +1811,7 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
         else:
             prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j]
         assert len(completion.token_ids) == it.length, "summary and rollout disagree on a length"
-        seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight))
+        seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight, it.mini_batch))
         behaviour.append(completion.logprobs)
     return seqs, behaviour
 
@@ -1816,53 +1866,64 @@ def dummy_sequence() -> Seq:
 
 def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, device: torch.device,
                   behaviour: Sequence[list[float] | None] | None = None) -> dict:
-    """Algorithm 1, line 26 (Eq. 10): train.ppo_epochs optimiser steps over this rank's sequences.
+    """Algorithm 1, line 26 (Eq. 10): train.ppo_epochs passes over the batch, each one optimiser
+    step per mini-batch (train.mini_batches; one by default) of this rank's sequences.
 
     Every rank runs the same number of micro-batches (padded with dummies), because each FSDP
-    forward and backward is a collective. behaviour[i], if given, holds the log-probs vLLM sampled
-    seqs[i] with. The update never uses them (on-policy, the ratio is 1); their distance to the
-    trainer's log-probs is logged as rollout_logp_gap_sum (over rollout_logp_tokens), the drift
-    between the two policies' numerics: bf16 rollouts against fp32 masters, and, when top_p < 1,
-    vLLM's renormalisation over the nucleus.
+    forward and backward is a collective. Past the first step the behaviour policy's log-probs,
+    taken before it, make the ratio. behaviour[i], if given, holds the log-probs vLLM sampled
+    seqs[i] with; their distance to the trainer's is logged (rollout_logp_gap_sum over
+    rollout_logp_tokens), the drift between the two policies' numerics: bf16 rollouts against
+    fp32 masters, and, when top_p < 1, vLLM's renormalisation over the nucleus. The returned
+    stats are the whole batch's, summed over the ranks.
     """
-    plan = plan_micro_batches([len(s.prompt) + len(s.completion) for s in seqs],
-                              cfg.train.micro_batch_tokens)
-    n_micro = all_reduce_max(len(plan), device)
-    plan += [[]] * (n_micro - len(plan))
+    plans = []  # per mini-batch: micro-batches of indices into seqs, as many on every rank
+    for b in range(cfg.train.mini_batches):
+        mine = [i for i, s in enumerate(seqs) if s.mini_batch == b]
+        plan = [[mine[j] for j in mb] for mb in plan_micro_batches(
+            [len(seqs[i].prompt) + len(seqs[i].completion) for i in mine],
+            cfg.train.micro_batch_tokens)]
+        plans.append(plan + [[]] * (all_reduce_max(len(plan), device) - len(plan)))
     old = None
-    if cfg.train.ppo_epochs > 1:  # off-policy epochs need the behaviour policy's log-probs, now
+    if cfg.train.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
         with torch.no_grad():
-            old = [micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None, cfg,
-                                    device)[1] for mb in plan]
+            old = [[micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None,
+                                     cfg, device)[1] for mb in plan] for plan in plans]
     stats = defaultdict(float)
     for epoch in range(cfg.train.ppo_epochs):
-        for m, mb in enumerate(plan):
-            batch = [seqs[i] for i in mb] or [dummy_sequence()]
-            loss, per_seq, s = micro_batch_loss(policy, batch, None if old is None else old[m], cfg,
-                                                device)
-            assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
-            # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of the
-            # whole batch is the sum of every rank's micro-batch losses. FSDP averages gradients
-            # over ranks: scaling by the world size turns that average into the global sum, so the
-            # gradient is the same for any micro-batch size and any number of ranks (departure 8).
-            (loss * world).backward()
-            stats["loss"] += loss.item()
-            stats["clipfrac"] += s["clipfrac"] / n_micro / cfg.train.ppo_epochs
-            if epoch == 0:
-                stats["entropy_sum"] += s["entropy_sum"]
-                stats["tokens"] += s["tokens"] if mb else 0
-                for i, logp in zip(mb, per_seq):
-                    if behaviour is not None and behaviour[i] is not None:
-                        sampled = torch.tensor(behaviour[i], device=logp.device)
-                        stats["rollout_logp_gap_sum"] += float((logp - sampled).abs().sum())
-                        stats["rollout_logp_tokens"] += len(behaviour[i])
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
-        stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                   else grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    stats["micro_batches"] = n_micro
-    return dict(stats)
+        for b, plan in enumerate(plans):
+            for m, mb in enumerate(plan):
+                batch = [seqs[i] for i in mb] or [dummy_sequence()]
+                loss, per_seq, s = micro_batch_loss(policy, batch, None if old is None else old[b][m],
+                                                    cfg, device)
+                assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
+                # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of
+                # the batch is the sum of every rank's micro-batch losses. FSDP averages gradients
+                # over ranks: scaling by the world size turns that average into the global sum, so
+                # the gradient is the same for any micro-batch size and any number of ranks
+                # (departure 8).
+                (loss * world).backward()
+                stats["loss"] += loss.item() / cfg.train.ppo_epochs
+                stats["clipped"] += s["clipped"]
+                stats["active"] += s["active"] if mb else 0
+                if epoch == 0:
+                    stats["entropy_sum"] += s["entropy_sum"]
+                    stats["tokens"] += s["tokens"] if mb else 0
+                    for i, logp in zip(mb, per_seq):
+                        if behaviour is not None and behaviour[i] is not None:
+                            sampled = torch.tensor(behaviour[i], device=logp.device)
+                            stats["rollout_logp_gap_sum"] += float((logp - sampled).abs().sum())
+                            stats["rollout_logp_tokens"] += len(behaviour[i])
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
+            stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                                       else grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    stats = all_reduce_stats(stats, ("loss", "clipped", "active", "entropy_sum", "tokens",
+                                     "rollout_logp_gap_sum", "rollout_logp_tokens"), device)
+    stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
+    stats["micro_batches"] = sum(map(len, plans))
+    return stats
 
 
 # ==================================================================================================
@@ -1904,9 +1965,11 @@ class ClusterSampler:
     reshuffled every epoch (§5.1). A cluster whose corpus line names a task keeps it; otherwise the
     task is drawn by data.task_weights.
 
-    With data.phases (QwenLong-L1 §2.3, Eq. 9) the walk covers the current phase's pool of
-    questions; with data.retrospective, the questions a phase left unsolved (no response solved
-    them) join the next phase's pool. The state is saved in checkpoints (state_dict).
+    A static QA set's question (RLVR) is drawn at most once a step (start_step): two draws would
+    train the same group twice. With data.phases (QwenLong-L1 §2.3, Eq. 9) the walk covers the
+    current phase's pool of questions; with data.retrospective, the questions whose average
+    accuracy over the phase was zero join the next phase's pool. The state is saved in checkpoints
+    (state_dict).
     """
 
     def __init__(self, cfg: Config, corpus: list[Cluster], shard: list[int],
@@ -1919,8 +1982,9 @@ class ClusterSampler:
         self.index = {c.id: i for i, c in enumerate(corpus)}
         self.shard, self.order, self.pos, self.epoch = list(shard), [], 0, 0
         self.phase: int | None = None
-        self.hard: list[int] = []  # this phase's unsolved questions (retrospective sampling)
+        self.accuracy: dict[int, float] = {}  # this phase: question -> sum of its solve rates
         self.carried = 0  # questions the current phase took over from the one before
+        self.drawn: set[int] = set()  # the QA set's questions drawn this step
         if self.plan:  # every phase needs a question on every rank: find out now, not at its step
             sizes = all_gather_objects([len(p) for p in self.pools])
             for k, (first, tokens) in enumerate(self.plan):
@@ -1930,45 +1994,54 @@ class ClusterSampler:
                                       f"some rank ({[n[k] for n in sizes]} per rank)")
 
     def draw(self, count: int) -> list[tuple[Cluster, str]]:
-        """The next `count` (cluster, task) pairs of the walk."""
-        out = []
-        for _ in range(count):
+        """The next `count` (cluster, task) pairs of the walk; fewer when a QA set has no question
+        left that this step has not drawn."""
+        out, distinct = [], len(set(self.shard))
+        while len(out) < count and len(self.drawn) < distinct:
             if self.pos >= len(self.order):
                 self.order = self.rng.permutation(self.shard).tolist()
                 self.pos, self.epoch = 0, self.epoch + 1
-            cluster = self.corpus[self.order[self.pos]]
+            i = self.order[self.pos]
             self.pos += 1
+            cluster = self.corpus[i]
+            if cluster.qa is not None:  # a question of a static set: once a step
+                if i in self.drawn:
+                    continue
+                self.drawn.add(i)
             p = self.weights / self.weights.sum()
             out.append((cluster, cluster.task or list(TASKS)[self.rng.choice(len(TASKS), p=p)]))
         return out
 
-    def enter_phase(self, step: int) -> bool:
-        """Switch to the data.phases phase of `step` if not there yet; True (and a log line) if it
-        switched. With data.retrospective the questions of the phase just left that no response
-        solved go along into the new pool (QwenLong-L1 §2.3)."""
+    def start_step(self, step: int) -> bool:
+        """A new step: every question of a QA set may be drawn again. Also switch to the
+        data.phases phase of `step` if not there yet (True, and a log line, if it switched); with
+        data.retrospective, the questions of the phase just left whose average accuracy was zero
+        go along into the new pool (QwenLong-L1 §2.3)."""
+        self.drawn = set()
         k = max([p for p, (first, _) in enumerate(self.plan) if first <= step], default=0)
         if self.phase == k:
             return False
-        carried = sorted(set(self.hard) - set(self.pools[k])) if self.retrospective else []
+        unsolved = {i for i, solved in self.accuracy.items() if solved == 0}
+        carried = sorted(unsolved - set(self.pools[k])) if self.retrospective else []
         self.shard, self.order, self.pos = self.pools[k] + carried, [], 0
-        self.phase, self.hard, self.carried = k, [], len(carried)
+        self.phase, self.accuracy, self.carried = k, {}, len(carried)
         if self.plan and dist.is_initialized():  # totals over every rank
             print0(f"step {step}: data.phases phase {k + 1}, "
                    f"{all_reduce_sum(len(self.shard), self.device)} questions "
                    f"({all_reduce_sum(self.carried, self.device)} carried over)")
         return True
 
-    def note_unsolved(self, rollouts: list[Rollout]) -> None:
-        """With data.retrospective, remember the questions of this phase that no response solved
-        (Eq. 6 as scored: the rule, or the vote)."""
-        if self.retrospective:
-            unsolved = {self.index[r.cluster.id] for r in rollouts
-                        if r.status == "ok" and r.rules and not any(r.solved)}
-            self.hard = sorted(set(self.hard) | unsolved)
+    def note_accuracy(self, rollouts: list[Rollout]) -> None:
+        """With data.retrospective, add up each question's solve rate over the phase (Eq. 6 as
+        scored: the rule, or the vote)."""
+        for r in rollouts if self.retrospective else []:
+            if r.status == "ok" and r.rules:
+                i = self.index[r.cluster.id]
+                self.accuracy[i] = self.accuracy.get(i, 0.0) + float(np.mean(r.solved))
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("shard", "order", "pos", "epoch", "phase", "hard",
-                                              "carried")}
+        return {k: getattr(self, k) for k in ("shard", "order", "pos", "epoch", "phase",
+                                              "accuracy", "carried")}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
@@ -1999,7 +2072,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     group, groups = engine_groups(cfg, rank, world)  # one vLLM engine per tensor-parallel group
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
-    rng = np.random.default_rng([cfg.train.seed, group])  # per engine, as all that it samples
+    rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng)
@@ -2007,7 +2080,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
         step, t0, phase_s = step + 1, time.perf_counter(), defaultdict(float)
-        sampler.enter_phase(step)  # QwenLong-L1's context phases (data.phases)
+        sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
         # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch is full
         rollouts: list[Rollout] = []
         for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
@@ -2015,11 +2088,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       key=(cfg.train.seed, step, group, rnd), seconds=phase_s)
             if batch_is_full(rollouts, cfg, reports, device):
                 break
-        sampler.note_unsolved(rollouts)  # retrospective sampling (data.retrospective)
+        sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
         t1 = time.perf_counter()
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
         summaries = gather_summaries(rollouts, cfg, reports)
-        items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
+        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step))
         share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
