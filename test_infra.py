@@ -112,49 +112,63 @@ QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, vocab_size=152064, inte
 
 
 def test_parameter_counts_match_the_hf_models():
-    """parameter_counts' formula against the parameters of the HF classes, built on the meta device (no memory)."""
+    """parameter_counts' formula against the parameters of the HF classes, built on the meta device
+    (no memory)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     small = dict(hidden_size=128, num_hidden_layers=3, vocab_size=1000, intermediate_size=352,
                  num_attention_heads=4, num_key_value_heads=2)
     configs = [Qwen2Config(**QWEN25_7B), Qwen2Config(**small, tie_word_embeddings=True),
-               LlamaConfig(**small, tie_word_embeddings=False), LlamaConfig(**small, attention_bias=True, mlp_bias=True, head_dim=64)]
+               LlamaConfig(**small, tie_word_embeddings=False),
+               LlamaConfig(**small, attention_bias=True, mlp_bias=True, head_dim=64)]
     for config in configs:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        assert infra.parameter_counts(config)["total"] == sum(p.numel() for p in model.parameters()), config
+        assert (infra.parameter_counts(config)["total"]
+                == sum(p.numel() for p in model.parameters())), config
     # the published size of Qwen2.5-7B: 7.61B parameters
-    assert infra.parameter_counts(configs[0]) == {"layer": 233_057_792, "root": 1_089_998_336, "total": 7_615_616_512}
+    assert infra.parameter_counts(configs[0]) == {"layer": 233_057_792, "root": 1_089_998_336,
+                                                  "total": 7_615_616_512}
 
 
 def test_memory_estimate_qwen25_7b():
-    """The paper's recipe (config.toml: Qwen2.5-7B, 32768-token micro-batches, vLLM at 0.5) on 8 GPUs of
-    80 GiB, against values worked out by hand from the config numbers."""
+    """The paper's recipe (config.toml: Qwen2.5-7B, 32768-token micro-batches,
+    vLLM at 0.5) on 8 GPUs of 80 GiB, against values worked out by hand from the config numbers."""
     from transformers import Qwen2Config
 
     cfg = spell.load_config(str(spell.ROOT / "config.toml"))
     P, layer, root, T, H, L, I = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28, 18944
     est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
     GiB = 2**30
-    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values a token for backward
+    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values
+    # a token for backward
     hand = {
-        "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,  # 3.546, 3.546, 7.093
-        "gathered": (4 * root + 6 * layer) / GiB,  # bf16 root + 2 layers, grads of root + 1 layer: 5.363
-        "activations": (2 * T * H * L + 2 * 2 * T * 98304) / GiB,  # 6.125 boundaries + 12.0 recompute = 18.125
-        "lm_head": 1.0,  # the Triton kernel's 1 GiB workspace (config.toml: logprob_impl = "triton")
+        # 3.546, 3.546, 7.093
+        "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,
+        # bf16 root + 2 layers, grads of root + 1 layer: 5.363
+        "gathered": (4 * root + 6 * layer) / GiB,
+        # 6.125 boundaries + 12.0 recompute = 18.125
+        "activations": (2 * T * H * L + 2 * 2 * T * 98304) / GiB,
+        # the Triton kernel's 1 GiB workspace (config.toml: logprob_impl = "triton")
+        "lm_head": 1.0,
         "vllm": 40.0,
-        "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,  # 14.185 + 1.094 of KV cache
+        # 14.185 + 1.094 of KV cache
+        "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,
     }
-    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 40.0  # sleep_level 1: vLLM sleeps in the update
-    hand["update_phase"] = sum(hand[k] for k in ("weights", "grads", "adamw", "gathered", "activations", "lm_head"))
+    # sleep_level 1: vLLM sleeps in the update
+    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 40.0
+    hand["update_phase"] = sum(hand[k] for k in ("weights", "grads", "adamw", "gathered",
+                                                 "activations", "lm_head"))
     hand["peak"] = max(hand["rollout_phase"], hand["update_phase"])
     assert est.keys() == hand.keys()
-    for key in hand:  # the same few float64 operations in another order: 1e-12 relative is ~1e4 ulps
+    # the same few float64 operations in another order: 1e-12 relative is ~1e4 ulps
+    for key in hand:
         assert est[key] == pytest.approx(hand[key], rel=1e-12), key
     assert est["activations"] == 18.125 and round(est["peak"], 2) == 50.64
     infra.check_memory(cfg, est, 80.0, 8)  # fits: no error
     line = infra.memory_line(est, 80.0)
-    assert line.startswith("memory: estimate 50.6 of 80.0 GiB per GPU (rollouts 50.6, update 38.7") and "\n" not in line
+    assert line.startswith("memory: estimate 50.6 of 80.0 GiB per GPU "
+                           "(rollouts 50.6, update 38.7") and "\n" not in line
 
 
 def test_check_memory_refusals():
@@ -164,7 +178,8 @@ def test_check_memory_refusals():
     mc = Qwen2Config(**QWEN25_7B)
 
     def refusal(world=8, **keys):
-        cfg = spell.load_config(str(spell.ROOT / "config.toml"), [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
+        cfg = spell.load_config(str(spell.ROOT / "config.toml"),
+                                [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
         with pytest.raises(spell.ConfigError) as e:
             infra.check_memory(cfg, infra.memory_estimate(cfg, mc, world, 80.0), 80.0, world)
         return str(e.value)
@@ -174,63 +189,75 @@ def test_check_memory_refusals():
     assert "rollout.gpu_memory_utilization" in msg and "15.3 GiB" in msg
     # one GPU: 28.4 + 56.7 GiB of weights and AdamW beside vLLM's 40
     msg = refusal(world=1)
-    assert "during rollouts" in msg and "rollout.gpu_memory_utilization" in msg and "more GPUs" in msg
+    assert ("during rollouts" in msg and "rollout.gpu_memory_utilization" in msg
+            and "more GPUs" in msg)
     # 131072 tokens a micro-batch: 72.5 GiB of activations
     msg = refusal(train__micro_batch_tokens=131072)
     assert "during the update" in msg and "train.micro_batch_tokens (activations: 72.5 GiB)" in msg
     assert "sleep_level" not in msg and "gradient_checkpointing" not in msg  # both already right
-    msg = refusal(rollout__sleep_level=0, model__gradient_checkpointing="false", train__micro_batch_tokens=8192)
+    msg = refusal(rollout__sleep_level=0, model__gradient_checkpointing="false",
+                  train__micro_batch_tokens=8192)
     assert "rollout.sleep_level = 1" in msg and "model.gradient_checkpointing = true" in msg
 
 
 # Qwen2.5-32B-Instruct's config.json: 40 heads, 8 KV heads of 128
-QWEN25_32B = dict(hidden_size=5120, num_hidden_layers=64, vocab_size=152064, intermediate_size=27648,
-                  num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
+QWEN25_32B = dict(hidden_size=5120, num_hidden_layers=64, vocab_size=152064,
+                  intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
+                  tie_word_embeddings=False)
 
 
 def test_memory_estimate_with_tensor_parallel_rollouts():
-    """presets/qwen2.5-32b.toml on 2 nodes of 8 GPUs of 80 GiB: each vLLM engine needs its 61 GiB of bf16
-    weights with tensor parallel 1 (refused, naming the key), half of them with 2 (fits)."""
+    """presets/qwen2.5-32b.toml on 2 nodes of 8 GPUs of 80 GiB: each vLLM engine needs its 61 GiB of
+    bf16 weights with tensor parallel 1 (refused, naming the key), half of them with 2 (fits)."""
     from transformers import Qwen2Config
 
     mc = Qwen2Config(**QWEN25_32B)
     P, L = infra.parameter_counts(mc)["total"], 64
     paths = [str(spell.ROOT / "config.toml"), str(spell.ROOT / "presets" / "qwen2.5-32b.toml")]
     GiB, tokens = 2**30, 16384 + 4096
-    for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:  # 16 > 8 KV heads: one a rank, replicated
+    # 16 > 8 KV heads: one a rank, replicated
+    for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:
         cfg = spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"])
         est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0)
-        assert est["vllm_minimum"] == pytest.approx((2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
+        assert est["vllm_minimum"] == pytest.approx(
+            (2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
     one, two = (spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"]) for k in (1, 2))
     with pytest.raises(spell.ConfigError, match="rollout.tensor_parallel_size") as e:
         infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0), 80.0, 16)
     assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
-    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0), 80.0, 16)  # 30.5 + 2.5 GiB: fits
+    # 30.5 + 2.5 GiB: fits
+    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0), 80.0, 16)
     # the README's and the preset's figure for this launch with vLLM at half the GPU
-    half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2", "--rollout.gpu_memory_utilization=0.5"])
+    half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2",
+                                     "--rollout.gpu_memory_utilization=0.5"])
     assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0), 80.0).startswith(
         "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 58.8")
 
 
 def test_hsdp_mesh_and_memory():
-    """train.fsdp_shard_size: the mesh shape (FSDP for 0 or the world, else replicate x shard), refused when
-    it does not divide the world; the sharded terms of the memory estimate divide by the shard group,
-    and a refusal names the key. HSDP's updates and weight sync run in test_fsdp_update_... and
-    test_bucketed_sync_matches_unbucketed[hsdp-2x2]."""
+    """train.fsdp_shard_size: the mesh shape (FSDP for 0 or the world, else replicate x shard),
+    refused when it does not divide the world; the sharded terms of the memory estimate divide by
+    the shard group, and a refusal names the key. HSDP's updates and weight sync run in
+    test_fsdp_update_... and test_bucketed_sync_matches_unbucketed[hsdp-2x2]."""
     from transformers import Qwen2Config
 
-    cfg = lambda s: spell.load_config(str(spell.ROOT / "config.toml"), [f"--train.fsdp_shard_size={s}"])  # noqa: E731
+    cfg = lambda s: spell.load_config(str(spell.ROOT / "config.toml"),  # noqa: E731
+                                      [f"--train.fsdp_shard_size={s}"])
     assert infra.mesh_shape(cfg(0), 16) == (16,) and infra.mesh_shape(cfg(16), 16) == (16,)
     assert infra.mesh_shape(cfg(8), 16) == (2, 8) and infra.mesh_shape(cfg(1), 4) == (4, 1)
-    with pytest.raises(spell.ConfigError, match=re.escape("train.fsdp_shard_size = 3 must divide the number of ranks, 16")):
+    with pytest.raises(spell.ConfigError, match=re.escape(
+            "train.fsdp_shard_size = 3 must divide the number of ranks, 16")):
         infra.mesh_shape(cfg(3), 16)
     mc = Qwen2Config(**QWEN25_7B)
-    fsdp, hsdp = infra.memory_estimate(cfg(0), mc, 16, 80.0), infra.memory_estimate(cfg(8), mc, 16, 80.0)
+    fsdp, hsdp = (infra.memory_estimate(cfg(0), mc, 16, 80.0),
+                  infra.memory_estimate(cfg(8), mc, 16, 80.0))
     for key in ("weights", "grads", "adamw"):  # sharded over 8, not 16
         assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=1e-12), key
-    assert all(hsdp[k] == fsdp[k] for k in ("gathered", "activations", "lm_head", "vllm", "vllm_minimum"))
+    assert all(hsdp[k] == fsdp[k]
+               for k in ("gathered", "activations", "lm_head", "vllm", "vllm_minimum"))
     small = cfg(1)  # every rank holds everything: 16 B x 7.6 B parameters = 113 GiB
-    with pytest.raises(spell.ConfigError, match=re.escape("113.5 GiB a GPU on 1, train.fsdp_shard_size)")):
+    with pytest.raises(spell.ConfigError,
+                       match=re.escape("113.5 GiB a GPU on 1, train.fsdp_shard_size)")):
         infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0), 80.0, 16)
 
 
@@ -255,17 +282,21 @@ def test_export_loads_in_transformers(embedded_dir, capsys):
     assert model.config.eos_token_id == tok.eos_token_id == model.generation_config.eos_token_id
     assert not hasattr(model.config, "quantization_config")
 
-    # real weights, not a random init: a plain English sentence is far more likely than uniform (ln V = 10.8)
-    ids = tok("The capital of France is Paris. The capital of Germany is Berlin.", return_tensors="pt").input_ids
+    # real weights, not a random init: a plain English sentence is far more likely than uniform
+    # (ln V = 10.8)
+    ids = tok("The capital of France is Paris. The capital of Germany is Berlin.",
+              return_tensors="pt").input_ids
     with torch.no_grad():
         nll = model.float()(input_ids=ids, labels=ids).loss.item()
     assert nll < 5.0, f"mean NLL {nll:.2f}: the exported weights look wrong"
 
     # the chat template survived and the model answers and stops with <|im_end|>
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt[-3:] == tok("<|im_start|>assistant\n").input_ids[-3:]
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=48,
+                         do_sample=False)[0, len(prompt):]
     text = tok.decode(out, skip_special_tokens=True)
     print(f"HF answer: {text!r}")
     assert text.strip() and out[-1].item() == tok.eos_token_id
@@ -274,7 +305,8 @@ def test_export_loads_in_transformers(embedded_dir, capsys):
 @pytest.mark.stack
 def test_export_runs_in_vllm(embedded_dir):
     output = torchrun(1, __file__, "export-smoke", embedded_dir).stdout
-    print("\n".join(line for line in output.splitlines() if line.startswith(("METRIC", "vLLM answer"))))
+    print("\n".join(line for line in output.splitlines()
+                    if line.startswith(("METRIC", "vLLM answer"))))
     m = metrics(output)
     assert m["export_vllm_answer_ok"] == 1.0
 
@@ -284,7 +316,8 @@ def test_export_runs_in_vllm(embedded_dir):
 # ------------------------------------------------------------------------------------------------
 
 def test_sync_buckets_bound():
-    """Consecutive, in order, every item once; a bucket exceeds the bound only as a lone oversized item."""
+    """Consecutive, in order, every item once;
+    a bucket exceeds the bound only as a lone oversized item."""
     assert infra.sync_buckets([], 10) == []
     assert infra.sync_buckets([4, 4, 2, 5, 5, 10, 11, 1], 10) == [[0, 1, 2], [3, 4], [5], [6], [7]]
     assert infra.sync_buckets([3, 3], 0) == [[0], [1]]  # bound 0: one tensor a bucket
@@ -296,31 +329,35 @@ def test_sync_buckets_bound():
         assert [i for b in buckets for i in b] == list(range(len(sizes)))
         assert all(sum(sizes[i] for i in b) <= bound or len(b) == 1 for b in buckets)
         # greedy: the next bucket's first item did not fit into the one before
-        assert all(sum(sizes[i] for i in a) + sizes[b[0]] > bound for a, b in zip(buckets, buckets[1:]))
+        assert all(sum(sizes[i] for i in a) + sizes[b[0]] > bound
+                   for a, b in zip(buckets, buckets[1:]))
 
 
 @pytest.mark.stack
 @pytest.mark.parametrize("nproc, shard_size", [(2, 0), (4, 2)], ids=["fsdp-2", "hsdp-2x2"])
 def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
-    """FSDP2 on 2 ranks, and HSDP on 4 (two shard groups of 2; each gathers within its group), gloo: the
-    bucketed gather yields gathered_state_dict's (name, tensor) sequence, bit for bit, with one all-gather
-    per bucket, buckets within the bound, and bucket k+1 issued before bucket k is handed out only when
-    asked to (ahead = 1)."""
+    """FSDP2 on 2 ranks, and HSDP on 4 (two shard groups of 2; each gathers within its group), gloo:
+    the bucketed gather yields gathered_state_dict's (name, tensor) sequence, bit for bit, with one
+    all-gather per bucket, buckets within the bound, and bucket k+1 issued before bucket k is handed
+    out only when asked to (ahead = 1)."""
     out = tmp_path / "buckets.json"
     torchrun(nproc, __file__, "buckets", str(out), str(shard_size))
     results = json.loads(out.read_text())
     assert len(results) == nproc * 3 * 2  # ranks x bounds x ahead
     for r in results:
         where = f"rank {r['rank']}, bound {r['bound']}, ahead {r['ahead']}"
-        assert r["same_names"] and r["equal"], where  # bit-equal: a gather copies, it does not round
+        # bit-equal: a gather copies, it does not round
+        assert r["same_names"] and r["equal"], where
         sizes = [size for bucket in r["buckets"] for size in bucket]
         assert len(sizes) == r["n_tensors"], where
         assert all(sum(b) <= r["bound"] or len(b) == 1 for b in r["buckets"]), where
         assert r["collectives"] == len(r["buckets"]), where
-        # ahead 0: bucket k+1 is issued after bucket k's last tensor was taken; ahead 1: before its first
+        # ahead 0: bucket k+1 is issued after bucket k's last tensor was taken; ahead 1:
+        # before its first
         assert r["issued_before_handed_out"] == ([r["ahead"] == 1] * (len(r["buckets"]) - 1)), where
     assert {r["bound"] for r in results if len(r["buckets"]) == 1} == {10**9}
-    assert any(len(b) == 1 and b[0] > r["bound"] for r in results for b in r["buckets"])  # an oversized tensor
+    # an oversized tensor
+    assert any(len(b) == 1 and b[0] > r["bound"] for r in results for b in r["buckets"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,21 +365,24 @@ def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
 # ------------------------------------------------------------------------------------------------
 
 def test_share_within_groups():
-    """Tensor-parallel rollouts: items named by a group's first rank spread over that group's ranks, longest
-    first to the least loaded, in place and in order; with k = 1 nothing moves."""
-    item = lambda rank, length: spell.TrainItem(rank, 0, "res", 0, 0, 0.0, ("res", rank, 0), length)  # noqa: E731
+    """Tensor-parallel rollouts: items named by a group's first rank spread over that group's ranks,
+    longest first to the least loaded, in place and in order; with k = 1 nothing moves."""
+    item = lambda rank, length: spell.TrainItem(rank, 0, "res", 0, 0, 0.0,  # noqa: E731
+                                                ("res", rank, 0), length)
     items = [item(0, 3), item(0, 5), item(2, 7), item(0, 1), item(0, 4), item(0, 3)]
     infra.share_within_groups(items, 2)
-    # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8); group 1: 7 -> rank 2
-    assert [(it.rank, it.length) for it in items] == [(1, 3), (0, 5), (2, 7), (1, 1), (1, 4), (0, 3)]
+    # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
+    # group 1: 7 -> rank 2
+    assert ([(it.rank, it.length) for it in items]
+            == [(1, 3), (0, 5), (2, 7), (1, 1), (1, 4), (0, 3)])
     items = [item(r, n) for r, n in [(0, 3), (1, 5), (3, 2)]]
     infra.share_within_groups(items, 1)
     assert [it.rank for it in items] == [0, 1, 3]
 
 
 def test_rollout_fingerprint_and_group_check():
-    """The per-step CRC the ranks of a tensor-parallel engine compare: any sampled token or status that
-    differs changes it, and a group that disagrees stops every rank with the ranks named."""
+    """The per-step CRC the ranks of a tensor-parallel engine compare: any sampled token or status
+    that differs changes it, and a group that disagrees stops every rank with the ranks named."""
     cluster = spell.Cluster("c", "doc_qa", ["doc"])
 
     def rollout(tokens, status="ok", verdict=(7,)):
@@ -352,29 +392,36 @@ def test_rollout_fingerprint_and_group_check():
 
     base = infra.rollout_fingerprint([rollout([1, 2, 3])])
     assert base == infra.rollout_fingerprint([rollout([1, 2, 3])])
-    for other in ([rollout([1, 2, 4])], [rollout([1, 2, 3], status="format")], [rollout([1, 2, 3], verdict=(8,))],
-                  [rollout([1, 2, 3]), rollout([])], []):
+    for other in ([rollout([1, 2, 4])], [rollout([1, 2, 3], status="format")],
+                  [rollout([1, 2, 3], verdict=(8,))], [rollout([1, 2, 3]), rollout([])], []):
         assert infra.rollout_fingerprint(other) != base
-    infra.check_groups_agree([base, base, 5, 5], 2)  # each group agrees within; groups differ, as they should
+    # each group agrees within; groups differ, as they should
+    infra.check_groups_agree([base, base, 5, 5], 2)
     infra.check_groups_agree([1, 2, 3], 1)
-    with pytest.raises(RuntimeError, match="ranks 2-3 share a tensor-parallel vLLM engine but sampled different"):
+    with pytest.raises(RuntimeError, match="ranks 2-3 share a tensor-parallel vLLM engine "
+                                           "but sampled different"):
         infra.check_groups_agree([base, base, 5, 6], 2)
 
 
 def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
-    """Groups of consecutive ranks, as vLLM's external launcher makes them (start_vllm checks that at
-    run time); a size that does not divide the world or the model's heads stops before vLLM starts."""
+    """Groups of consecutive ranks, as vLLM's external launcher makes them (start_vllm checks that
+    at run time); a size that does not divide the world or the model's heads stops before
+    vLLM starts."""
     from transformers import LlamaConfig, Qwen2Config
 
-    cfg = lambda k: spell.load_config(str(REPO / "config.toml"), [f"--rollout.tensor_parallel_size={k}"])  # noqa: E731
+    cfg = lambda k: spell.load_config(str(REPO / "config.toml"),  # noqa: E731
+                                      [f"--rollout.tensor_parallel_size={k}"])
     assert [infra.engine_groups(cfg(1), r, 4) for r in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [infra.engine_groups(cfg(2), r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    with pytest.raises(spell.ConfigError, match=re.escape("tensor_parallel_size = 3 must divide the number of ranks, 4")):
+    with pytest.raises(spell.ConfigError, match=re.escape(
+            "tensor_parallel_size = 3 must divide the number of ranks, 4")):
         infra.engine_groups(cfg(3), 0, 4)
-    # without tensor parallelism the model's folder is not read (a hub name need not resolve offline)
+    # without tensor parallelism the model's folder is not read
+    # (a hub name need not resolve offline)
     assert infra.engine_groups(cfg(1), 1, 2, str(tmp_path / "no_such_model")) == (1, 2)
 
-    def saved(config, name):  # engine_groups reads the model folder's config.json, as main() passes it
+    # engine_groups reads the model folder's config.json, as main() passes it
+    def saved(config, name):
         config.save_pretrained(tmp_path / name)
         return str(tmp_path / name)
 
@@ -382,26 +429,32 @@ def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
     for k in (2, 4):
         assert infra.engine_groups(cfg(k), 5, 8, qwen7b) == (5 // k, 8 // k)
     with pytest.raises(spell.ConfigError, match="must divide the model's 28 attention heads"):
-        infra.engine_groups(cfg(8), 0, 8, qwen7b)  # 8 KV copies would do (replicated), 28 / 8 heads would not
-    smollm2 = saved(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3), "smollm2")  # SmolLM2-135M
+        # 8 KV copies would do (replicated), 28 / 8 heads would not
+        infra.engine_groups(cfg(8), 0, 8, qwen7b)
+    smollm2 = saved(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3),
+                    "smollm2")  # SmolLM2-135M
     assert infra.engine_groups(cfg(3), 0, 3, smollm2) == (0, 1)
     with pytest.raises(spell.ConfigError, match="9 attention heads"):
         infra.engine_groups(cfg(2), 0, 2, smollm2)
     kv = saved(LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6), "kv6")
-    with pytest.raises(spell.ConfigError, match="6 key/value heads"):  # 4 splits 12 heads, neither divides 6 nor is a multiple
+    # 4 splits 12 heads, neither divides 6 nor is a multiple
+    with pytest.raises(spell.ConfigError, match="6 key/value heads"):
         infra.engine_groups(cfg(4), 0, 4, kv)
 
 
 def test_plan_rebalance():
-    """Surplus sequences move, longest first, to the least loaded rank; a balanced batch stays put."""
+    """Surplus sequences move, longest first, to the least loaded rank;
+    a balanced batch stays put."""
     moves = infra.plan_rebalance([[1500, 1400, 1000, 600, 600], []])
     assert moves == [(0, 1, 1), (0, 3, 1), (0, 4, 1)]  # rank 0 keeps 1500 + 1000, rank 1 gets 2600
     assert infra.plan_rebalance([[5, 5], [5, 5]]) == [] and infra.plan_rebalance([[], []]) == []
     rng = np.random.default_rng(0)
     for _ in range(200):
-        lengths = [rng.integers(1, 3000, size=rng.integers(0, 12)).tolist() for _ in range(rng.integers(1, 9))]
+        lengths = [rng.integers(1, 3000, size=rng.integers(0, 12)).tolist()
+                   for _ in range(rng.integers(1, 9))]
         moves = infra.plan_rebalance(lengths)
-        assert len({(src, i) for src, i, _ in moves}) == len(moves)  # each sequence moves at most once
+        # each sequence moves at most once
+        assert len({(src, i) for src, i, _ in moves}) == len(moves)
         assert all(src != dst and 0 <= i < len(lengths[src]) for src, i, dst in moves)
         load = [sum(x) for x in lengths]
         for src, i, dst in moves:
@@ -417,7 +470,8 @@ def test_plan_rebalance():
 # ------------------------------------------------------------------------------------------------
 
 def tiny_checkpoint(out_dir: Path, step: int = 1) -> Path:
-    """A real one-rank checkpoint (DCP shard, .metadata, rank0.pt, meta.json) of a Linear and its AdamW moments."""
+    """A real one-rank checkpoint (DCP shard, .metadata, rank0.pt, meta.json)
+    of a Linear and its AdamW moments."""
     cfg = spell.Config()
     cfg.log.out_dir = str(out_dir)
     model = torch.nn.Linear(64, 32)
@@ -442,21 +496,26 @@ def test_checkpoint_records_size_and_checksum_of_every_file(tmp_path):
 
 def flip_middle_byte(p: Path) -> None:
     data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x40  # e.g. an exponent bit of an Adam moment: same size, silently wrong
+    # e.g. an exponent bit of an Adam moment: same size, silently wrong
+    data[len(data) // 2] ^= 0x40
     p.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda step: flip_middle_byte(step / "__0_0.distcp"), "__0_0.distcp is corrupted (CRC-32 "),
     (lambda step: flip_middle_byte(step / ".metadata"), ".metadata is corrupted"),
-    (lambda step: (step / "rank0.pt").write_bytes((step / "rank0.pt").read_bytes()[:-1]), "rank0.pt has "),
-    (lambda step: (step / "__0_0.distcp").unlink(), "not a complete checkpoint (missing __0_0.distcp)"),
+    (lambda step: (step / "rank0.pt").write_bytes((step / "rank0.pt").read_bytes()[:-1]),
+     "rank0.pt has "),
+    (lambda step: (step / "__0_0.distcp").unlink(),
+     "not a complete checkpoint (missing __0_0.distcp)"),
 ])
 
 
-def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypatch, damage, message):
-    """The checkpoint's own record catches a flipped byte, a cut file, a lost file: before the process
-    group, vLLM or the model (init_distributed is never reached), and nothing in the run changes."""
+def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypatch, damage,
+                                                              message):
+    """The checkpoint's own record catches a flipped byte, a cut file, a lost file: before the
+    process group, vLLM or the model (init_distributed is never reached), and nothing in the
+    run changes."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
     out_dir = tmp_path / "run"
@@ -464,10 +523,11 @@ def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypa
     (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     damage(step)
     before = snapshot(out_dir)
-    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started on a damaged checkpoint"))
+    monkeypatch.setattr(spell, "init_distributed",
+                        lambda: pytest.fail("the run started on a damaged checkpoint"))
     with pytest.raises(spell.CheckpointError, match=re.escape(f"{step}: {message}")):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
-                    "--resume"])
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={out_dir}", "--resume"])
     assert snapshot(out_dir) == before
 
 
@@ -476,9 +536,11 @@ def test_each_rank_checksums_the_files_it_wrote(tmp_path):
     its own (__r_*.distcp, rank{r}.pt; rank 0 also .metadata)."""
     step = tmp_path / "step_000001"
     step.mkdir()
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "rank0.pt", "rank1.pt"):
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "rank0.pt",
+                 "rank1.pt"):
         (step / name).write_bytes(name.encode() * 100)
-    assert [infra.checkpoint_file_rank(p.name) for p in sorted(step.iterdir())] == [0, 0, 1, 1, 0, 1]
+    assert ([infra.checkpoint_file_rank(p.name) for p in sorted(step.iterdir())]
+            == [0, 0, 1, 1, 0, 1])
     files = {**infra.seal_files(step, 0), **infra.seal_files(step, 1)}
     assert len(files) == 6
     (step / "meta.json").write_text(json.dumps({"step": 1, "world": 2, "files": files}))
@@ -488,7 +550,8 @@ def test_each_rank_checksums_the_files_it_wrote(tmp_path):
         with pytest.raises(spell.CheckpointError, match=re.escape("__1_1.distcp is corrupted")):
             infra.check_checkpoint(step, world=2, ranks=ranks)
     (step / "rank1.pt").write_bytes(b"")  # a size is checked on every rank
-    with pytest.raises(spell.CheckpointError, match=re.escape("rank1.pt has 0 bytes, 800 were saved")):
+    with pytest.raises(spell.CheckpointError,
+                       match=re.escape("rank1.pt has 0 bytes, 800 were saved")):
         infra.check_checkpoint(step, world=2, ranks=[0])
 
 
@@ -497,24 +560,32 @@ def test_checkpoint_without_checksums_is_resumed_with_a_warning(tmp_path, capsys
     step.mkdir()
     for name in (".metadata", "__0_0.distcp", "rank0.pt"):
         (step / name).write_bytes(b"x")
-    (step / "meta.json").write_text('{"step": 1, "world": 1}')  # what spell.py wrote before sizes and checksums
+    # what spell.py wrote before sizes and checksums
+    (step / "meta.json").write_text('{"step": 1, "world": 1}')
     assert infra.check_checkpoint(step, world=1)["step"] == 1
     assert "meta.json records no file sizes or checksums" in capsys.readouterr().out
 
 
 def test_checkpoint_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     """Every file and the folder reach the disk before the rename publishes them; the rename and the
-    `latest` pointer reach it after: a power cut leaves the old or the new checkpoint, never a torn one."""
+    `latest` pointer reach it after: a power cut leaves the old or the new checkpoint, never a
+    torn one."""
     events = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 real_fsync(fd))[1])
-    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), real_rename(a, b))[1])
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a), str(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "fsync",
+                        lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                    real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename",
+                        lambda a, b: (events.append(("rename", str(a), str(b))),
+                                      real_rename(a, b))[1])
+    monkeypatch.setattr(os, "replace",
+                        lambda a, b: (events.append(("rename", str(a), str(b))),
+                                      real_replace(a, b))[1])
     final = tiny_checkpoint(tmp_path / "run")
     tmp, latest = f"{final}.tmp", final.parent / "latest"
     i = events.index(("rename", tmp, str(final)))
-    synced_before = set()  # paths whose data is on disk, followed through renames (meta.json.tmp -> meta.json)
+    # paths whose data is on disk, followed through renames (meta.json.tmp -> meta.json)
+    synced_before = set()
     for kind, path, *to in events[:i]:
         if kind == "fsync":
             synced_before.add(path)
@@ -528,21 +599,24 @@ def test_checkpoint_is_fsynced_before_the_rename(tmp_path, monkeypatch):
 
 def test_trim_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "x": 0.5}\n{"step": 2}\n\n{"step": 3}\n{"step": 4, "x":')  # torn by a crash
+    # torn by a crash
+    path.write_text('{"step": 1, "x": 0.5}\n{"step": 2}\n\n{"step": 3}\n{"step": 4, "x":')
     assert infra.trim_metrics(path, 2) == 2
     assert path.read_text() == '{"step": 1, "x": 0.5}\n{"step": 2}\n'
     assert infra.trim_metrics(path, 2) == 0 and infra.trim_metrics(tmp_path / "none.jsonl", 2) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left behind
+    # no temporary left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
 def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
-    """A run that logged step 2 and died before saving it resumes at step 1 and logs step 2 again: the
-    old step-2 line goes first, so metrics.jsonl never holds a step twice."""
+    """A run that logged step 2 and died before saving it resumes at step 1 and logs step 2 again:
+    the old step-2 line goes first, so metrics.jsonl never holds a step twice."""
     out_dir = tmp_path / "run"
     cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
     out_dir.mkdir()
     (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) is None  # no checkpoint: a fresh start
+    # no checkpoint: a fresh start
+    assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) is None
     assert (out_dir / "metrics.jsonl").read_text() == ""
     step = tiny_checkpoint(out_dir)
     (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
@@ -554,7 +628,8 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
 def test_out_dir_that_is_a_file_is_refused(tmp_path):
     cfg = spell.load_config(None, [f"--log.out_dir={tmp_path / 'run'}"])
     (tmp_path / "run").write_text("not a folder")
-    for resume in (False, True):  # without the check, the run would fail at mkdir after the model loads
+    # without the check, the run would fail at mkdir after the model loads
+    for resume in (False, True):
         with pytest.raises(spell.ConfigError, match="is a file, not a folder"):
             infra.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
 
@@ -564,14 +639,18 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def test_log_line_shows_the_roles_that_ran():
-    """The console line has a part per role that ran: all three in self-play, no questioner under data.qa
-    (RLVR) and no verifier under reward.judge = rule, whose counts would read as meaningless zeros."""
+    """The console line has a part per role that ran: all three in self-play, no questioner under
+    data.qa (RLVR) and no verifier under reward.judge = rule, whose counts would read as
+    meaningless zeros."""
     m = logged_metrics(1)
     line = infra.log_line(1, 2, m)
-    assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 | res r 0.25 kept 1/1 len 25 "
+    assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 "
+                           "| res r 0.25 kept 1/1 len 25 "
                            "| ver maj 75% =rule 100% kept 1 | train 9 seq")
-    rlvr = infra.log_line(1, 2, {k: v for k, v in m.items() if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
-    assert rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq") and "(res 0)" in rlvr
+    rlvr = infra.log_line(1, 2, {k: v for k, v in m.items()
+                                 if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
+    assert (rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq")
+            and "(res 0)" in rlvr)
 
 
 def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
@@ -604,23 +683,28 @@ def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 def worker_export_smoke(model_dir: str) -> None:
-    """One rank: the exported SmolLM2 folder starts in vLLM and answers a chat prompt, stopping at <|im_end|>."""
+    """One rank: the exported SmolLM2 folder starts in vLLM and answers a chat prompt,
+    stopping at <|im_end|>."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     dist.init_process_group("gloo")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
     t0 = time.perf_counter()
     llm = spell.start_vllm(model_dir, max_model_len=1024, seed=0, dtype="bfloat16")
     print(f"METRIC export_vllm_start_s={time.perf_counter() - t0:.2f}")
     t0 = time.perf_counter()
-    [[greedy]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32, logprobs=False)
-    [samples] = spell.generate(llm, [prompt], n=2, temperature=TEMPERATURE, top_p=0.95, max_tokens=16, logprobs=True)
+    [[greedy]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32,
+                                logprobs=False)
+    [samples] = spell.generate(llm, [prompt], n=2, temperature=TEMPERATURE, top_p=0.95,
+                               max_tokens=16, logprobs=True)
     dt = time.perf_counter() - t0
     n_tokens = len(greedy.token_ids) + sum(len(c.token_ids) for c in samples)
-    print(f"vLLM answer: {greedy.text!r} ({greedy.finish_reason}); sampled: {[c.text for c in samples]}")
+    print(f"vLLM answer: {greedy.text!r} ({greedy.finish_reason}); "
+          f"sampled: {[c.text for c in samples]}")
     print(f"METRIC export_vllm_decode_tok_s={n_tokens / dt:.1f}")
     ok = (greedy.text.strip() != "" and greedy.finish_reason == "stop"
           and greedy.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
@@ -629,23 +713,27 @@ def worker_export_smoke(model_dir: str) -> None:
 
 
 def worker_buckets(out_file: str, shard_size: str = "0") -> None:
-    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2 (HSDP for a shard_size
-    below the world); bucketed_state_dict against gathered_state_dict and the unsharded weights, for
-    several bounds, dtypes and `ahead`; every rank's findings go to out_file (rank 0 writes)."""
+    """Each rank: a tiny Llama with odd row counts (padded shards) under FSDP2 (HSDP for a
+    shard_size below the world); bucketed_state_dict against gathered_state_dict and the unsharded
+    weights, for several bounds, dtypes and `ahead`; every rank's findings go to out_file
+    (rank 0 writes)."""
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=1001, hidden_size=128, intermediate_size=255,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
     reference = LlamaForCausalLM(config).float()
     truth = {k: v.clone() for k, v in reference.state_dict().items()}
-    model = spell.shard_policy(copy.deepcopy(reference), worker_mesh(shard_size, world), param_dtype=torch.float32)
+    model = spell.shard_policy(copy.deepcopy(reference), worker_mesh(shard_size, world),
+                               param_dtype=torch.float32)
     real_start, real_gather = infra.start_bucket_gather, dist.all_gather_into_tensor
 
-    def start(entries, dtype):  # records each bucket's full sizes, which bucket each name is in, and when
+    # records each bucket's full sizes, which bucket each name is in, and when
+    def start(entries, dtype):
         buckets.append([t.numel() * dtype.itemsize for _, t in entries])
         owner.update({name: len(buckets) - 1 for name, _ in entries})
         events.append(f"issue {len(buckets) - 1}")
@@ -666,12 +754,14 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
             collectives = len(calls)
             expected = list(spell.gathered_state_dict(model, dtype))
             findings.append({
-                "rank": rank, "bound": bound, "ahead": ahead, "buckets": buckets, "collectives": collectives,
-                "n_tensors": len(expected),
-                "issued_before_handed_out": [events.index(f"issue {k + 1}") < events.index(f"take {k}")
-                                             for k in range(len(buckets) - 1)],
+                "rank": rank, "bound": bound, "ahead": ahead, "buckets": buckets,
+                "collectives": collectives, "n_tensors": len(expected),
+                "issued_before_handed_out": [
+                    events.index(f"issue {k + 1}") < events.index(f"take {k}")
+                    for k in range(len(buckets) - 1)],
                 "same_names": [n for n, _ in sent] == [n for n, _ in expected],
-                "equal": all(torch.equal(a, b) and torch.equal(a, truth[n].to(dtype)) and a.dtype == dtype
+                "equal": all(torch.equal(a, b) and torch.equal(a, truth[n].to(dtype))
+                             and a.dtype == dtype
                              for (n, a), (_, b) in zip(sent, expected)),
             })
     everyone = [None] * world

