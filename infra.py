@@ -1474,11 +1474,11 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
 def step_times(phase_s: dict, rounds: int, clock: tuple[float, float, float], sync_s: float,
                train: dict, device: torch.device) -> dict:
     """The step's seconds per phase (a phase lasts as long as its slowest rank: ranks wait for
-    each other after each round) and the update's trained tokens per second."""
+    each other after each round) and the update's trained tokens per second, all ranks'."""
     t0, t1, t2 = clock
     gathered = all_gather_objects(dict(phase_s))
     slowest = {k: max(d.get(k, 0.0) for d in gathered) for k in phase_s}
-    tokens = all_reduce_sum(int(train.get("tokens", 0)), device)
+    tokens = train.get("tokens", 0)  # update_policy summed them over the ranks
     return {**{f"{phase}_s": v for phase, v in slowest.items()}, "rounds": rounds,
             "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s,
             "step_s": time.perf_counter() - t0, "train_tokens_per_s": tokens / max(t2 - t1, 1e-9)}
@@ -1491,7 +1491,7 @@ class RunLog:
 
     def __init__(self, cfg, paths: Sequence[str], rank: int, world: int,
                  device: torch.device):
-        self.cfg, self.rank, self.board = cfg, rank, None
+        self.cfg, self.rank, self.world, self.board = cfg, rank, world, None
         self.metrics_file = Path(cfg.log.out_dir) / "metrics.jsonl"
         print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in "
                f"{Path(cfg.log.out_dir) / 'config.json'}; keys set away from spell.py's defaults: "
@@ -1500,8 +1500,13 @@ class RunLog:
     def step(self, step: int, summaries: list[list], counts: dict, train: dict,
              times: dict, rollouts: list) -> None:
         m = step_metrics(summaries, counts, train, times)
+        line = log_line(step, self.cfg.train.steps, m)
+        r, groups = self.cfg.rollout, self.world // self.cfg.rollout.tensor_parallel_size
+        asked = max(1, r.clusters_per_round // groups) * groups * times["rounds"]
+        if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
+            line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
         if self.rank == 0:
-            print(log_line(step, self.cfg.train.steps, m), flush=True)
+            print(line, flush=True)
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps({"step": step, **m}) + "\n")
             if self.cfg.log.tensorboard:
@@ -1529,6 +1534,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
     votes = sum(len(ns) for s in ok for ns in s.ver_lens)
     m = {
         "que/questions": len(flat),
+        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
+        "que/evicted": sum(s.evicted for s in flat),
         "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
         "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
         "que/skipped": sum(s.status == "skipped" for s in flat),

@@ -32,6 +32,8 @@ import numpy as np
 import pytest
 import torch
 
+
+
 import infra
 import spell
 from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S, demo_args,
@@ -1288,6 +1290,94 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
             and responder_groups_to_keep([rewards[-0.5]]) == [0])
 
 
+def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
+    """Four correct answers of 3 to 6 tokens under DAPO's overlong shaping: the shaped rewards
+    differ (1 - 0.25 ... 1 - 1), Eq. 6's do not, so §4.3 keeps no group and the round loop does
+    not count one; the shaping stays in the advantage of a group kept for its accuracy (#20 item
+    2: the shaped reward decided before, and kept this group)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer = 4, 6, 4
+    cfg.reward.judge = "rule"
+    right = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
+                 responder=[("The correct answer is blue.", "stop")])
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(right))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.solved == r.selection == [1.0] * 4  # ScriptedRollouts: response j has 3 + j tokens
+    assert r.res_rewards == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    assert counts["res_groups"] == 0 and not items
+    assert spell.responder_groups_to_keep([r.selection]) == []
+    mixed = dict(right, responder=[("The correct answer is blue.", "stop"),
+                                   ("The correct answer is red.", "stop")])
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(mixed))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.selection == [1.0, 0.0, 1.0, 0.0]
+    assert r.res_rewards == pytest.approx([0.75, -0.5, 0.25, -1.0])  # shaped: the advantage's
+    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    assert counts["res_groups"] == 1
+
+
+def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(monkeypatch):
+    """A history whose documents no longer fit rollout.max_prompt_tokens: the oldest entries go
+    until the questioner's prompt fits, and the rollout counts them; the cluster was skipped for
+    ever before (#20 item 14)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.docs_per_question, cfg.reward.judge = 4, 1, "rule"
+    cluster = spell.Cluster("long", "doc_qa", [f"Document {i}: " + "word " * 200 for i in range(4)])
+    history = HistoryMemory(3)
+    for i in range(3):
+        history.push("long", "doc_qa", [i], f"Question {i}?", "word")
+    calls = []
+
+    def generate(llm, prompts, *, n, desc="", **kw):
+        calls.append((desc, [len(p) for p in prompts]))
+        return [[spell.Completion([7], GATE_QUESTION, None, "stop")] * n for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    one_doc = len(CharTokenizer().apply_chat_template(
+        [{"role": "user", "content": spell.questioner_prompt("doc_qa", cluster.documents[:2],
+                                                              [history.get("long", "doc_qa")[0]],
+                                                              None)}], True, True, False))
+    cfg.rollout.max_prompt_tokens = one_doc + 100  # room for one entry and one new document
+    [r] = spell.run_questioner(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], history,
+                               np.random.default_rng(0), [1])
+    assert r.evicted == 2 and len(history.get("long", "doc_qa")) == 1
+    assert history.get("long", "doc_qa")[0].question == "Question 2?"  # the newest stays
+    assert len(r.que_prompt) <= cfg.rollout.max_prompt_tokens and calls[0][1] == [len(r.que_prompt)]
+    assert spell.summarize(r).evicted == 2
+
+
+def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeypatch):
+    """Under SPICE's mapping a question all four responses solved earns 0.044 > 0; it is still not
+    solvable, so it stays out of history memory (#20 item 1)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.judge, cfg.reward.questioner_mapping = 4, "rule", "spice"
+    script = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
+                  responder=[("The correct answer is blue.", "stop")])
+    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    history = HistoryMemory(3)
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], history,
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.solved == [1.0] * 4 and r.que_reward == pytest.approx(math.exp(-3.125))
+    assert history.get("c", "doc_qa") == []
+    script["responder"] = [("The correct answer is blue.", "stop"), ("The correct answer is red.", "stop")]
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], history,
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert len(history.get("c", "doc_qa")) == 1  # solved by half: solvable
+
+
+def test_generators_of_each_purpose_never_coincide():
+    """The step's selection generator and an engine's were both default_rng([seed, n]): step 3's
+    selection drew engine 3's numbers (#20 item 12). Each purpose has its own stream now."""
+    cfg = spell.Config()
+    draws = lambda g: g.integers(0, 2**31, 8).tolist()  # noqa: E731
+    assert draws(spell.generator(cfg, "batch", 3)) != draws(spell.generator(cfg, "engine", 3))
+    assert draws(spell.generator(cfg, "batch", 3)) == draws(spell.generator(cfg, "batch", 3))
+    old_batch, old_engine = (np.random.default_rng([cfg.train.seed, 3]) for _ in range(2))
+    assert draws(old_batch) == draws(old_engine)  # the collision the tags remove
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. The batch (§4.3)
 # ------------------------------------------------------------------------------------------------
@@ -1397,7 +1487,8 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa",
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
     maj = [spell.majority_vote(v) for v in votes]
     return spell.Summary(task=task, status="ok", que_reward=r_que, que_len=30, que_cut=False,
-                         res_rewards=res, rules=res, majorities=maj, solved=res,
+                         evicted=0, res_rewards=res, rules=res, majorities=maj, solved=res,
+                         selection=res,
                          agreements=[spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
                          ver_rewards=[verifier_rewards(v, m) for v, m in zip(votes, maj)],
                          res_lens=[20] * G, res_cut=[False] * G, abstained=[0] * len(res),
@@ -1407,7 +1498,8 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa",
 def invalid(status: str, r_que: float) -> spell.Summary:
     """The Summary of a question that never reached the responder (a format error, ungrounded)."""
     return spell.Summary(task="doc_qa", status=status, que_reward=r_que, que_len=40, que_cut=False,
-                         res_rewards=None, rules=[], majorities=[], solved=[], agreements=[],
+                         evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
+                         selection=[], agreements=[],
                          ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
                          ver_cut=[])
 
@@ -1460,6 +1552,47 @@ def test_select_batch_spreads_kept_groups_over_ranks():
     assert sum(per_rank) == 128 and all(16 - 12 <= k <= 22 for k in per_rank), per_rank
     # same on every rank
     assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]
+
+
+def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero():
+    """reward.questioner_pool = "all" (SPICE's Algorithm 1): every question of the step trains,
+    and under SPICE's mapping with Dr.GRPO's mean baseline the ones every or no response solved
+    get A < 0. §4.3's pool left them out: neither a kept group's question nor r_que <= 0 (#20
+    item 1)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.questioner_mapping = 4, "spice"
+    cfg.train.advantage = "mean"
+    r_que = lambda res: spell.spice_mapping(sum(res) / 4, 0, 0)  # noqa: E731
+    solve = [[1.0] * 4, [0.0] * 4, [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+    summaries = [[summary(res, r_que=r_que(res)) for res in solve] + [invalid("format", -0.1)]]
+    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    spell_pool = {it.idx for it in items if it.role == "que"}
+    assert spell_pool == {2, 3, 4}  # the two kept groups' questions and the format error
+    cfg.reward.questioner_pool = "all"
+    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    adv = {it.idx: it.advantage for it in items if it.role == "que"}
+    assert set(adv) == {0, 1, 2, 3, 4} and counts["que_pos"] + counts["que_neg"] == 5
+    assert adv[0] < 0 and adv[1] < 0 and adv[4] < 0 < adv[2]  # Var 0 and the invalid one below
+    assert adv[0] == pytest.approx(r_que(solve[0]) - np.mean([r_que(x) for x in solve] + [-0.1]),
+                                   abs=1e-6)  # fp32: a few roundings of O(1) values
+
+
+def test_mini_batches_deal_whole_groups_and_normalise_each():
+    """train.mini_batches = 2: groups go whole to a mini-batch, in turn, and each mini-batch is its
+    own Eq. 12 objective (under "role", each role's weights sum to 1 within each mini-batch)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.verifier_share, cfg.train.mini_batches = 4, 1.0, 2
+    summaries = [[summary([1.0, 0.0, 0.0, 0.0]), summary([1.0, 1.0, 0.0, 1.0]), invalid("format", -1.0),
+                  summary([0.0, 1.0, 0.0, 1.0])]]
+    items, _ = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    by_group: dict = {}
+    for it in items:
+        by_group.setdefault(it.group, set()).add(it.mini_batch)
+    assert all(len(b) == 1 for b in by_group.values()) and {0, 1} == set().union(*by_group.values())
+    for b in (0, 1):
+        for role in {it.role for it in items if it.mini_batch == b}:
+            total = sum(it.weight * it.length for it in items if it.mini_batch == b and it.role == role)
+            assert total == pytest.approx(1.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1637,6 +1770,7 @@ def test_policy_losses_each_on_a_worked_batch(name):
     adv, weights = torch.ones(4, dtype=torch.float64), torch.full((4,), 0.25, dtype=torch.float64)
     seq_ids = torch.tensor([0, 0, 1, 1])
     loss, stats = fn(logp, old, adv, weights, seq_ids, 0.2, 0.2)
+    stats["clipfrac"] = stats["clipped"] / stats["active"]
     (grad,) = torch.autograd.grad(loss, logp)
     # float64 and a few operations on O(1) values: approx's relative 1e-6 is far above the rounding
     assert loss.item() == pytest.approx(loss_expected)
@@ -1798,13 +1932,31 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
         "the clip at 0.05 must bind, or the test does not cover it"
 
 
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
+    """update_policy in one process on a plain tiny model (no process group: the collectives are a
+    world of one). One mini-batch: the ratio is exactly 1 and nothing clips, as Eq. 12 says. Two:
+    the second optimiser step's ratio is to the policy before the first, and with a step of SGD at
+    lr 30 the clip binds (#20 item 5: clip_high could never bind at ppo_epochs = 1)."""
+    cfg = spell.Config()
+    cfg.train.mini_batches, cfg.train.micro_batch_tokens, cfg.train.grad_clip = mini_batches, 4096, 1e9
+    seqs = [s._replace(mini_batch=i % mini_batches) for i, s in enumerate(update_batch())]
+    model = tiny_llama()
+    stats = spell.update_policy(model, torch.optim.SGD(model.parameters(), lr=30.0), seqs, cfg, 1,
+                                torch.device("cpu"))
+    assert stats["micro_batches"] == mini_batches
+    assert (stats["clipfrac"] > 0) == (mini_batches == 2), stats["clipfrac"]
+    assert stats["tokens"] == sum(len(s.completion) for s in seqs)
+
+
 # ------------------------------------------------------------------------------------------------
 # 9. The cluster sampler
 # ------------------------------------------------------------------------------------------------
 
 def test_phase_plan_and_retrospective_sampling():
     """data.phases switches the sampler's pool at the configured step (QwenLong-L1 Eq. 9), and with
-    data.retrospective the previous phase's unsolved questions come along."""
+    data.retrospective the previous phase's questions whose average accuracy was zero come along:
+    one solved 4 of 4 at a later visit stays behind (it was carried before, #20 item 3)."""
     assert spell.phase_plan("1:100, 3:200") == [(1, 100), (3, 200)] and spell.phase_plan("") == []
     assert spell.phase_plan("1:100,3:50") is None and spell.phase_plan("1-100") is None
     corpus = [spell.Cluster(str(i), "doc_qa", ["d"]) for i in range(10)]
@@ -1812,18 +1964,17 @@ def test_phase_plan_and_retrospective_sampling():
     # two phases over pools of corpus indices (phase_pools would measure prompts with a tokenizer)
     sampler.plan, sampler.pools, sampler.retrospective = (
         [(1, 100), (3, 200)], [[0, 2, 4], [6, 8]], True)
-    assert sampler.enter_phase(1) and sampler.shard == [0, 2, 4] and sampler.phase == 0
-    assert not sampler.enter_phase(2)
-    solved = spell.Rollout(corpus[0], "doc_qa", [0], [], status="ok",
-                           rules=[1.0, 0.0], majorities=[None, None], solved=[1.0, 0.0])
-    unsolved = spell.Rollout(corpus[4], "doc_qa", [0], [], status="ok",
-                             rules=[0.0, 0.0], majorities=[0, None], solved=[0.0, 0.0])
-    sampler.note_unsolved([solved, unsolved])
-    assert sampler.hard == [4]
-    assert sampler.enter_phase(3)
-    assert sampler.shard == [6, 8, 4] and sampler.carried == 1 and sampler.hard == []
+    assert sampler.start_step(1) and sampler.shard == [0, 2, 4] and sampler.phase == 0
+    assert not sampler.start_step(2)
+    visit = lambda i, solved: spell.Rollout(corpus[i], "doc_qa", [0], [], status="ok",  # noqa: E731
+                                            rules=[0.0] * 4, solved=solved)
+    sampler.note_accuracy([visit(0, [1.0, 0.0, 0.0, 0.0]), visit(2, [0.0] * 4), visit(4, [0.0] * 4)])
+    sampler.note_accuracy([visit(2, [1.0] * 4), visit(4, [0.0] * 4)])  # 2: unsolved, then 4 of 4
+    assert sampler.accuracy == {0: 0.25, 2: 1.0, 4: 0.0}
+    assert sampler.start_step(3)
+    assert sampler.shard == [6, 8, 4] and sampler.carried == 1 and sampler.accuracy == {}
     sampler.retrospective, sampler.phase = False, 0
-    assert sampler.enter_phase(3) and sampler.shard == [6, 8]
+    assert sampler.start_step(3) and sampler.shard == [6, 8]
 
 
 def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
@@ -1845,6 +1996,25 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
     again.load_state_dict(state)
     again.rng.bit_generator.state = sampler.rng.bit_generator.state
     assert [c.id for c, _ in again.draw(5)] == [c.id for c, _ in sampler.draw(5)]
+
+
+def test_qa_set_questions_are_drawn_once_a_step():
+    """RLVR: 12 draws from a pool of 5 questions drew 7 duplicates, each trained as its own group
+    (#20 item 4). A question of a QA set now comes once a step, so the step draws 5; the next step
+    may draw them all again. A self-play cluster may still come twice (other documents, a new
+    question)."""
+    qa = {"question": "Q?", "answer": "a"}
+    corpus = [spell.Cluster(f"q{i}", "doc_qa", ["d"], qa) for i in range(5)]
+    sampler = spell.ClusterSampler(spell.Config(), corpus, list(range(5)), np.random.default_rng(0))
+    sampler.start_step(1)
+    first = sampler.draw(8) + sampler.draw(4)
+    assert sorted(c.id for c, _ in first) == [f"q{i}" for i in range(5)]
+    sampler.start_step(2)
+    assert len({c.id for c, _ in sampler.draw(12)}) == 5
+    corpus = [spell.Cluster(f"c{i}", "doc_qa", ["d"]) for i in range(5)]
+    sampler = spell.ClusterSampler(spell.Config(), corpus, list(range(5)), np.random.default_rng(0))
+    sampler.start_step(1)
+    assert len(sampler.draw(12)) == 12
 
 
 # ------------------------------------------------------------------------------------------------
