@@ -1891,7 +1891,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # the gradient of the same global loss by autograd
     model = tiny_llama()
     loss = 0.0
-    for prompt, completion, a, w in update_batch():
+    for prompt, completion, a, w, _ in update_batch():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         loss = loss - w * a * token_logprobs(logits, torch.tensor(completion), 0.7).sum()
     loss.backward()
@@ -1930,6 +1930,14 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
         assert diff < 8 * math.sqrt(1000) * 2.0 ** -24 * moment, nproc
     assert results[1]["grad_norm"] > 0.05, \
         "the clip at 0.05 must bind, or the test does not cover it"
+    # what train/loss, train/entropy and train/clipfrac log: the batch's, summed over the ranks, the
+    # same on 1, 2 and 4 ranks (#20 item 13: rank 0's share was logged). Sums of ~100 fp32 terms
+    # in another order: 1e-5 relative is ~100x their rounding
+    for nproc in (2, 4):
+        for name, logged in results[nproc]["logged"].items():
+            for key, value in logged.items():
+                assert value == pytest.approx(results[1]["logged"][name][key], rel=1e-5,
+                                              abs=1e-9), (nproc, name, key)
 
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
@@ -2797,6 +2805,8 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
+        results.setdefault("logged", {})[name] = {k: stats[k] for k in ("loss", "entropy_sum",
+                                                                       "tokens", "clipfrac")}
         after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
         results[name] = {n: after[n] - before[n] if opt == "sgd" else after[n] for n in after}
         if opt == "adamw":  # and the first moment, (1 - beta1) x the clipped gradient the step used
