@@ -399,6 +399,44 @@ def candidate_count(tokens: list[str], gold: dict[int, int]) -> int:
     return count
 
 
+NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+CURRENCY = ("$", "€", "£", "¥")
+
+
+def answer_number(s: str) -> re.Match | None:
+    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
+    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
+    # first number, not the last
+    first = None
+    for m in NUMBER.finditer(s):
+        if not is_label(s, m):
+            return m
+        first = first or m
+    return first
+
+
+def is_label(s: str, m: re.Match) -> bool:
+    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
+    ('2023: 1.5')."""
+    glued = m.start() > 0 and s[m.start() - 1].isalpha()
+    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
+    return glued or colon
+
+
+CLOSING_PAREN = re.compile(r"\s*\)")
+
+
+def number_is_negative(s: str, m: re.Match) -> bool:
+    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
+    around them ('(12)', '$(1,234)', '($1,234)')."""
+    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
+    head = s[:m.start()].rstrip()
+    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
+        head = head[:-1].rstrip()
+    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
+    return head.endswith("-") or accounting
+
+
 def control_tokens(tokenizer) -> tuple[str, ...]:
     """The strings a tokenizer reads as special ids wherever they stand: role tags, end of turn."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none

@@ -113,17 +113,17 @@ import torch.distributed as dist
 import kernels
 from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
                    SURROGATE_NOTE, YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats,
-                   all_reduce_sum, answer_tokens, attention_implementation, balance_sequences,
-                   bucketed_state_dict, candidate_count, check_checkpoint, check_every_key,
-                   check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
-                   checkpoint_dir, config_to_dict, control_tokens, defuse_control_tokens,
-                   engine_groups, export_hf, gold_starts, json_candidates, jsonl_records,
-                   loads_lenient, normalize_text, parse_args, policy_mesh, print0,
-                   rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
-                   rng_state, rollout_dtype, rollout_fingerprint, save_atomically, seed_everything,
-                   set_rng_state, set_vllm_log_level, share_within_groups, step_times,
-                   train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
-                   write_run_config)
+                   all_reduce_sum, answer_number, answer_tokens, attention_implementation,
+                   balance_sequences, bucketed_state_dict, candidate_count, check_checkpoint,
+                   check_every_key, check_groups_agree, check_launch, check_memory_at_start,
+                   check_vllm_groups, checkpoint_dir, config_to_dict, control_tokens,
+                   defuse_control_tokens, engine_groups, export_hf, gold_starts, json_candidates,
+                   jsonl_records, loads_lenient, normalize_text, number_is_negative, parse_args,
+                   policy_mesh, print0, rank0_progress_bar, read_config,
+                   refresh_tied_lm_head_on_cpu, resolve_model, rng_state, rollout_dtype,
+                   rollout_fingerprint, save_atomically, seed_everything, set_rng_state,
+                   set_vllm_log_level, share_within_groups, step_times, train_mode_without_dropout,
+                   vllm_platform_kwargs, world_of_one_env, write_run_config)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -148,20 +148,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: str = "data/corpus.jsonl"  # JSON Lines of clusters (see load_corpus)
-    # Draw weight of each task type (a key of TASKS) for a cluster whose corpus line names no
-    # task (§5.1: balanced). A TOML table, or `--data.task_weights=doc_qa:1,doc_mc:0`; the tasks
-    # it does not name keep their weight
+    # draw weight of each task type (a key of TASKS) for clusters without one (§5.1: balanced); a
+    # TOML table or `--data.task_weights=doc_mc:0`, the tasks not named keep their weight
     task_weights: dict[str, float] = field(default_factory=lambda: {task: 1.0 for task in TASKS})
-    # RLVR instead of self-play: a static QA set (JSON Lines, see load_qa_set) whose questions the
-    # responder answers; there is no questioner and data.corpus is not read. "" = self-play
-    qa: str = ""
-    # QwenLong-L1's progressive context scaling (§2.3, Eq. 9), data.qa only: "STEP:TOKENS,..." e.g.
-    # "1:4096,21:8192" trains steps 1-20 on questions whose responder prompt has <= 4096 tokens,
-    # then steps 21- on those with 4096 < tokens <= 8192. "" = one phase, every question
+    qa: str = ""  # RLVR: a static QA set (evaluation.load_qa_set) instead of the questioner
+    # QwenLong-L1's context phases (§2.3, Eq. 9), data.qa only: "1:4096,21:8192" = steps 1-20 on
+    # prompts of <= 4096 tokens, then 4096 < tokens <= 8192. "" = one phase
     phases: str = ""
-    # QwenLong-L1's retrospective sampling (§2.3): questions no response solved (mean reward 0)
-    # in a phase are carried into the next phase's pool (the paper's "average accuracy of zero")
-    retrospective: bool = False
+    retrospective: bool = False  # QwenLong-L1 §2.3: a phase's never-solved questions go on
 
 
 @dataclass
@@ -177,23 +171,16 @@ class RolloutConfig:
     clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
-    # Prompt families (prompts/<name>_<task>.txt). questioner: SPELL's, sees m documents |
-    # challenger: SPICE's Challenger, writes a self-contained question from one document.
-    # responder: answers with the whole cluster | reasoner: SPICE's Reasoner, without any document
+    # prompt families, prompts/<family>_<task>.txt: questioner (SPELL's, m documents) or challenger
+    # (SPICE's, one document); responder (the whole cluster) or reasoner (SPICE's, no document)
     questioner_template: str = "questioner"
     responder_template: str = "responder"
-    # §4.1's no-document check; false = Table 2 "w/o grounding filter"
-    grounding_filter: bool = True
+    grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding"
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
-    # Ranks per vLLM engine (tensor parallelism, for models one GPU cannot hold): groups of
-    # consecutive ranks share one engine and its rollouts; FSDP still shards over every rank
-    tensor_parallel_size: int = 1
-    # Weight sync: one all-gather per bucket of consecutive weights of at most this many MiB (full
-    # tensors in the sync dtype; a bigger tensor travels alone). 0 = one all-gather per tensor
-    sync_bucket_mb: int = 512
+    tensor_parallel_size: int = 1  # ranks per vLLM engine, consecutive (infra.engine_groups)
+    sync_bucket_mb: int = 512  # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions, else float32
-    # (departure 12); train/rollout_logp_gap logs how far they drift from the fp32 trainer
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
     sleep_level: Literal[0, 1, 2] = 1
@@ -201,64 +188,42 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    # How the questioner's reward reads the responders' mean reward r (a key of
-    # QUESTIONER_MAPPINGS): gaussian = SPELL's Eq. 7 | azr = Absolute Zero's 1 - r | rzero =
-    # R-Zero's 1 - 2|r - 0.5| | spice = SPICE's Gaussian in the variance r(1 - r). The penalties
-    # below hold for all of them
+    # r_que from the responders' mean reward, a key of QUESTIONER_MAPPINGS: gaussian (Eq. 7), azr,
+    # rzero, spice (§5.4); the penalties below hold for all of them
     questioner_mapping: str = "gaussian"
     mu: float = 0.5  # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     sigma: float = 0.5 / 3  # width of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
     format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
-    # The questioner samples that train. spell: §4.3's, the questions of the kept responder groups
-    # plus negative_ratio as many with r_que <= 0 | all: every valid or invalid question (SPICE's
-    # Algorithm 1 trains every task it drew, the too easy and too hard ones with A < 0)
+    # the questioner samples that train: spell (§4.3's positives and negatives) or all (every
+    # question drawn, as SPICE's Algorithm 1 trains every task)
     questioner_pool: Literal["spell", "all"] = "spell"
-    # Who judges a response against the reference (Eq. 6). verifier: the policy, G votes, majority
-    # vote v_i, and it learns from them (SPELL) | rule: nobody, r_i = R_rule (Table 2 "w/o
-    # verifier"; RLVR's rule reward). A hybrid max(rule, judge) with a frozen judge is verifier +
-    # train.frozen_roles = "ver"
+    # who judges a response in Eq. 6: verifier (the policy's G votes) or rule (nobody: r_i is the
+    # rule check; Table 2 "w/o verifier", RLVR). Hybrid = verifier + train.frozen_roles = "ver"
     judge: Literal["verifier", "rule"] = "verifier"
-    # v_i in Eq. 6. majority: Eq. 4's vote over G | single: the first vote alone (Table 2 "w/o
-    # majority voting"); the verifier's own rewards (Eq. 5) and its consistency filter still use
-    # the majority
+    # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
-    # §4.3: keep a verifier group only when its majority agrees with the rule check; false =
-    # Table 2 "w/o update consistency" (any majority in verifier_agreement trains)
-    consistency_filter: bool = True
+    consistency_filter: bool = True  # §4.3: a verifier group trains only if its majority = rule
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
-    # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an
-    # unfinished answer earns (responder: no answer, r = 0; verifier: an abstention; questioner: a
-    # format error) and trains with that reward | mask: the same rewards, but cut outputs stay out
-    # of the loss (DAPO's overlong filtering) | keep: scored as if the cut text were finished
+    # an output cut at rollout.max_new_tokens: zero (scored as unfinished), mask (that, and left
+    # out of the loss: DAPO) or keep (scored as it stands); departure 10
     overlong: Literal["zero", "mask", "keep"] = "zero"
-    # DAPO's soft overlong punishment (Yu et al. 2025; QwenLong-L1 §2.2, item 4) on the responder's
-    # training reward: past max_new_tokens - overlong_buffer tokens it falls linearly, to -1 at
-    # max_new_tokens. 0 = off
+    # DAPO's soft overlong punishment on the responder's training reward: over the last this many
+    # tokens before max_new_tokens it falls linearly to -1. 0 = off
     overlong_buffer: int = 0
 
 
 @dataclass
 class BootstrapConfig:
     """Not in the paper (departure 11): four switches that let a model which cannot yet write the
-    roles' formats learn them. All off in config.toml, on in the CPU presets."""
-    # A task with fewer positives than this takes well-formed questions (best r_que first) as extra
-    # positives, so a model that cannot yet write the format learns it (r = 0 against a format
-    # error's -1) instead of getting no questioner gradient at all. 0 = off
-    questioner_floor: int = 0
-    # The training reward of a response with no final answer to extract (or cut short), in place of
-    # 0, so a group that mixes answered and unanswered responses has variance and teaches the
-    # answer format. The questioner's Eq. 7 still sees Eq. 6's r_i. 0 = off
-    responder_format_penalty: float = 0.0
-    # The reward of a verifier vote with no verdict tag, in place of Eq. 5's 0. A group whose
-    # majority matches the rule, and in which some votes abstained and some agreed, is then
-    # trainable even outside reward.verifier_agreement: it teaches the verdict format. 0 = off
-    verifier_format_penalty: float = 0.0
-    # Text the verifier's reply starts with, written after the chat template's assistant header as
-    # part of the prompt (never sampled, never trained). "Decision: [[" leaves the model one choice,
-    # YES]] or NO]]: SmolLM2-135M wrote a tag in 19 of 64 votes with it, 0 of 64 without. "" = off
+    roles' formats learn them. All off in config.toml, on in the CPU presets; 0 or "" = off."""
+    questioner_floor: int = 0  # a task's well-formed questions as positives, up to this many
+    responder_format_penalty: float = 0.0  # training reward of a response with no final answer
+    verifier_format_penalty: float = 0.0  # reward of a vote without a verdict tag (Eq. 5: 0)
+    # the verifier's reply starts with this, as prompt: "Decision: [[" leaves it YES]] or NO]]
+    # (SmolLM2-135M tagged 19 of 64 votes with it, 0 of 64 without)
     verifier_reply_prefix: str = ""
 
 
@@ -269,28 +234,19 @@ class TrainConfig:
     lr: float = 2e-6  # constant (§5.1)
     weight_decay: float = 0.01  # [code]
     grad_clip: float = 1.0  # [code]
-    clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
+    clip_low: float = 0.2  # PPO clip range (Eq. 2): binds only off-policy (below)
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
-    # Optimiser steps per pass: the batch's groups split into this many mini-batches, each its own
-    # Eq. 12 objective (QwenLong-L1: 128 prompts, 32 a step). Above 1 (or with ppo_epochs > 1)
-    # the policy moves within a batch, the ratio leaves 1 and the clip can bind
+    # optimiser steps per pass, each on a mini-batch of whole groups with its own Eq. 12 objective
+    # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
     mini_batches: int = 1
-    # The objective per token, a key of POLICY_LOSSES: grpo (Eq. 2's clipped token ratio) | gspo
-    # (one ratio per sequence) | cispo (a clipped, stop-gradient importance weight). On-policy
-    # (ppo_epochs = 1) the ratio is 1 and all three give the same gradient
-    policy_loss: str = "grpo"
-    # The loss normaliser, a key of LOSS_NORMS: role (Eq. 12 per role, roles summed as Eq. 10) |
-    # group (Eq. 12 over the batch) | token (DAPO) | sequence (GRPO) | constant (Dr.GRPO)
-    loss_norm: str = "role"
-    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean)
+    policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
+    loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
+    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
-    # Ranks one FSDP2 shard group spans. 0 = all of them (FSDP); S = HSDP: sharded within groups
-    # of S consecutive ranks (a node: 8), replicated across them (infra.mesh_shape)
-    fsdp_shard_size: int = 0
+    fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
-    # Table 2's "w/o update" ablations: comma-separated roles (que, ver) that still play their part
-    # in the rollouts but whose samples never enter the batch. "" = every role trains
+    # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
     seed: int = 42
 
@@ -301,8 +257,7 @@ class LogConfig:
     save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
     sample_every: int = 5  # print a table of sample rollouts every N steps
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
-    # also write every metric to <out_dir>/tensorboard (offline; `tensorboard --logdir`)
-    tensorboard: bool = False
+    tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
 
 
 @dataclass
@@ -312,8 +267,7 @@ class EvalConfig:
     n: int = 8  # samples per question (Appendix C.2)
     temperature: float = 0.7
     top_p: float = 0.95
-    # prompts are middle-truncated to this; the paper also reports 100000
-    max_input_len: int = 16384
+    max_input_len: int = 16384  # middle-truncated to this; the paper also reports 100000
     max_output_len: int = 4096  # 20000 for reasoning models (Appendix C.2); also the judge's budget
     judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
     gpu_memory_utilization: float = 0.9  # eval has no trainer on the GPU
@@ -771,10 +725,6 @@ def extract_answer(text: str, task: str) -> str | None:
     return None if body is None else TASKS[task].extract(body)
 
 
-_NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-_CURRENCY = ("$", "€", "£", "¥")
-
-
 def parse_number(text: Any) -> float | None:
     """The number a text gives as its answer, else None ('$1,234.5 million' -> 1234.5, '-1%' -> -1).
 
@@ -791,13 +741,13 @@ def parse_number(text: Any) -> float | None:
             return None
         return value if math.isfinite(value) else None
     s = _number_region(str(text).replace("\u2212", "-")).replace(",", "")
-    m = _answer_number(s)
+    m = answer_number(s)
     if m is None:
         return None
     value = float(m[0])
     if not math.isfinite(value):  # "1e999"
         return None
-    return -value if _is_negative(s, m) else value
+    return -value if number_is_negative(s, m) else value
 
 
 def _number_region(s: str) -> str:
@@ -807,40 +757,6 @@ def _number_region(s: str) -> str:
         return _after_last_marker(s) or ""  # a marker with nothing after it states no number
     s = s.rstrip()
     return s[s.rfind("\n") + 1:]
-
-
-def _answer_number(s: str) -> re.Match | None:
-    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
-    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
-    # first number, not the last
-    first = None
-    for m in _NUMBER.finditer(s):
-        if not _is_label(s, m):
-            return m
-        first = first or m
-    return first
-
-
-def _is_label(s: str, m: re.Match) -> bool:
-    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
-    ('2023: 1.5')."""
-    glued = m.start() > 0 and s[m.start() - 1].isalpha()
-    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
-    return glued or colon
-
-
-_CLOSING_PAREN = re.compile(r"\s*\)")
-
-
-def _is_negative(s: str, m: re.Match) -> bool:
-    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
-    around them ('(12)', '$(1,234)', '($1,234)')."""
-    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
-    head = s[:m.start()].rstrip()
-    if head.endswith(_CURRENCY):  # the sign or the parenthesis may stand before the currency
-        head = head[:-1].rstrip()
-    accounting = head.endswith("(") and _CLOSING_PAREN.match(s, m.end()) is not None
-    return head.endswith("-") or accounting
 
 
 def format_number(value: float) -> str:
