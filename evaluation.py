@@ -27,8 +27,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
-                   engine_groups, parse_args, resolve_model, rollout_dtype, set_vllm_log_level,
-                   write_atomic)
+                   engine_groups, jsonl_records, parse_args, resolve_model, rollout_dtype,
+                   set_vllm_log_level, write_atomic)
 from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
                    _validate_question, chat_ids, extract_answer, generate, generator,
                    init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
@@ -756,19 +756,25 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     """
     spec = str(path)
     name, sep, _ = spec.partition(":")
+    first = None if sep and name in BENCHMARKS else _first_json_line(Path(spec))
+    ours = isinstance(first, dict) and "documents" in first
     try:
-        records = [] if sep and name in BENCHMARKS else read_records(spec)
-        ours = bool(records) and isinstance(records[0][1], dict) and "documents" in records[0][1]
         items = [] if ours else load_eval_data([spec])  # an eval benchmark's layout
     except EvalDataError as e:
         raise CorpusError(str(e)) from None
     if not ours:
+        first: dict[str, int] = {}
+        for i, it in enumerate(items):
+            if (j := first.setdefault(it.id, i)) != i:  # clusters are told apart by id
+                raise CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
         return [Cluster(it.id, it.task, [it.context],
                         {"question": it.question, "answer": it.answers[0],
                          **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
                 for it in items]
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
-    for c, (where, rec) in zip(clusters, records):
+    # its records, split into lines as load_corpus splits them, so each cluster meets its own
+    records = [(where, rec) for _, where, rec in jsonl_records(Path(spec), CorpusError)]
+    for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
         if bad := _surrogate_fields(rec):  # _validate_question would only say "no question"
             raise CorpusError(f"{where}: field {bad[0]!r} {SURROGATE_NOTE}")
@@ -779,6 +785,14 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
             raise CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
     return clusters
+
+
+def _first_json_line(path: Path) -> object:
+    """The value on the first non-blank line of a file, or None where that is not JSON."""
+    try:
+        return next((value for _, _, value in jsonl_records(path, CorpusError)), None)
+    except (CorpusError, OSError):
+        return None
 
 
 def _surrogate_fields(rec: dict) -> list[str]:

@@ -58,16 +58,20 @@ infra.py, which never imports this file.
 Departures from the paper and from the authors' code (a VeRL fork), on purpose (README,
 "Departures", gives each one's reasons and numbers):
   1. Cover exact match is on word boundaries ("5" is not in "1995"; the authors test substrings),
-     Unicode punctuation counts as punctuation, a decimal point stays ("35" is not "3.5"), and a
-     doc_qa prediction more than twice the gold's length earns no rule reward (a list of
-     candidates would otherwise collect Eq. 6's max over the verifier's NO).
-  2. The number rule is sign-sensitive; the authors compare absolute values.
+     Unicode punctuation counts as punctuation, a decimal point stays ("35" is not "3.5"). A doc_qa
+     answer also fails the rule when it offers a second candidate ("Paris/Berlin", "yes or no"),
+     denies the gold ("not Paris") or has over 3x the gold's words, and a yes/no gold needs the
+     answer to be yes or no: a hedge would otherwise collect Eq. 6's max over the verifier's NO.
+  2. The number rule is sign-sensitive (the authors compare absolute values) and reads the
+     answer's number: after the last "answer is", else on the last line, labels ("FY2023:")
+     skipped, accounting parentheses negative; the comparison cannot overflow.
   3. The multiple-choice questioner is told which letter must be correct, drawn uniformly from
      A-D (in the authors' code a task-name typo skips this).
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
-  5. History memory skips repeated questions and stores a question only when r_que > 0
-     (Algorithm 1, line 20); the authors' de-duplication is a no-op and they also store questions
-     every rollout solved.
+  5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
+     (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
+     authors' de-duplication is a no-op and they also store questions every rollout solved. A
+     history that outgrows the prompt budget loses its oldest entries (the paper is silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
      abstention is no YES, a tie is NO).
@@ -84,6 +88,15 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      verifier_reply_prefix starts the verifier's reply, as prompt.
  12. Rollouts on CPU run in float32 unless the CPU has bf16 instructions (rollout.dtype "auto");
      the trainer keeps fp32 masters and logs the log-prob gap to vLLM.
+ 13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
+     policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
+     already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
+     Task.rule_decides = False restores Eq. 6's max.
+ 14. §4.3's selection (responder groups with reward variance, questioner positives) reads Eq. 6's
+     accuracy (and the bootstrap format penalty where set); DAPO's length shaping
+     (reward.overlong_buffer) enters the advantage only, so no group is kept for length alone.
+ 15. A doc_qa reference the rule can never match (no word left once normalised, several lines, a
+     '*') is a format error (Eq. 7), as an unparseable question is.
 """
 
 from __future__ import annotations
@@ -476,19 +489,23 @@ def rule_doc_mc(predicted: str, gold: str) -> bool:
 class Task(NamedTuple):
     """One task type (§5.1): how its reference answer is checked (None = a format error, Eq. 7),
     how a response's final answer is read from the text after its reasoning, R_rule of Eq. 6 on the
-    two answers, and whether it is multiple choice (the questioner is then told which letter must
-    be correct, and the prompts show the options)."""
+    two answers, whether it is multiple choice (the questioner is then told which letter must be
+    correct, and the prompts show the options), and whether the rule alone decides r_i (Eq. 6
+    without the verifier's max, departure 13)."""
     check: Callable[[str, str, dict, str | None, int], dict | None]
     extract: Callable[[str], str | None]
     rule: Callable[[str, str], bool]
     multiple_choice: bool = False
+    rule_decides: bool = False
 
 
 # §5.1's three task types; data.task_weights draws among them in this order
 TASKS: dict[str, Task] = {
     "doc_qa": Task(check_doc_qa, extract_text_answer, rule_doc_qa),
-    "fin_math": Task(check_fin_math, extract_number_answer, lambda p, g: numbers_match(p, g)),
-    "doc_mc": Task(check_doc_mc, extract_letter_answer, rule_doc_mc, multiple_choice=True),
+    "fin_math": Task(check_fin_math, extract_number_answer, lambda p, g: numbers_match(p, g),
+                     rule_decides=True),
+    "doc_mc": Task(check_doc_mc, extract_letter_answer, rule_doc_mc, multiple_choice=True,
+                   rule_decides=True),
 }
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -777,13 +794,13 @@ def cover_exact_match(prediction: str, gold: str) -> bool:
     return f" {g} " in f" {p} "
 
 
-CEM_MAX_LENGTH_RATIO = 3  # a doc_qa prediction holds at most this many words per word of the gold
+CEM_MAX_LENGTH_RATIO = 3  # a doc_qa prediction's words per word of the gold, at most
 
 
 def short_enough(prediction: str, gold: str, ratio: int = CEM_MAX_LENGTH_RATIO) -> bool:
     """The prediction is at most `ratio` times the gold's length in normalised words (rule of Eq. 6).
 
-    The bound for what _candidate_count cannot see, candidates with nothing between them ("Paris
+    The bound for what candidate_count cannot see, candidates with nothing between them ("Paris
     Berlin Madrid Rome"); with ratio 3 the gold inside a short phrase passes ("the city of Berlin",
     "Eiffel Tower in Paris"), and a longer correct paraphrase is left to the verifier.
     """
@@ -942,10 +959,11 @@ def verifier_rewards(votes: Sequence[int | None], majority: int | None) -> list[
     return [float(v == majority) for v in votes]
 
 
-def responder_reward(rule: float, vote: int | None) -> float:
+def responder_reward(rule: float, vote: int | None, rule_decides: bool = False) -> float:
     """r_i = max(R_rule(y_i, a), v_i) (Eq. 6); a response never verified (no answer, vote None) has
-    v_i = 0."""
-    return float(max(rule, vote or 0))
+    v_i = 0. Where the rule decides (a number, a letter: Task.rule_decides), r_i = R_rule: a YES
+    cannot pay for an answer the rule has proven wrong (departure 13)."""
+    return float(rule if rule_decides else max(rule, vote or 0))
 
 
 def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
@@ -1214,7 +1232,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
         decisions = (r.majorities if rc.verifier_decision == "majority"
                      else [v[0] if v else None for v in r.votes])
-        r.solved = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]  # Eq. 6
+        r.solved = [responder_reward(rule, v, TASKS[r.task].rule_decides)  # Eq. 6
+                    for rule, v in zip(r.rules, decisions)]
         solve_rate = float(np.mean(r.solved))
         r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
                                          sigma=rc.sigma)  # Eq. 7

@@ -865,22 +865,42 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
 
 
 @pytest.mark.parametrize("line, words", [
-    ('{"id": "a", "documents": ["d"], "question": "Q?"}', "line 2: fields 'question', 'answer'"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?"}', "qa.jsonl:2: fields 'question', 'answer'"),
     ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}',
-     "line 2"),
+     "qa.jsonl:2"),
     ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}',
      "options"),
     ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
      "qa.jsonl:2: field 'documents'"),
-    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "line 2: not valid JSON"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"', "qa.jsonl:2: not valid JSON"),
 ])
-
-
 def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps(qa_record(0, ["x"])) + "\n" + line + "\n")
     with pytest.raises(spell.CorpusError, match=re.escape(words)):
         evaluation.load_qa_set(path)
+
+
+def test_load_qa_set_pairs_each_cluster_with_its_own_record(tmp_path):
+    """A bare carriage return is JSON whitespace: the line it sits in stays one record, so the
+    questions that follow stay with their own documents."""
+    first = {**qa_record(0, ["x"]), "answer": "red"}
+    second = {**qa_record(1, ["y"]), "answer": "blue"}
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(json.dumps(first).replace(", ", ",\r", 1).encode() + b"\n"
+                     + json.dumps(second).encode() + b"\n")
+    a, b = evaluation.load_qa_set(path)
+    assert (a.id, a.documents, a.qa["answer"]) == ("q0", ["x"], "red")
+    assert (b.id, b.documents, b.qa["answer"]) == ("q1", ["y"], "blue")
+
+
+def test_load_qa_set_refuses_a_benchmark_whose_ids_repeat(tmp_path):
+    rows = [{"_id": "same", "input": f"Q{i}?", "answers": ["a"], "context": "c"} for i in range(2)]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(spell.CorpusError, match="question id 'same' repeats"):
+        evaluation.load_qa_set(f"hotpotqa:{path}")
 
 
 # ------------------------------------------------------------------------------------------------

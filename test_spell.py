@@ -1032,6 +1032,22 @@ def test_score_rollouts_uses_the_configured_mapping(mapping):
     assert (fmt.que_reward, ungrounded.que_reward) == (-1.0, -0.5)
 
 
+@pytest.mark.parametrize("task, overruled", [("doc_qa", True), ("fin_math", False),
+                                              ("doc_mc", False)])
+def test_a_unanimous_yes_overrules_the_rule_only_for_doc_qa(task, overruled):
+    """Eq. 6's max lets the verifier pass a free-text answer the rule missed; a number or a letter
+    the rule has read and found wrong stays wrong (departure 13), and the verifier still learns."""
+    cfg = spell.Config()
+    yes = spell.Completion([1], "[[YES]]", None, "stop")
+    r = spell.Rollout(spell.Cluster("c", task, ["d"]), task, [0], [],
+                      question={"question": "Q?", "answer": "x"}, status="ok", rules=[0.0, 1.0],
+                      ver_prompts=[[1], [1]], verdicts=[[yes] * 4, [yes] * 4])
+    spell.score_rollouts(cfg, [r], spell.HistoryMemory(3))
+    assert r.solved == ([1.0, 1.0] if overruled else [0.0, 1.0])
+    assert r.ver_rewards == [[1.0] * 4, [1.0] * 4]
+    assert responder_reward(0.0, 1) == 1.0 and responder_reward(0.0, 1, rule_decides=True) == 0.0
+
+
 GATE = spell.Cluster("c", "doc_qa", ["The north gate was painted blue.", "The keeper kept goats.",
                                      "The south gate was painted red."])
 
