@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
                    engine_groups, parse_args, resolve_model, rollout_dtype, set_vllm_log_level,
-                   write_atomic)
+                   unreadable, write_atomic)
 from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
                    _validate_question, chat_ids, extract_answer, generate, generator,
                    init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
@@ -151,6 +151,8 @@ def read_records(path: str) -> list[tuple[str, object]]:
             # "Extra data" = several top-level values, i.e. JSONL named .json
             if e.msg != "Extra data":
                 raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of 5000 digits, "[[[[..."
+            raise EvalDataError(f"{path}: not valid JSON ({unreadable(e)})") from None
         else:
             if not isinstance(data, list):
                 raise EvalDataError(f"{path}: expected a JSON list of records, "
@@ -165,8 +167,9 @@ def read_records(path: str) -> list[tuple[str, object]]:
                 continue
             try:
                 records.append((f"{path}, line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({unreadable(e)})") \
+                    from None
         return records
     if suffix == ".parquet":
         try:
@@ -178,7 +181,13 @@ def read_records(path: str) -> list[tuple[str, object]]:
     # the raw google/frames-benchmark file; the Frames loader explains what it lacks
     if suffix == ".tsv":
         rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
-        return [(f"{path}, row {i}", rec) for i, rec in enumerate(rows)]
+        records = []
+        try:
+            for rec in rows:
+                records.append((f"{path}, row {len(records)}", rec))
+        except csv.Error as e:  # e.g. a cell over csv's field limit of 131,072 characters
+            raise EvalDataError(f"{path}, row {len(records)}: not a TSV row ({e})") from None
+        return records
     raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
                         "expected .jsonl, .json, .parquet or .tsv")
 

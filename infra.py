@@ -66,6 +66,25 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the folder and what is wrong."""
 
 
+def shown(value: Any) -> str:
+    """repr(value) cut to a length an error line can show (a 5000-character path, a huge number)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than 4300 digits has no repr
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def unreadable(e: ValueError | RecursionError) -> str:
+    """Why json.loads or tomllib gave up on a text, in a few words: its syntax error, or one of the
+    two limits Python puts on any reader (the recursion limit, 4300 digits in an integer)."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than Python's recursion limit"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg}, column {e.colno}"
+    return str(e).split(";")[0]  # drop int()'s advice to raise sys.set_int_max_str_digits
+
+
 # ==================================================================================================
 # Config mechanics: TOML files stacked in order, then `--section.key=value`; generic checks
 # ==================================================================================================
@@ -80,7 +99,11 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
     elif isinstance(current, int) and not isinstance(current, bool):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
+        # ASCII digits only (int() also reads "٣"), and few enough to fit int64 (INT_DIGITS)
+        if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value):
+            if len(value.lstrip("+-")) > INT_DIGITS:
+                raise ConfigError(f"{where}: expected an integer of at most {INT_DIGITS} digits, "
+                                  f"got {len(value.lstrip('+-'))} digits")
             return int(value)
     elif isinstance(current, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -106,7 +129,7 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             except ConfigError:
                 pass  # the message below shows the whole value, not one element
         example = f"{len(current)} comma-separated values like {','.join(map(str, current))}"
-        raise ConfigError(f"{where}: expected {example}, got {value!r}")
+        raise ConfigError(f"{where}: expected {example}, got {shown(value)}")
     elif isinstance(current, dict):  # a table of named numbers (data.task_weights); merged
         items = value
         if isinstance(value, str):  # the command line: `doc_qa:1,doc_mc:0` (or `doc_qa=1,...`)
@@ -122,8 +145,9 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             return {**current, **{k: _coerce(v, current[k], f"{where}.{k}")
                                   for k, v in items.items()}}
         example = ", ".join(f"{k}:{v}" for k, v in current.items())
-        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {value!r}")
-    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, got {value!r}")
+        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {shown(value)}")
+    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, "
+                      f"got {shown(value)}")
 
 
 def apply_overrides(cfg, overrides: dict[str, dict[str, Any]], source: str) -> None:
@@ -158,8 +182,8 @@ def read_config(cfg, paths: str | Sequence[str] | None, argv: Sequence[str] = ()
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+            raise ConfigError(f"{path}: not valid TOML: {unreadable(e)}") from None
         apply_overrides(cfg, values, path)
     for arg in argv:
         m = re.fullmatch(r"--(\w+)\.(\w+)=(.*)", arg)
@@ -176,19 +200,31 @@ def config_values(cfg) -> Iterator[tuple[str, Any]]:
             yield f"{section.name}.{f.name}", getattr(sub, f.name)
 
 
+# The bounds of every number key, before its own range rule. No key has a use for a float beyond
+# 1e6 in size (rewards, penalties, ratios, weights, rates), and beyond it a value overflows on its
+# way: a penalty of -3.4e38 is -inf in float32, the dtype of rewards and advantages, and task
+# weights of 1e308 sum to inf. An int of more than 18 digits leaves int64 (9.2e18), the dtype numpy
+# and torch give it.
+FLOAT_BOUND, INT_DIGITS = 1e6, 18
+
+
 def check_every_key(cfg) -> None:
     """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
     then checks the algorithm's keys.
 
-    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it
-    would slip through the range checks and surface as a crash, or worse, steps later. A key typed
-    `Literal[...]` must hold one of its choices, named in the message.
+    Every float (also inside a tuple or a table) must be finite and at most FLOAT_BOUND in size: nan
+    passes no comparison, so it would slip through the range checks and surface as a crash, or
+    worse, steps later. Every int has at most INT_DIGITS digits. A key typed `Literal[...]` must
+    hold one of its choices, named in the message.
     """
     for key, value in config_values(cfg):
         numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) \
             else (value,)
-        if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
-            raise ConfigError(f"{key} must be finite, got {value!r}")
+        if any(isinstance(x, float) and not abs(x) <= FLOAT_BOUND for x in numbers):
+            raise ConfigError(f"{key} must be finite and at most {FLOAT_BOUND:,.0f} in size, "
+                              f"got {shown(value)}")
+        if any(type(x) is int and abs(x) >= 10**INT_DIGITS for x in numbers):
+            raise ConfigError(f"{key} must have at most {INT_DIGITS} digits, got {shown(value)}")
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
         hints = typing.get_type_hints(type(sub))
@@ -225,7 +261,7 @@ def check_every_key(cfg) -> None:
     values = dict(config_values(cfg))
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {values[key]!r}")
+            raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
 
 
 def config_changes(cfg) -> list[str]:
@@ -505,8 +541,8 @@ def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str
                 continue
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise error(f"{where}: not valid JSON ({unreadable(e)})") from None
             yield lineno, where, value
 
 

@@ -296,6 +296,29 @@ def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutat
     assert words in message
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("hotpotqa.jsonl", '{"_id": "a"}\n{"_id": ' + "9" * 5000 + "}\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("hotpotqa.jsonl", '{"_id": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("musique.json", '[{"_id": ' + "9" * 5000 + "}]",
+     "musique.json: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("musique.json", "[" * 100_000 + "]" * 100_000,
+     "musique.json: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("frames.tsv", "Prompt\tAnswer\nshort\tx\n" + "y" * 131_073 + "\tx\n",
+     "frames.tsv, row 1: not a TSV row (field larger than field limit (131072))"),
+])
+def test_eval_files_beyond_python_s_limits_are_one_line(tmp_path, name, content, message):
+    """An integer of 5000 digits (int's limit), "[[[[..." (the recursion limit) and a Frames cell
+    over csv's field limit: an EvalDataError naming the file and place, not a traceback."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(EvalDataError) as e:
+        load_benchmark(str(path))
+    assert str(e.value).startswith(f"{tmp_path}/{message}"), e.value
+    assert "\n" not in str(e.value)
+
+
 def test_loader_errors_for_broken_files(tmp_path):
     bad_json = tmp_path / "hotpotqa.jsonl"
     lines = (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
@@ -873,6 +896,10 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
     ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
      "qa.jsonl:2: field 'documents'"),
     ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "line 2: not valid JSON"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": ' + "9" * 5000 + "}",
+     "line 2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ('{"id": "a", "documents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "line 2: not valid JSON (nested deeper than Python's recursion limit)"),
 ])
 
 

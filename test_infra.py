@@ -75,6 +75,15 @@ def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
     (None, "c.toml: cannot read the config file (No such file or directory)"),
     (b"[train]\nlr = 1e-6  # d\xe9faut\n", "c.toml: not UTF-8 text (byte 22)"),
     (b"[train]\nlr = [1e-6\n", "c.toml: not valid TOML"),
+    (b"[train]\nsteps = " + b"9" * 5000 + b"\n",
+     "c.toml: not valid TOML: Exceeds the limit (4300 digits) for integer string conversion: "
+     "value has 5000 digits"),
+    (b"[train]\nsteps = " + b"9" * 4000 + b"\n",
+     "train.steps must have at most 18 digits, got " + "9" * 60 + "... (4000 characters)"),
+    (b"[train]\nsteps = " + b"9" * 19 + b"\n",
+     "train.steps must have at most 18 digits, got 9999999999999999999"),
+    (b"[train]\nsteps = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+     "c.toml: not valid TOML: nested deeper than Python's recursion limit"),
 ])
 
 
