@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
-                   engine_groups, parse_args, resolve_model, rollout_dtype, set_vllm_log_level,
-                   unreadable, write_atomic)
+                   check_head_split, context_bound, engine_groups, parse_args, resolve_model,
+                   rollout_dtype, set_vllm_log_level, unreadable, write_atomic)
 from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
                    _validate_question, chat_ids, extract_answer, generate, generator,
                    init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
@@ -548,7 +549,13 @@ def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None
     write_atomic(out / "eval_results.md",
                  eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
     write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
-    write_atomic(out / "eval_samples.jsonl",
+    write_samples(out_dir, records)
+
+
+def write_samples(out_dir: str, records: list[dict]) -> None:
+    """eval_samples.jsonl: every sample, its answer and scores (judge None until judged)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out_dir) / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
 
 
@@ -655,6 +662,10 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
     records = sample_answers(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
                              max_input_len=max_input_len, max_output_len=max_output_len,
                              chunk_size=chunk_size, rank=rank, world=world, show=main)
+    # the answers reach the disk before the judge runs: a judge that fails loses none of them
+    answered = gather_records(records, world)
+    if main:
+        write_samples(out_dir, answered)
     todo = to_judge(items, records)
     prompts = judge_prompts(judge_tokenizer if judge_model else tokenizer, todo, max_input_len)
     if judge_model:
@@ -696,11 +707,17 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
     items = load_eval_data(data)
-    rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # A separate judge's tokenizer loads now,
+    # A separate judge is read and checked now,
     # so a wrong eval.judge_model fails before hours of sampling.
     judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
+    if judge_model:
+        check_judge(judge_model, judge_tokenizer, items, max_input_len=max_input_len,
+                    max_output_len=max_output_len,
+                    judge_max_tokens=max_output_len if judge_max_tokens is None
+                    else judge_max_tokens,
+                    tensor_parallel_size=tensor_parallel_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
     # engine_groups, checked by the caller
     group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
     engine_args = dict(seed=seed + group, dtype=dtype,
@@ -714,6 +731,32 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
                     judge_max_tokens=judge_max_tokens, engine_args=engine_args,
                     rank=group, world=groups, out_dir=out_dir)
+
+
+def check_judge(judge_model: str, judge_tokenizer, items: list[EvalItem], *, max_input_len: int,
+                max_output_len: int, judge_max_tokens: int, tensor_parallel_size: int) -> None:
+    """Stop, before any sampling, on a separate judge (eval.judge_model) that would fail only after
+    the whole sampling pass: one without a chat template, one whose context cannot hold its longest
+    prompt plus judge_max_tokens, one whose attention heads the tensor-parallel size does not
+    split."""
+    from transformers import AutoConfig
+
+    where = f"eval.judge_model {judge_model}"
+    if not getattr(judge_tokenizer, "chat_template", None):
+        raise ConfigError(f"{where}: its tokenizer has no chat template (the judge prompt is "
+                          "a chat turn)")
+    config = AutoConfig.from_pretrained(judge_model)
+    check_head_split(config, tensor_parallel_size, f"eval.judge_model's ({judge_model})")
+    # The longest judge prompt: the template, question and reference with an empty prediction,
+    # plus a prediction of up to a whole answer (max_output_len), cut to max_input_len
+    todo = [(item, {"answer": None}) for item in items if needs_judge(item, 0.0)]
+    longest = max(map(len, judge_prompts(judge_tokenizer, todo, max_input_len)), default=0)
+    need = min(max_input_len, longest + max_output_len) + judge_max_tokens
+    if todo and need > context_bound(config):
+        raise ConfigError(f"{where}: its context of {context_bound(config):.0f} tokens cannot hold "
+                          f"a judge prompt of up to {need - judge_max_tokens} tokens plus "
+                          f"{judge_max_tokens} to answer; lower eval.max_input_len or "
+                          "eval.max_output_len, or choose a judge with a longer context")
 
 
 def eval_main(argv: Sequence[str]) -> None:
@@ -816,9 +859,11 @@ def synth_main(argv: Sequence[str]) -> None:
     for arg in it:
         if arg in ("--out", "--passes"):
             value = next(it, None)
-            if value is None or (arg == "--passes" and not value.isdigit()):
-                raise ConfigError(
-                    f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
+            # ASCII digits: str.isdigit also takes "٣" and "²", which int() reads or chokes on
+            if value is None or (arg == "--passes" and not (re.fullmatch(r"[0-9]{1,4}", value)
+                                                             and 1 <= int(value) <= 1000)):
+                raise ConfigError(f"{arg} needs a "
+                                  f"{'file name' if arg == '--out' else 'whole number, 1 to 1000'}")
             out, passes = (value, passes) if arg == "--out" else (out, int(value))
         else:
             args.append(arg)
@@ -826,6 +871,11 @@ def synth_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py synth: say where to write the set with --out FILE")
     if Path(out).exists():
         raise ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
+    # the set is written after the whole run: a folder it cannot go in must stop it now
+    folder = next(p for p in Path(out).absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"spell.py synth: --out {out}: {folder} is "
+                          f"{'a file, not a folder' if not folder.is_dir() else 'not writable'}")
     paths, _, overrides = parse_args(args)
     cfg = load_config(paths, overrides)
     if cfg.data.phases:  # the phases order a QA set by its prompts; synth walks data.corpus

@@ -1188,15 +1188,32 @@ def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int,
         raise ConfigError(
             f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
     if model_dir and k > 1:
-        model_config = AutoConfig.from_pretrained(model_dir)
-        heads = model_config.num_attention_heads
-        kv = getattr(model_config, "num_key_value_heads", None) or heads
-        # vLLM splits query heads, and splits or replicates KV heads
-        if heads % k or (kv % k and k % kv):
-            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's "
-                              f"{heads} attention heads and divide, or be a multiple of, "
-                              f"its {kv} key/value heads")
+        check_head_split(AutoConfig.from_pretrained(model_dir), k)
     return rank // k, world // k
+
+
+def check_head_split(model_config, k: int, whose: str = "the model's") -> None:
+    """Stop unless vLLM can split a model's attention heads over k tensor-parallel ranks."""
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    # vLLM splits query heads, and splits or replicates KV heads
+    if heads % k or (kv % k and k % kv):
+        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide {whose} "
+                          f"{heads} attention heads and divide, or be a multiple of, "
+                          f"its {kv} key/value heads")
+
+
+def context_bound(model_config) -> float:
+    """The most tokens vLLM could allow a model (inf if its config names no limit): the largest of
+    the config's position keys, times a RoPE scaling factor. vLLM derives at most this, so a length
+    beyond it certainly fails, and one within it is left for vLLM to judge."""
+    text = model_config.get_text_config()
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",  # vLLM's keys
+            "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
+            "seq_len")
+    sizes = [v for v in (getattr(text, key, None) for key in keys) if isinstance(v, int)]
+    rope = getattr(text, "rope_scaling", None) or {}
+    return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
 
 
 def check_vllm_groups(k: int) -> None:
