@@ -12,7 +12,9 @@ object, so spell.py reads top to bottom without it, like kernels/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import importlib.util
 import json
@@ -21,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import string
 import tempfile
 import time
@@ -615,7 +618,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """The global generators' states as plain data, which torch.load reads with weights_only=True:
+    NumPy's key array goes in as a list (np.random.set_state takes it back as it is)."""
+    mt = np.random.get_state(legacy=False)
+    state = {"python": random.getstate(),
+             "numpy": {**mt, "state": {**mt["state"], "key": mt["state"]["key"].tolist()}},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -1326,6 +1333,79 @@ def checkpoint_dir(cfg) -> Path:
     return Path(cfg.log.out_dir) / "checkpoints"
 
 
+# What a resumed run may change: how long it runs, and where and how fast, never what it samples or
+# trains. These keys, and every key of [log] and [eval], stay out of the run's fingerprint; any
+# other key does change the run (rollout.tensor_parallel_size is also checked on its own).
+RESUMABLE_KEYS = frozenset((
+    "train.steps",  # a run continued for longer
+    # the same model computed another way: attention kernel, recomputation, the log-prob kernel
+    "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
+    "train.logprob_impl",
+    # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
+    # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
+    "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
+    "rollout.sleep_level", "train.micro_batch_tokens", "train.fsdp_shard_size", "rollout.dtype",
+    "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+))
+
+
+def run_fingerprint(cfg) -> dict[str, Any]:
+    """What makes the run what it is, stored in meta.json: every key but RESUMABLE_KEYS, as JSON
+    values, with the data file read (data.corpus, or data.qa under RLVR) as its size and CRC-32
+    in place of its name, so a moved corpus resumes and an edited one does not."""
+    out = {key: value for key, value in config_values(cfg)
+           if key not in RESUMABLE_KEYS and key.split(".")[0] not in ("log", "eval")}
+    qa = cfg.data.qa
+    out["data.corpus"] = None if qa else data_fingerprint(cfg.data.corpus)
+    # data.qa may be BENCHMARK:PATH (evaluation.load_qa_set)
+    out["data.qa"] = qa and data_fingerprint(qa if os.path.isfile(qa) else qa.partition(":")[2])
+    return json.loads(json.dumps(out))  # tuples as lists, as meta.json gives them back
+
+
+def data_fingerprint(path: str) -> str | None:
+    """A data file as "N bytes, CRC-32 X"; None if it is not a file. Read once per process and
+    version of the file: a corpus of some GB costs seconds, at the first checkpoint only."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    crc = _file_crc(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return f"{st.st_size} bytes, CRC-32 {crc}"
+
+
+@functools.lru_cache(maxsize=8)
+def _file_crc(path: str, size: int, mtime_ns: int) -> str:
+    return file_checksum(Path(path))  # size and mtime are the cache's key: a new version reads anew
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    """The keys whose values differ, each with both values. A key that one side lacks (a newer
+    spell.py added or removed it) is not compared."""
+    return [f"{key} (saved {shown(saved[key])}, now {shown(now[key])})"
+            for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key]]
+
+
+def read_small_file(path: Path, limit: int = 1 << 20) -> str:
+    """The text of a small file the run wrote (meta.json, `latest`), which must be a plain file of
+    at most `limit` bytes: a link is not followed (it may lead out of the run, or to /dev/zero,
+    which never ends) and a FIFO is not waited on. ValueError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a plain file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a plain file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"longer than {limit} bytes")
+    return data.decode("utf-8")  # a UnicodeDecodeError is a ValueError
+
+
 def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Path:
     """Write a checkpoint folder atomically and durably: `write(folder)` puts every rank's files in
     a .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size
@@ -1412,10 +1492,12 @@ def verify_files(path: Path, files: dict[str, tuple[int, str]],
     those written by `ranks` (None: all) their CRC-32."""
     for name, (size, _) in files.items():
         try:
-            found = (path / name).stat().st_size
+            st = os.lstat(path / name)  # the entry itself: a link to /dev/zero would never end
         except OSError:
             raise CheckpointError(f"{path}: not a complete checkpoint (missing {name})") from None
-        if found != size:
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: {name} is not a plain file (a link, a device...)")
+        if (found := st.st_size) != size:
             raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
                                   "(cut short or overwritten)")
     for name, (_, crc) in files.items():
@@ -1430,30 +1512,49 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     CheckpointError otherwise.
 
     Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
-    that resuming ranks share the reading. A checkpoint saved before meta.json recorded its files is
-    accepted with a warning: only the presence of its files can be checked.
+    that resuming ranks share the reading. meta.json must record every file the checkpoint holds, by
+    its plain name inside the folder: a name with a "/" or "..", a link or a device is refused, so
+    that resuming reads nothing outside the checkpoint and nothing that never ends.
     """
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads(read_small_file(path / "meta.json"))
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
         files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
                  if "files" in meta else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
     if saved_world != world:
         raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
                               "the per-rank samplers and history memories need the same number "
                               "of ranks")
     missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)]
-               if not (path / f).is_file()]
+               if not os.path.lexists(path / f)]
     if missing:
         raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-    if files is not None:
-        verify_files(path, files, ranks)
-    elif ranks is None or 0 in ranks:
-        print(f"warning: {path}: meta.json records no file sizes or checksums "
-              "(saved by an older spell.py); its files are not verified", flush=True)
+    if files is None:
+        raise CheckpointError(f"{path}: meta.json records no file sizes or checksums (saved by an "
+                              "older spell.py?), so its files cannot be verified")
+    if bad := [n for n in files if n in (".", "..") or not re.fullmatch(r"[\w.-]+", n)]:
+        raise CheckpointError(f"{path}: meta.json names {shown(bad[0])}, not a file of the "
+                              "checkpoint folder")
+    on_disk = [p.name for p in path.glob("*.distcp")]
+    if unrecorded := sorted(set([".metadata", *on_disk] + [f"rank{r}.pt" for r in range(world)])
+                            - set(files)):
+        raise CheckpointError(f"{path}: meta.json records no size or checksum of {unrecorded[0]}")
+    verify_files(path, files, ranks)
     return meta
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    """A rank's own state in a checkpoint (spell.run_state: lists, numbers, strings, tensors),
+    unpickled with torch.load's weights_only, which builds no other object: a planted pickle that
+    names a function to call is refused, not run."""
+    try:
+        return torch.load(path / f"rank{rank}.pt", weights_only=True)
+    except Exception as e:  # a cut file, or a pickle that weights_only refuses
+        lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
+        raise CheckpointError(f"{path}: rank{rank}.pt cannot be read safely ({cause})") from None
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -1499,8 +1600,18 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         return None
     pointer = checkpoint_dir(cfg) / "latest"
     path, step = None, 0
-    if pointer.is_file():
-        path = checkpoint_dir(cfg) / pointer.read_text().strip()
+    if os.path.lexists(pointer):
+        try:
+            name = read_small_file(pointer, limit=4096).strip()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{pointer}: cannot be read ({e})") from None
+        # `latest` names a checkpoint folder beside it, and nothing else: no path, no ../
+        if not re.fullmatch(r"step_[0-9]{6,}", name):
+            raise CheckpointError(f"{pointer}: names {shown(name)}, not a step_NNNNNN folder "
+                                  f"of {checkpoint_dir(cfg)}")
+        path = checkpoint_dir(cfg) / name
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder of the run")
         meta = check_checkpoint(path, world, ranks=[rank])
         step, saved_tp = (meta["step"],
                           meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1))
@@ -1509,6 +1620,13 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
             raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
                                   f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
+        if "fingerprint" not in meta:
+            raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "
+                                  "older spell.py?), so its config and data cannot be compared")
+        if changes := fingerprint_changes(meta["fingerprint"], run_fingerprint(cfg)):
+            raise CheckpointError(f"{path}: saved by a run with another {'; '.join(changes)}. "
+                                  "Resume with its values (meta.json holds its config), or start "
+                                  "a new run in another log.out_dir")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
               flush=True)
@@ -1518,7 +1636,12 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` by `text` all at once, durably: the old or the new file survives any crash."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    # A .tmp left by a crash goes first; then the temporary is created anew (O_EXCL, O_NOFOLLOW),
+    # so a link planted in its place fails the write instead of redirecting it
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -118,12 +118,12 @@ from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError,
                    check_every_key, check_groups_agree, check_launch, check_memory_at_start,
                    check_vllm_groups, checkpoint_dir, config_to_dict, control_tokens,
                    defuse_control_tokens, engine_groups, export_hf, gold_starts, json_candidates,
-                   jsonl_records, loads_lenient, normalize_text, number_is_negative, parse_args,
-                   policy_mesh, print0, rank0_progress_bar, read_config,
-                   refresh_tied_lm_head_on_cpu, resolve_model, rng_state, rollout_dtype,
-                   rollout_fingerprint, save_atomically, seed_everything, set_rng_state,
-                   set_vllm_log_level, share_within_groups, shown, step_times,
-                   train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   jsonl_records, load_rank_state, loads_lenient, normalize_text,
+                   number_is_negative, parse_args, policy_mesh, print0, rank0_progress_bar,
+                   read_config, refresh_tied_lm_head_on_cpu, resolve_model, rng_state,
+                   rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
+                   seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
+                   step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
                    write_run_config)
 
 ROOT = Path(__file__).resolve().parent
@@ -2499,7 +2499,8 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
                   "optim": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=str(folder))
         torch.save(rank_state, folder / f"rank{rank}.pt")
 
-    meta = {"step": step, "world": world, "config": config_to_dict(cfg)}
+    meta = {"step": step, "world": world, "config": config_to_dict(cfg),
+            "fingerprint": run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
     path = save_atomically(checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
     print0(f"checkpoint: {path}")
     return path
@@ -2517,9 +2518,11 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     check_checkpoint(path, world, ranks=())
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
+    rank_state = load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
     try:
+        # DCP unpickles its .metadata with plain pickle and offers no safe mode (torch 2.13): the
+        # checksums catch damage there, not a forged file
         dcp.load(state, checkpoint_id=str(path))
-        rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -2430,7 +2431,10 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
      spell.CheckpointError, "not a complete checkpoint (meta.json"),  # truncated
     ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""},
      True, spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
-    ({"meta.json": '{"step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}}}',
+    ({"meta.json": json.dumps({"step": 1, "world": 1,
+                               "config": {"rollout": {"tensor_parallel_size": 2}},
+                               "files": {f: {"size": 0, "crc32": "00000000"}
+                                         for f in (".metadata", "rank0.pt")}}),
       ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
      "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
@@ -2711,6 +2715,70 @@ def test_trainer_vllm_parity_after_sync(tiny_dir):
     # is summation order, whose longest sums are over V = 49152: sqrt(V) u32 x the gradient scale
     # (0.44) = 6e-6
     assert m["fsdp_grad_max_abs_diff"] < 1e-5
+
+
+def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path):
+    """rankN.pt is read with torch.load(weights_only=True), which builds no arbitrary objects, so
+    run_state must be plain data (it held NumPy's key array). Saved mid-run and loaded so, it equals
+    what was saved, and every generator goes on bit for bit: the engine's, Python's, NumPy's
+    global one (a cached Gaussian included) and torch's. (test_resume_matches_uninterrupted_run
+    checks the same on the stack.)"""
+    corpus = [spell.Cluster(str(i), "", ["d"]) for i in range(6)]
+    rng = np.random.default_rng(7)
+    sampler = spell.ClusterSampler(spell.Config(), corpus, [0, 2, 4], rng)
+    sampler.draw(4)
+    sampler.accuracy = {2: 0.5}
+    history = spell.HistoryMemory(3)
+    history.push("0", "doc_qa", [1, 0], "Which gate?", "north")
+    infra.seed_everything(3)
+    random.random(), np.random.normal(), torch.rand(2)  # NumPy now holds a second Gaussian
+    state = spell.run_state(5, sampler, history, rng)
+    torch.save(state, tmp_path / "rank0.pt")
+    loaded = torch.load(tmp_path / "rank0.pt", weights_only=True)
+
+    def draws() -> tuple:
+        return (rng.random(3).tolist(), random.random(), np.random.normal(size=3).tolist(),
+                torch.rand(3).tolist(), [c.id for c, _ in sampler.draw(4)])
+    expected = draws()
+    rng.bit_generator.state = loaded["rng"]
+    infra.set_rng_state(loaded["rng_state"])
+    sampler.load_state_dict(loaded["sampler"])
+    assert draws() == expected
+    assert loaded["step"] == 5 and loaded["history"] == history.state_dict()
+    restored = spell.HistoryMemory(0)
+    restored.load_state_dict(loaded["history"])
+    assert restored.get("0", "doc_qa") == history.get("0", "doc_qa")
+
+
+class Planted:
+    """A pickled object that runs code when unpickled: it makes a folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.folder),)
+
+
+def test_load_checkpoint_unpickles_no_objects(tmp_path):
+    """torch.load(weights_only=False) of rank0.pt ran whatever a planted pickle said (its checksum
+    re-recorded to match); load_checkpoint now refuses it, having run nothing."""
+    cfg = spell.Config()
+    cfg.log.out_dir = str(tmp_path / "run")
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 8)).sum().backward()
+    optimizer.step()
+    path = spell.save_checkpoint(cfg, 1, model, optimizer, {"step": 1}, rank=0, world=1)
+    torch.save({"step": 1, "sampler": Planted(tmp_path / "ran")}, path / "rank0.pt")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["rank0.pt"] = infra.seal_files(path, rank=0)["rank0.pt"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(spell.CheckpointError) as e:
+        spell.load_checkpoint(path, model, optimizer, rank=0, world=1)
+    assert str(e.value) == (f"{path}: rank0.pt cannot be read safely (Trying to load unsupported "
+                            "GLOBAL posix.mkdir whose module posix is blocked.)"), e.value
+    assert not (tmp_path / "ran").exists()
 
 
 # ------------------------------------------------------------------------------------------------
