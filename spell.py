@@ -2520,8 +2520,8 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
              "optim": get_optimizer_state_dict(policy, optimizer)}
     rank_state = load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
     try:
-        # DCP unpickles its .metadata with plain pickle and offers no safe mode (torch 2.13): the
-        # checksums catch damage there, not a forged file
+        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
+        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
         dcp.load(state, checkpoint_id=str(path))
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
