@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
-                   engine_groups, jsonl_records, parse_args, resolve_model, rollout_dtype,
-                   set_vllm_log_level, write_atomic)
+                   check_head_split, context_bound, engine_groups, jsonl_records, parse_args,
+                   resolve_model, rollout_dtype, set_vllm_log_level, unreadable, write_atomic)
 from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
                    _validate_question, chat_ids, extract_answer, generate, generator,
                    init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
@@ -151,6 +152,8 @@ def read_records(path: str) -> list[tuple[str, object]]:
             # "Extra data" = several top-level values, i.e. JSONL named .json
             if e.msg != "Extra data":
                 raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of 5000 digits, "[[[[..."
+            raise EvalDataError(f"{path}: not valid JSON ({unreadable(e)})") from None
         else:
             if not isinstance(data, list):
                 raise EvalDataError(f"{path}: expected a JSON list of records, "
@@ -165,8 +168,9 @@ def read_records(path: str) -> list[tuple[str, object]]:
                 continue
             try:
                 records.append((f"{path}, line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({unreadable(e)})") \
+                    from None
         return records
     if suffix == ".parquet":
         try:
@@ -178,7 +182,13 @@ def read_records(path: str) -> list[tuple[str, object]]:
     # the raw google/frames-benchmark file; the Frames loader explains what it lacks
     if suffix == ".tsv":
         rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
-        return [(f"{path}, row {i}", rec) for i, rec in enumerate(rows)]
+        records = []
+        try:
+            for rec in rows:
+                records.append((f"{path}, row {len(records)}", rec))
+        except csv.Error as e:  # e.g. a cell over csv's field limit of 131,072 characters
+            raise EvalDataError(f"{path}, row {len(records)}: not a TSV row ({e})") from None
+        return records
     raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
                         "expected .jsonl, .json, .parquet or .tsv")
 
@@ -539,7 +549,13 @@ def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None
     write_atomic(out / "eval_results.md",
                  eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
     write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
-    write_atomic(out / "eval_samples.jsonl",
+    write_samples(out_dir, records)
+
+
+def write_samples(out_dir: str, records: list[dict]) -> None:
+    """eval_samples.jsonl: every sample, its answer and scores (judge None until judged)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out_dir) / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
 
 
@@ -646,6 +662,10 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
     records = sample_answers(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
                              max_input_len=max_input_len, max_output_len=max_output_len,
                              chunk_size=chunk_size, rank=rank, world=world, show=main)
+    # the answers reach the disk before the judge runs: a judge that fails loses none of them
+    answered = gather_records(records, world)
+    if main:
+        write_samples(out_dir, answered)
     todo = to_judge(items, records)
     prompts = judge_prompts(judge_tokenizer if judge_model else tokenizer, todo, max_input_len)
     if judge_model:
@@ -687,11 +707,17 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
     items = load_eval_data(data)
-    rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # A separate judge's tokenizer loads now,
+    # A separate judge is read and checked now,
     # so a wrong eval.judge_model fails before hours of sampling.
     judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
+    if judge_model:
+        check_judge(judge_model, judge_tokenizer, items, max_input_len=max_input_len,
+                    max_output_len=max_output_len,
+                    judge_max_tokens=max_output_len if judge_max_tokens is None
+                    else judge_max_tokens,
+                    tensor_parallel_size=tensor_parallel_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
     # engine_groups, checked by the caller
     group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
     engine_args = dict(seed=seed + group, dtype=dtype,
@@ -705,6 +731,32 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
                     judge_max_tokens=judge_max_tokens, engine_args=engine_args,
                     rank=group, world=groups, out_dir=out_dir)
+
+
+def check_judge(judge_model: str, judge_tokenizer, items: list[EvalItem], *, max_input_len: int,
+                max_output_len: int, judge_max_tokens: int, tensor_parallel_size: int) -> None:
+    """Stop, before any sampling, on a separate judge (eval.judge_model) that would fail only after
+    the whole sampling pass: one without a chat template, one whose context cannot hold its longest
+    prompt plus judge_max_tokens, one whose attention heads the tensor-parallel size does not
+    split."""
+    from transformers import AutoConfig
+
+    where = f"eval.judge_model {judge_model}"
+    if not getattr(judge_tokenizer, "chat_template", None):
+        raise ConfigError(f"{where}: its tokenizer has no chat template (the judge prompt is "
+                          "a chat turn)")
+    config = AutoConfig.from_pretrained(judge_model)
+    check_head_split(config, tensor_parallel_size, f"eval.judge_model's ({judge_model})")
+    # The longest judge prompt: the template, question and reference with an empty prediction,
+    # plus a prediction of up to a whole answer (max_output_len), cut to max_input_len
+    todo = [(item, {"answer": None}) for item in items if needs_judge(item, 0.0)]
+    longest = max(map(len, judge_prompts(judge_tokenizer, todo, max_input_len)), default=0)
+    need = min(max_input_len, longest + max_output_len) + judge_max_tokens
+    if todo and need > context_bound(config):
+        raise ConfigError(f"{where}: its context of {context_bound(config):.0f} tokens cannot hold "
+                          f"a judge prompt of up to {need - judge_max_tokens} tokens plus "
+                          f"{judge_max_tokens} to answer; lower eval.max_input_len or "
+                          "eval.max_output_len, or choose a judge with a longer context")
 
 
 def eval_main(argv: Sequence[str]) -> None:
@@ -763,9 +815,9 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     except EvalDataError as e:
         raise CorpusError(str(e)) from None
     if not ours:
-        first: dict[str, int] = {}
+        seen: dict[str, int] = {}
         for i, it in enumerate(items):
-            if (j := first.setdefault(it.id, i)) != i:  # clusters are told apart by id
+            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
                 raise CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
         return [Cluster(it.id, it.task, [it.context],
                         {"question": it.question, "answer": it.answers[0],
@@ -821,9 +873,11 @@ def synth_main(argv: Sequence[str]) -> None:
     for arg in it:
         if arg in ("--out", "--passes"):
             value = next(it, None)
-            if value is None or (arg == "--passes" and not value.isdigit()):
-                raise ConfigError(
-                    f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
+            # ASCII digits: str.isdigit also takes "٣" and "²", which int() reads or chokes on
+            if value is None or (arg == "--passes" and not (re.fullmatch(r"[0-9]{1,4}", value)
+                                                             and 1 <= int(value) <= 1000)):
+                raise ConfigError(f"{arg} needs a "
+                                  f"{'file name' if arg == '--out' else 'whole number, 1 to 1000'}")
             out, passes = (value, passes) if arg == "--out" else (out, int(value))
         else:
             args.append(arg)
@@ -831,6 +885,11 @@ def synth_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py synth: say where to write the set with --out FILE")
     if Path(out).exists():
         raise ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
+    # the set is written after the whole run: a folder it cannot go in must stop it now
+    folder = next(p for p in Path(out).absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"spell.py synth: --out {out}: {folder} is "
+                          f"{'a file, not a folder' if not folder.is_dir() else 'not writable'}")
     paths, _, overrides = parse_args(args)
     cfg = load_config(paths, overrides)
     if cfg.data.phases:  # the phases order a QA set by its prompts; synth walks data.corpus

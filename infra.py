@@ -12,7 +12,9 @@ object, so spell.py reads top to bottom without it, like kernels/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import importlib.util
 import json
@@ -21,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import string
 import tempfile
 import time
@@ -66,6 +69,25 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the folder and what is wrong."""
 
 
+def shown(value: Any) -> str:
+    """repr(value) cut to a length an error line can show (a 5000-character path, a huge number)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than 4300 digits has no repr
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def unreadable(e: ValueError | RecursionError) -> str:
+    """Why json.loads or tomllib gave up on a text, in a few words: its syntax error, or one of the
+    two limits Python puts on any reader (the recursion limit, 4300 digits in an integer)."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than Python's recursion limit"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg}, column {e.colno}"
+    return str(e).split(";")[0]  # drop int()'s advice to raise sys.set_int_max_str_digits
+
+
 # ==================================================================================================
 # Config mechanics: TOML files stacked in order, then `--section.key=value`; generic checks
 # ==================================================================================================
@@ -80,7 +102,11 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
     elif isinstance(current, int) and not isinstance(current, bool):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
+        # ASCII digits only (int() also reads "٣"), and few enough to fit int64 (INT_DIGITS)
+        if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value):
+            if len(value.lstrip("+-")) > INT_DIGITS:
+                raise ConfigError(f"{where}: expected an integer of at most {INT_DIGITS} digits, "
+                                  f"got {len(value.lstrip('+-'))} digits")
             return int(value)
     elif isinstance(current, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -106,7 +132,7 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             except ConfigError:
                 pass  # the message below shows the whole value, not one element
         example = f"{len(current)} comma-separated values like {','.join(map(str, current))}"
-        raise ConfigError(f"{where}: expected {example}, got {value!r}")
+        raise ConfigError(f"{where}: expected {example}, got {shown(value)}")
     elif isinstance(current, dict):  # a table of named numbers (data.task_weights); merged
         items = value
         if isinstance(value, str):  # the command line: `doc_qa:1,doc_mc:0` (or `doc_qa=1,...`)
@@ -122,8 +148,9 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             return {**current, **{k: _coerce(v, current[k], f"{where}.{k}")
                                   for k, v in items.items()}}
         example = ", ".join(f"{k}:{v}" for k, v in current.items())
-        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {value!r}")
-    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, got {value!r}")
+        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {shown(value)}")
+    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, "
+                      f"got {shown(value)}")
 
 
 def apply_overrides(cfg, overrides: dict[str, dict[str, Any]], source: str) -> None:
@@ -158,8 +185,8 @@ def read_config(cfg, paths: str | Sequence[str] | None, argv: Sequence[str] = ()
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+            raise ConfigError(f"{path}: not valid TOML: {unreadable(e)}") from None
         apply_overrides(cfg, values, path)
     for arg in argv:
         m = re.fullmatch(r"--(\w+)\.(\w+)=(.*)", arg)
@@ -176,19 +203,31 @@ def config_values(cfg) -> Iterator[tuple[str, Any]]:
             yield f"{section.name}.{f.name}", getattr(sub, f.name)
 
 
+# The bounds of every number key, before its own range rule. No key has a use for a float beyond
+# 1e6 in size (rewards, penalties, ratios, weights, rates), and beyond it a value overflows on its
+# way: a penalty of -3.4e38 is -inf in float32, the dtype of rewards and advantages, and task
+# weights of 1e308 sum to inf. An int of more than 18 digits leaves int64 (9.2e18), the dtype numpy
+# and torch give it.
+FLOAT_BOUND, INT_DIGITS = 1e6, 18
+
+
 def check_every_key(cfg) -> None:
     """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
     then checks the algorithm's keys.
 
-    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it
-    would slip through the range checks and surface as a crash, or worse, steps later. A key typed
-    `Literal[...]` must hold one of its choices, named in the message.
+    Every float (also inside a tuple or a table) must be finite and at most FLOAT_BOUND in size: nan
+    passes no comparison, so it would slip through the range checks and surface as a crash, or
+    worse, steps later. Every int has at most INT_DIGITS digits. A key typed `Literal[...]` must
+    hold one of its choices, named in the message.
     """
     for key, value in config_values(cfg):
         numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) \
             else (value,)
-        if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
-            raise ConfigError(f"{key} must be finite, got {value!r}")
+        if any(isinstance(x, float) and not abs(x) <= FLOAT_BOUND for x in numbers):
+            raise ConfigError(f"{key} must be finite and at most {FLOAT_BOUND:,.0f} in size, "
+                              f"got {shown(value)}")
+        if any(type(x) is int and abs(x) >= 10**INT_DIGITS for x in numbers):
+            raise ConfigError(f"{key} must have at most {INT_DIGITS} digits, got {shown(value)}")
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
         hints = typing.get_type_hints(type(sub))
@@ -225,7 +264,7 @@ def check_every_key(cfg) -> None:
     values = dict(config_values(cfg))
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {values[key]!r}")
+            raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
 
 
 def config_changes(cfg) -> list[str]:
@@ -505,8 +544,8 @@ def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str
                 continue
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise error(f"{where}: not valid JSON ({unreadable(e)})") from None
             yield lineno, where, value
 
 
@@ -579,7 +618,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """The global generators' states as plain data, which torch.load reads with weights_only=True:
+    NumPy's key array goes in as a list (np.random.set_state takes it back as it is)."""
+    mt = np.random.get_state(legacy=False)
+    state = {"python": random.getstate(),
+             "numpy": {**mt, "state": {**mt["state"], "key": mt["state"]["key"].tolist()}},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -1152,15 +1195,32 @@ def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int,
         raise ConfigError(
             f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
     if model_dir and k > 1:
-        model_config = AutoConfig.from_pretrained(model_dir)
-        heads = model_config.num_attention_heads
-        kv = getattr(model_config, "num_key_value_heads", None) or heads
-        # vLLM splits query heads, and splits or replicates KV heads
-        if heads % k or (kv % k and k % kv):
-            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's "
-                              f"{heads} attention heads and divide, or be a multiple of, "
-                              f"its {kv} key/value heads")
+        check_head_split(AutoConfig.from_pretrained(model_dir), k)
     return rank // k, world // k
+
+
+def check_head_split(model_config, k: int, whose: str = "the model's") -> None:
+    """Stop unless vLLM can split a model's attention heads over k tensor-parallel ranks."""
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    # vLLM splits query heads, and splits or replicates KV heads
+    if heads % k or (kv % k and k % kv):
+        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide {whose} "
+                          f"{heads} attention heads and divide, or be a multiple of, "
+                          f"its {kv} key/value heads")
+
+
+def context_bound(model_config) -> float:
+    """The most tokens vLLM could allow a model (inf if its config names no limit): the largest of
+    the config's position keys, times a RoPE scaling factor. vLLM derives at most this, so a length
+    beyond it certainly fails, and one within it is left for vLLM to judge."""
+    text = model_config.get_text_config()
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",  # vLLM's keys
+            "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
+            "seq_len")
+    sizes = [v for v in (getattr(text, key, None) for key in keys) if isinstance(v, int)]
+    rope = getattr(text, "rope_scaling", None) or {}
+    return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
 
 
 def check_vllm_groups(k: int) -> None:
@@ -1273,6 +1333,79 @@ def checkpoint_dir(cfg) -> Path:
     return Path(cfg.log.out_dir) / "checkpoints"
 
 
+# What a resumed run may change: how long it runs, and where and how fast, never what it samples or
+# trains. These keys, and every key of [log] and [eval], stay out of the run's fingerprint; any
+# other key does change the run (rollout.tensor_parallel_size is also checked on its own).
+RESUMABLE_KEYS = frozenset((
+    "train.steps",  # a run continued for longer
+    # the same model computed another way: attention kernel, recomputation, the log-prob kernel
+    "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
+    "train.logprob_impl",
+    # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
+    # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
+    "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
+    "rollout.sleep_level", "train.micro_batch_tokens", "train.fsdp_shard_size", "rollout.dtype",
+    "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+))
+
+
+def run_fingerprint(cfg) -> dict[str, Any]:
+    """What makes the run what it is, stored in meta.json: every key but RESUMABLE_KEYS, as JSON
+    values, with the data file read (data.corpus, or data.qa under RLVR) as its size and CRC-32
+    in place of its name, so a moved corpus resumes and an edited one does not."""
+    out = {key: value for key, value in config_values(cfg)
+           if key not in RESUMABLE_KEYS and key.split(".")[0] not in ("log", "eval")}
+    qa = cfg.data.qa
+    out["data.corpus"] = None if qa else data_fingerprint(cfg.data.corpus)
+    # data.qa may be BENCHMARK:PATH (evaluation.load_qa_set)
+    out["data.qa"] = qa and data_fingerprint(qa if os.path.isfile(qa) else qa.partition(":")[2])
+    return json.loads(json.dumps(out))  # tuples as lists, as meta.json gives them back
+
+
+def data_fingerprint(path: str) -> str | None:
+    """A data file as "N bytes, CRC-32 X"; None if it is not a file. Read once per process and
+    version of the file: a corpus of some GB costs seconds, at the first checkpoint only."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    crc = _file_crc(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return f"{st.st_size} bytes, CRC-32 {crc}"
+
+
+@functools.lru_cache(maxsize=8)
+def _file_crc(path: str, size: int, mtime_ns: int) -> str:
+    return file_checksum(Path(path))  # size and mtime are the cache's key: a new version reads anew
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    """The keys whose values differ, each with both values. A key that one side lacks (a newer
+    spell.py added or removed it) is not compared."""
+    return [f"{key} (saved {shown(saved[key])}, now {shown(now[key])})"
+            for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key]]
+
+
+def read_small_file(path: Path, limit: int = 1 << 20) -> str:
+    """The text of a small file the run wrote (meta.json, `latest`), which must be a plain file of
+    at most `limit` bytes: a link is not followed (it may lead out of the run, or to /dev/zero,
+    which never ends) and a FIFO is not waited on. ValueError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a plain file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a plain file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"longer than {limit} bytes")
+    return data.decode("utf-8")  # a UnicodeDecodeError is a ValueError
+
+
 def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Path:
     """Write a checkpoint folder atomically and durably: `write(folder)` puts every rank's files in
     a .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size
@@ -1359,10 +1492,12 @@ def verify_files(path: Path, files: dict[str, tuple[int, str]],
     those written by `ranks` (None: all) their CRC-32."""
     for name, (size, _) in files.items():
         try:
-            found = (path / name).stat().st_size
+            st = os.lstat(path / name)  # the entry itself: a link to /dev/zero would never end
         except OSError:
             raise CheckpointError(f"{path}: not a complete checkpoint (missing {name})") from None
-        if found != size:
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: {name} is not a plain file (a link, a device...)")
+        if (found := st.st_size) != size:
             raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
                                   "(cut short or overwritten)")
     for name, (_, crc) in files.items():
@@ -1377,30 +1512,49 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     CheckpointError otherwise.
 
     Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
-    that resuming ranks share the reading. A checkpoint saved before meta.json recorded its files is
-    accepted with a warning: only the presence of its files can be checked.
+    that resuming ranks share the reading. meta.json must record every file the checkpoint holds, by
+    its plain name inside the folder: a name with a "/" or "..", a link or a device is refused, so
+    that resuming reads nothing outside the checkpoint and nothing that never ends.
     """
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads(read_small_file(path / "meta.json"))
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
         files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
                  if "files" in meta else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
     if saved_world != world:
         raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
                               "the per-rank samplers and history memories need the same number "
                               "of ranks")
     missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)]
-               if not (path / f).is_file()]
+               if not os.path.lexists(path / f)]
     if missing:
         raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-    if files is not None:
-        verify_files(path, files, ranks)
-    elif ranks is None or 0 in ranks:
-        print(f"warning: {path}: meta.json records no file sizes or checksums "
-              "(saved by an older spell.py); its files are not verified", flush=True)
+    if files is None:
+        raise CheckpointError(f"{path}: meta.json records no file sizes or checksums (saved by an "
+                              "older spell.py?), so its files cannot be verified")
+    if bad := [n for n in files if n in (".", "..") or not re.fullmatch(r"[\w.-]+", n)]:
+        raise CheckpointError(f"{path}: meta.json names {shown(bad[0])}, not a file of the "
+                              "checkpoint folder")
+    on_disk = [p.name for p in path.glob("*.distcp")]
+    if unrecorded := sorted(set([".metadata", *on_disk] + [f"rank{r}.pt" for r in range(world)])
+                            - set(files)):
+        raise CheckpointError(f"{path}: meta.json records no size or checksum of {unrecorded[0]}")
+    verify_files(path, files, ranks)
     return meta
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    """A rank's own state in a checkpoint (spell.run_state: lists, numbers, strings, tensors),
+    unpickled with torch.load's weights_only, which builds no other object: a planted pickle that
+    names a function to call is refused, not run."""
+    try:
+        return torch.load(path / f"rank{rank}.pt", weights_only=True)
+    except Exception as e:  # a cut file, or a pickle that weights_only refuses
+        lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
+        raise CheckpointError(f"{path}: rank{rank}.pt cannot be read safely ({cause})") from None
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -1446,8 +1600,18 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         return None
     pointer = checkpoint_dir(cfg) / "latest"
     path, step = None, 0
-    if pointer.is_file():
-        path = checkpoint_dir(cfg) / pointer.read_text().strip()
+    if os.path.lexists(pointer):
+        try:
+            name = read_small_file(pointer, limit=4096).strip()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{pointer}: cannot be read ({e})") from None
+        # `latest` names a checkpoint folder beside it, and nothing else: no path, no ../
+        if not re.fullmatch(r"step_[0-9]{6,}", name):
+            raise CheckpointError(f"{pointer}: names {shown(name)}, not a step_NNNNNN folder "
+                                  f"of {checkpoint_dir(cfg)}")
+        path = checkpoint_dir(cfg) / name
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder of the run")
         meta = check_checkpoint(path, world, ranks=[rank])
         step, saved_tp = (meta["step"],
                           meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1))
@@ -1456,6 +1620,13 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
             raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
                                   f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
+        if "fingerprint" not in meta:
+            raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "
+                                  "older spell.py?), so its config and data cannot be compared")
+        if changes := fingerprint_changes(meta["fingerprint"], run_fingerprint(cfg)):
+            raise CheckpointError(f"{path}: saved by a run with another {'; '.join(changes)}. "
+                                  "Resume with its values (meta.json holds its config), or start "
+                                  "a new run in another log.out_dir")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
               flush=True)
@@ -1465,7 +1636,12 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` by `text` all at once, durably: the old or the new file survives any crash."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    # A .tmp left by a crash goes first; then the temporary is created anew (O_EXCL, O_NOFOLLOW),
+    # so a link planted in its place fails the write instead of redirecting it
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

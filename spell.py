@@ -131,12 +131,13 @@ from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError,
                    check_every_key, check_groups_agree, check_launch, check_memory_at_start,
                    check_vllm_groups, checkpoint_dir, config_to_dict, control_tokens,
                    defuse_control_tokens, engine_groups, export_hf, gold_starts, json_candidates,
-                   jsonl_records, loads_lenient, normalize_text, number_is_negative, parse_args,
-                   policy_mesh, print0, rank0_progress_bar, read_config,
-                   refresh_tied_lm_head_on_cpu, resolve_model, rng_state, rollout_dtype,
-                   rollout_fingerprint, save_atomically, seed_everything, set_rng_state,
-                   set_vllm_log_level, share_within_groups, step_times, train_mode_without_dropout,
-                   vllm_platform_kwargs, world_of_one_env, write_run_config)
+                   jsonl_records, load_rank_state, loads_lenient, normalize_text,
+                   number_is_negative, parse_args, policy_mesh, print0, rank0_progress_bar,
+                   read_config, refresh_tied_lm_head_on_cpu, resolve_model, rng_state,
+                   rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
+                   seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
+                   step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   write_run_config)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -318,23 +319,29 @@ def check_config(cfg: Config) -> None:
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
-    needs = {role: missing_templates(cfg, role, rlvr) for role in ("questioner", "responder")}
+    needs = {role: missing_templates(cfg, role, rlvr)
+             for role in ("questioner", "history", "responder")}
     value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
         "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
         "reward.negative_ratio": 0, "reward.verifier_share": 0, "train.steps": 1,
-        "train.batch_groups": 1, "train.lr": 0, "train.weight_decay": 0, "train.clip_high": 0,
+        "train.batch_groups": 1, "train.weight_decay": 0, "train.clip_high": 0,
         "train.ppo_epochs": 1, "train.mini_batches": 1}
     rules = [(key, value(key) >= n, f">= {n}") for key, n in at_least.items()]
     rules += [  # (key, holds, what the key must be)
         ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
-        ("reward.sigma", w.sigma > 0, "> 0"),
+        # past the generic bounds (infra.FLOAT_BOUND): a penalty is <= 0, Eq. 7 squares sigma
+        # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
+        ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
+        ("reward.ungrounded_penalty", w.ungrounded_penalty <= 0, "<= 0 (a penalty)"),
+        ("reward.format_penalty", w.format_penalty <= 0, "<= 0 (a penalty)"),
+        ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
         ("rollout.votes_per_response", r.votes_per_response >= 0, ">= 0 (0: rollout.group_size)"),
-        ("rollout.temperature", r.temperature > 0, "> 0 (log-probs divide by it)"),
+        ("rollout.temperature", r.temperature >= 1e-3, ">= 1e-3 (log-probs divide by it)"),
         ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
         ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("reward.questioner_mapping", w.questioner_mapping in QUESTIONER_MAPPINGS,
@@ -349,8 +356,11 @@ def check_config(cfg: Config) -> None:
         ("data.phases", not d.phases or rlvr, "\"\" without data.qa (phases order a QA set)"),
         ("data.phases", (plan or [(1, 0)])[-1][1] <= r.max_prompt_tokens,
          "phases whose last length fits rollout.max_prompt_tokens (longer prompts are skipped)"),
+        ("data.phases", (plan or [(1, 0)])[-1][0] <= t.steps, "phases that start by train.steps"),
         ("rollout.questioner_template", needs["questioner"] == [],
          f"a prompt family with a file per task in use; missing {needs['questioner']}"),
+        ("rollout.history_size", needs["history"] == [], f"0 with rollout.questioner_template "
+         f"{r.questioner_template!r}: it has no history prompts; missing {needs['history']}"),
         ("rollout.responder_template", needs["responder"] == [],
          f"a prompt family with a file per task in use; missing {needs['responder']}"),
         ("rollout.grounding_filter", not r.grounding_filter
@@ -373,7 +383,7 @@ def check_config(cfg: Config) -> None:
     ]
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {value(key)!r}")
+            raise ConfigError(f"{key} must be {must}, got {shown(value(key))}")
 
 
 # ==================================================================================================
@@ -543,17 +553,15 @@ def template_fields(name: str) -> set[str]:
 
 
 def missing_templates(cfg: Config, role: str, rlvr: bool) -> list[str]:
-    """Prompt files the config needs for `role` (questioner or responder) that prompts/ lacks. Under
-    RLVR (data.qa) there is no questioner, and the set may hold every task."""
-    weights = cfg.data.task_weights
+    """Prompt files the config needs for `role` (questioner, history: the questioner's with history
+    memory, or responder) that prompts/ lacks. Under RLVR (data.qa) there is no questioner, and the
+    set may hold every task."""
+    r, weights = cfg.rollout, cfg.data.task_weights
     tasks = list(TASKS) if rlvr else [t for t in TASKS if weights[t] > 0]
-    if role == "questioner":
-        if rlvr:
-            return []
-        names = [f"{cfg.rollout.questioner_template}_{t}" for t in tasks]
-        names += [f"{n}_history" for n in names] if cfg.rollout.history_size else []
-    else:
-        names = [f"{cfg.rollout.responder_template}_{t}" for t in tasks]
+    names = {"questioner": [] if rlvr else [f"{r.questioner_template}_{t}" for t in tasks],
+             "history": [] if rlvr or not r.history_size
+             else [f"{r.questioner_template}_{t}_history" for t in tasks],
+             "responder": [f"{r.responder_template}_{t}" for t in tasks]}[role]
     return [n + ".txt" for n in names if not prompt_path(n).is_file()]
 
 
@@ -1872,7 +1880,8 @@ def phase_plan(text: str) -> list[tuple[int, int]] | None:
         return []
     plan = []
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", part)
+        # ASCII digits, at most 18 (infra.INT_DIGITS): int() would read "٣" and choke on 5000
+        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
         if not m:
             return None
         plan.append((int(m[1]), int(m[2])))
@@ -2509,7 +2518,8 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
                   "optim": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=str(folder))
         torch.save(rank_state, folder / f"rank{rank}.pt")
 
-    meta = {"step": step, "world": world, "config": config_to_dict(cfg)}
+    meta = {"step": step, "world": world, "config": config_to_dict(cfg),
+            "fingerprint": run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
     path = save_atomically(checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
     print0(f"checkpoint: {path}")
     return path
@@ -2527,9 +2537,11 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     check_checkpoint(path, world, ranks=())
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
+    rank_state = load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
     try:
+        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
+        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
         dcp.load(state, checkpoint_id=str(path))
-        rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -296,6 +296,29 @@ def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutat
     assert words in message
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("hotpotqa.jsonl", '{"_id": "a"}\n{"_id": ' + "9" * 5000 + "}\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("hotpotqa.jsonl", '{"_id": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("musique.json", '[{"_id": ' + "9" * 5000 + "}]",
+     "musique.json: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("musique.json", "[" * 100_000 + "]" * 100_000,
+     "musique.json: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("frames.tsv", "Prompt\tAnswer\nshort\tx\n" + "y" * 131_073 + "\tx\n",
+     "frames.tsv, row 1: not a TSV row (field larger than field limit (131072))"),
+])
+def test_eval_files_beyond_python_s_limits_are_one_line(tmp_path, name, content, message):
+    """An integer of 5000 digits (int's limit), "[[[[..." (the recursion limit) and a Frames cell
+    over csv's field limit: an EvalDataError naming the file and place, not a traceback."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(EvalDataError) as e:
+        load_benchmark(str(path))
+    assert str(e.value).startswith(f"{tmp_path}/{message}"), e.value
+    assert "\n" not in str(e.value)
+
+
 def test_loader_errors_for_broken_files(tmp_path):
     bad_json = tmp_path / "hotpotqa.jsonl"
     lines = (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
@@ -752,6 +775,79 @@ def test_separate_judge_replaces_the_evaluated_engine(tmp_path, monkeypatch, cap
         "Evaluation of base-7b (Appendix C.2), judge: the evaluated model itself.\n")
 
 
+@pytest.mark.parametrize("fails_at", ["start", "generate"])
+def test_answers_are_written_before_the_judge_runs(tmp_path, monkeypatch, fails_at):
+    """A judge that fails (its engine does not start, or dies judging) loses none of the answers:
+    eval_samples.jsonl holds every sample with its rule score, the judge not yet asked."""
+    items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
+    scripted_judge_swap(items, monkeypatch)
+    answer = evaluation.generate
+
+    def judge_dies(*args, **kw):
+        raise RuntimeError("the judge died")
+    if fails_at == "start":
+        monkeypatch.setattr(evaluation, "start_vllm", judge_dies)
+    else:
+        monkeypatch.setattr(evaluation, "generate", lambda llm, prompts, **kw: (
+            judge_dies() if kw["temperature"] == 0.0 else answer(llm, prompts, **kw)))
+    with pytest.raises(RuntimeError, match="the judge died"):
+        evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000,
+                 max_output_len=32, judge_model="judge-dir", judge_tokenizer=CharTokenizer(),
+                 out_dir=str(tmp_path))
+    samples = [json.loads(line)
+               for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * len(items) and all(s["judge"] is None for s in samples)
+    assert [s["rule"] for s in samples] == [1.0, 1.0, 0.0, 0.0] * len(items)
+
+
+def judge_folder(path: Path, *, chat_template: bool = True, context: int = 4096,
+                 heads: int = 2) -> str:
+    """A model folder with only what the judge's start-up check reads: a config and a tokenizer
+    (one token per word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    if chat_template:
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    LlamaConfig(vocab_size=1, hidden_size=64 * heads, num_attention_heads=heads,
+                num_key_value_heads=heads, max_position_embeddings=context).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("judge, settings, message", [
+    ({"chat_template": False}, {}, "eval.judge_model {judge}: its tokenizer has no chat template"),
+    ({"context": 512}, {}, "eval.judge_model {judge}: its context of 512 tokens cannot hold a "
+                           "judge prompt of up to"),
+    ({"heads": 3}, {"tensor_parallel_size": 2},
+     "rollout.tensor_parallel_size = 2 must divide eval.judge_model's ({judge}) 3 attention heads"),
+])
+def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkeypatch, judge,
+                                                                settings, message):
+    """Without a chat template, with too short a context or with heads the tensor-parallel size
+    does not divide, a separate judge failed after the whole sampling pass; now run_eval reads its
+    config and tokenizer first, and no engine starts."""
+    import torch.distributed as dist
+
+    model, bad = judge_folder(tmp_path / "model"), judge_folder(tmp_path / "judge", **judge)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)  # a world of one, without a process group
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(evaluation, "start_vllm", lambda *a, **kw: pytest.fail("vLLM started"))
+    with pytest.raises(spell.ConfigError) as e:
+        evaluation.run_eval(model, [str(FIXTURES / "hotpotqa.jsonl")], out_dir=str(tmp_path),
+                            judge_model=bad, max_input_len=2000, max_output_len=256, **settings)
+    assert str(e.value).startswith(message.format(judge=bad)), e.value
+
+    # a judge with a template, a long context and two heads passes
+    from transformers import AutoTokenizer
+    evaluation.check_judge(model, AutoTokenizer.from_pretrained(model),
+                           load_benchmark(str(FIXTURES / "hotpotqa.jsonl")), max_input_len=2000,
+                           max_output_len=256, judge_max_tokens=256, tensor_parallel_size=2)
+
+
 def test_eval_command_line_passes_the_judge(monkeypatch):
     seen: dict = {}
     # eval_main sets it on CPU; restored afterwards
@@ -874,6 +970,10 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
      "qa.jsonl:2: field 'documents'"),
     ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "qa.jsonl:2: not valid JSON"),
     ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"', "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": ' + "9" * 5000 + "}",
+     "qa.jsonl:2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ('{"id": "a", "documents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "qa.jsonl:2: not valid JSON (nested deeper than Python's recursion limit)"),
 ])
 def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
     path = tmp_path / "qa.jsonl"
@@ -906,6 +1006,26 @@ def test_load_qa_set_refuses_a_benchmark_whose_ids_repeat(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Synth: a static QA set for RLVR
 # ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--passes", "0"], "--passes needs a whole number, 1 to 1000"),
+    (["--passes", "\u0663"], "--passes needs a whole number, 1 to 1000"),  # an Arabic-Indic 3
+    (["--passes", "\u00b2"], "--passes needs a whole number, 1 to 1000"),  # a superscript 2
+    (["--passes", "9" * 5000], "--passes needs a whole number, 1 to 1000"),
+    (["--out", "{tmp}/a_file/qa.jsonl"],
+     "spell.py synth: --out {tmp}/a_file/qa.jsonl: {tmp}/a_file is a file, not a folder"),
+])
+def test_synth_refuses_bad_arguments_before_vllm_starts(tmp_path, monkeypatch, args, message):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "documents": ["A report."]}) + "\n")
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.setattr(evaluation, "init_distributed", lambda: pytest.fail("the run started"))
+    argv = ["synth", "--out", str(tmp_path / "qa.jsonl"), f"--data.corpus={corpus}",
+            *(a.format(tmp=tmp_path) for a in args)]
+    with pytest.raises(spell.ConfigError) as e:
+        spell.main(argv)
+    assert str(e.value) == message.format(tmp=tmp_path), e.value
+
 
 @pytest.mark.stack
 def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
