@@ -290,6 +290,13 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
     return out_dir, output
 
 
+def batch_counts(**given) -> dict:
+    """The counts select_batch returns for the log, zero but for those given."""
+    zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
+                          "ver_groups", "ver_candidates", "sequences"), 0)
+    return {**zero, "que_all_or_none_adv": 0.0, **given}
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -315,8 +322,8 @@ def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dic
                         selection=[], agreements=[],
                         ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
                         ver_cut=[])
-    counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1,
-              "ver_candidates": 3, "sequences": 9}
+    counts = batch_counts(que_pos=1, que_neg=1, res_groups=1, ver_groups=1, ver_candidates=3,
+                          sequences=9)
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
              "grad_norm": 1.0, "micro_batches": 2, "rollout_logp_gap_sum": 1.0,
              "rollout_logp_tokens": 100}

@@ -28,13 +28,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
-                   check_head_split, context_bound, engine_groups, jsonl_records, parse_args,
-                   resolve_model, rollout_dtype, set_vllm_log_level, unreadable, write_atomic)
-from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _utf8,
-                   _validate_question, chat_ids, extract_answer, generate, generator,
-                   init_distributed, load_config, load_corpus, parse_verdict, render_prompt,
-                   request_seeds, rule_reward, run_grounding, run_questioner, start_engine,
-                   start_vllm, strip_verdict_tags)
+                   check_head_split, context_bound, engine_groups, is_utf8, jsonl_records,
+                   parse_args, resolve_model, rollout_dtype, set_vllm_log_level, unreadable,
+                   write_atomic)
+from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _validate_question,
+                   chat_ids, extract_answer, generate, generator, init_distributed, load_config,
+                   load_corpus, parse_verdict, render_prompt, request_seeds, rule_reward,
+                   run_grounding, run_questioner, start_engine, start_vllm, strip_verdict_tags)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -254,7 +254,7 @@ def _ident(rec: dict, key: str, where: str) -> str:
 def _tokenizable(value: str, where: str, key: str) -> str:
     """value, refused at load when it holds a lone surrogate (JSON "\\ud800"): chat_ids would raise
     on it in the middle of the run."""
-    if not _utf8(value):
+    if not is_utf8(value):
         raise EvalDataError(f"{where}, field {key!r}: expected text without a lone surrogate "
                             "(a JSON \\ud800-\\udfff escape, which no tokenizer can encode)")
     return value
@@ -852,7 +852,7 @@ def _surrogate_fields(rec: dict) -> list[str]:
     options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
     fields = {"question": rec.get("question"), "answer": rec.get("answer"),
               **{f"options.{k}": v for k, v in options.items()}}
-    return [key for key, v in fields.items() if isinstance(v, str) and not _utf8(v)]
+    return [key for key, v in fields.items() if isinstance(v, str) and not is_utf8(v)]
 
 
 # ==================================================================================================

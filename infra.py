@@ -2,12 +2,14 @@
 
 spell.py holds SPELL itself (config, the three roles, rewards, §4.3's batch, the loss, the update,
 main) and the simple, obviously correct versions of the machinery it runs on. This file holds the
-rest: config loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the
-start-up memory estimate, the export of the embedded SmolLM2 model, the bucketed weight sync (the
-fast twin of spell.gathered_state_dict), tensor-parallel rollout helpers, rebalancing sequences over
-ranks, small collective helpers, and checkpoint integrity (CRC-32, fsync, atomic writes, trimming
-metrics on resume). It never imports spell: every function here takes plain values or the config
-object, so spell.py reads top to bottom without it, like kernels/.
+rest: one-line errors and the checked readers of data files (JSON Lines, the corpus), config
+loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the linear-time
+text readers the parsers build on, the start-up memory estimate, the export of the embedded
+SmolLM2 model, the bucketed weight sync (the fast twin of spell.gathered_state_dict),
+tensor-parallel rollout helpers, rebalancing sequences over ranks, small collective helpers,
+checkpoint integrity (CRC-32, fsync, atomic writes, trimming metrics on resume, the run's
+fingerprint) and the run log. It never imports spell: every function here takes plain values or
+the config object, so spell.py reads top to bottom without it, like kernels/.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import warnings
 import zlib
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 # ==================================================================================================
-# Bad input: one clear line naming the file, line or key, never a traceback (spell.py's __main__)
+# Bad input: one clear line naming the file, line or key (spell.py's __main__); checked data readers
 # ==================================================================================================
 
 class InputError(ValueError):
@@ -86,6 +88,70 @@ def unreadable(e: ValueError | RecursionError) -> str:
     if isinstance(e, json.JSONDecodeError):
         return f"{e.msg}, column {e.colno}"
     return str(e).split(";")[0]  # drop int()'s advice to raise sys.set_int_max_str_digits
+
+
+def is_utf8(s: str) -> bool:
+    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
+    """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
+    is not UTF-8 or not JSON raises `error` naming the file and line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line:
+                continue
+            try:
+                value = json.loads(line)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise error(f"{where}: not valid JSON ({unreadable(e)})") from None
+            yield lineno, where, value
+
+
+def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, list[str]]]:
+    """(id, task or "", documents) of each line of a JSON Lines corpus, checked: a unique non-empty
+    id, a task among `tasks` if given, a non-empty list of non-empty documents, no lone surrogate
+    (caught here, not when a rollout first tokenises it). A CorpusError names file and line."""
+    if not path.is_file():
+        raise CorpusError(f"{path}: corpus file not found")
+    records, seen = [], {}
+    for lineno, where, obj in jsonl_records(path, CorpusError):
+        if not isinstance(obj, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        cid, docs, task = obj.get("id", f"line{lineno}"), obj.get("documents"), obj.get("task")
+        if not isinstance(cid, str) or not cid:
+            raise CorpusError(f"{where}: field 'id' must be a non-empty string")
+        if cid in seen:
+            raise CorpusError(f"{where}: field 'id' {cid!r} repeats line {seen[cid]}")
+        if not is_utf8(cid):
+            raise CorpusError(f"{where}: field 'id' {SURROGATE_NOTE}")
+        if docs is None:
+            raise CorpusError(f"{where}: missing field 'documents'")
+        if not isinstance(docs, list) or not docs:
+            raise CorpusError(f"{where}: field 'documents' must be a non-empty list of strings")
+        for i, d in enumerate(docs):
+            if not isinstance(d, str) or not d.strip():
+                raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
+            if not is_utf8(d):
+                raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
+        if task is not None and task not in tasks:
+            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
+                              f"{', '.join(tasks)}")
+        seen[cid] = lineno
+        records.append((cid, task or "", docs))
+    if not records:
+        raise CorpusError(f"{path}: the corpus is empty")
+    return records
 
 
 # ==================================================================================================
@@ -298,6 +364,24 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
     return paths or [str(ROOT / "config.toml")], resume, rest
 
 
+def phase_plan(text: str) -> list[tuple[int, int]] | None:
+    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...] (QwenLong-L1's
+    context phases, spell.phase_pools); [] for ""; None if malformed."""
+    if not text.strip():
+        return []
+    plan = []
+    for part in text.split(","):
+        # ASCII digits, at most 18 (INT_DIGITS): int() would read "٣" and choke on 5000
+        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
+        if not m:
+            return None
+        plan.append((int(m[1]), int(m[2])))
+    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
+    rising = all(a < b for a, b in zip(steps, steps[1:]))
+    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
+    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
+
+
 # ==================================================================================================
 # Reading the policy's text in linear time, whatever it writes: JSON candidates, normalised
 # words, an answer's candidates, control tokens (spell.parse_question, the rules, chat_ids)
@@ -328,7 +412,8 @@ def json_candidates(text: str, key: str) -> list[str]:
     maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
     key in each, and parsing each, stays linear in the text.
     """
-    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing 10**5 parses
+    # a span without the key cannot validate: skipping it keeps "{}" * 10**5 from costing 10**5
+    # parses
     if key not in text:
         return []
     found = [(end, body) for end, body in fenced_blocks(text) if key in body]
@@ -528,25 +613,6 @@ def world_of_one_env() -> dict[str, str]:
         port = s.getsockname()[1]
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
-    """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
-    is not UTF-8 or not JSON raises `error` naming the file and line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise error(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line:
-                continue
-            try:
-                value = json.loads(line)
-            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-                raise error(f"{where}: not valid JSON ({unreadable(e)})") from None
-            yield lineno, where, value
 
 
 def train_mode_without_dropout(model) -> None:
@@ -1757,6 +1823,10 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
                                     or [0.0])),
         "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
         "que/neg": counts["que_neg"],
+        # trained questions that every response or none solved, and their mean advantage
+        # (reward.questioner_pool = "all"; §4.3's pool takes them only as negatives)
+        "que/all_or_none": counts["que_all_or_none"],
+        "que/all_or_none_adv": counts["que_all_or_none_adv"],
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
@@ -1767,6 +1837,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         if ok else 0.0,
         "res/all_solved": sum(min(s.solved) == 1 for s in ok),
         "res/none_solved": sum(max(s.solved) == 0 for s in ok),
+        # groups whose training rewards vary by length shaping alone (never kept, departure 14)
+        "res/length_only": sum(len(set(s.selection)) == 1 < len(set(s.res_rewards)) for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,
         "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,

@@ -52,8 +52,8 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a config key ........... the dataclasses below, and a range rule in check_config
 Below main() is the machine room: the simple, obviously correct versions of processes, vLLM, FSDP2,
 weight sync, packing, corpus reading, checkpoints and logging. Their fast or defensive twins (config
-mechanics, memory estimate, bucketed sync, tensor-parallel helpers, checkpoint integrity) are in
-infra.py, which never imports this file.
+mechanics, the corpus checks, memory estimate, bucketed sync, tensor-parallel helpers, checkpoint
+integrity) are in infra.py, which never imports this file.
 
 Departures from the paper and from the authors' code (a VeRL fork), on purpose (README,
 "Departures", gives each one's reasons and numbers):
@@ -125,16 +125,16 @@ import torch.distributed as dist
 # triton.
 import kernels
 from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
-                   SURROGATE_NOTE, YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats,
-                   all_reduce_sum, answer_number, answer_tokens, attention_implementation,
-                   balance_sequences, bucketed_state_dict, candidate_count, check_checkpoint,
-                   check_every_key, check_groups_agree, check_launch, check_memory_at_start,
-                   check_vllm_groups, checkpoint_dir, config_to_dict, control_tokens,
-                   defuse_control_tokens, engine_groups, export_hf, gold_starts, json_candidates,
-                   jsonl_records, load_rank_state, loads_lenient, normalize_text,
-                   number_is_negative, parse_args, policy_mesh, print0, rank0_progress_bar,
-                   read_config, refresh_tied_lm_head_on_cpu, resolve_model, rng_state,
-                   rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
+                   YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats, all_reduce_sum,
+                   answer_number, answer_tokens, attention_implementation, balance_sequences,
+                   bucketed_state_dict, candidate_count, check_checkpoint, check_every_key,
+                   check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
+                   checkpoint_dir, config_to_dict, control_tokens, corpus_records,
+                   defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
+                   json_candidates, load_rank_state, loads_lenient, normalize_text,
+                   number_is_negative, parse_args, phase_plan, policy_mesh, print0,
+                   rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
+                   rng_state, rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
                    seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
                    step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
                    write_run_config)
@@ -329,13 +329,14 @@ def check_config(cfg: Config) -> None:
         "train.batch_groups": 1, "train.weight_decay": 0, "train.clip_high": 0,
         "train.ppo_epochs": 1, "train.mini_batches": 1}
     rules = [(key, value(key) >= n, f">= {n}") for key, n in at_least.items()]
+    rules += [(key, value(key) <= 0, "<= 0 (a penalty)") for key in (
+        "reward.ungrounded_penalty", "reward.format_penalty", "bootstrap.responder_format_penalty",
+        "bootstrap.verifier_format_penalty")]
     rules += [  # (key, holds, what the key must be)
         ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
         # past the generic bounds (infra.FLOAT_BOUND): a penalty is <= 0, Eq. 7 squares sigma
         # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
         ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
-        ("reward.ungrounded_penalty", w.ungrounded_penalty <= 0, "<= 0 (a penalty)"),
-        ("reward.format_penalty", w.format_penalty <= 0, "<= 0 (a penalty)"),
         ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
@@ -367,10 +368,6 @@ def check_config(cfg: Config) -> None:
          or "documents" in template_fields(f"{r.responder_template}_{next(iter(TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
-        ("bootstrap.responder_format_penalty", b.responder_format_penalty <= 0,
-         "<= 0 (a penalty; 0: off)"),
-        ("bootstrap.verifier_format_penalty", b.verifier_format_penalty <= 0,
-         "<= 0 (a penalty; 0: off)"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -647,15 +644,6 @@ def strip_reasoning(text: str) -> str | None:
     return text
 
 
-def _utf8(s: str) -> bool:
-    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _scalar_text(x: Any) -> str | None:
     """A JSON string or finite number as text; None for anything else (bool, NaN, Infinity,
     list...)."""
@@ -665,7 +653,7 @@ def _scalar_text(x: Any) -> str | None:
         return str(x)  # exact; json.loads already refused more than 4300 digits (a ValueError)
     if isinstance(x, float):
         return format_number(x) if math.isfinite(x) else None
-    return x if isinstance(x, str) and _utf8(x) else None
+    return x if isinstance(x, str) and is_utf8(x) else None
 
 
 def _is_template_text(s: Any) -> bool:
@@ -680,7 +668,7 @@ def _validate_question(obj: Any, task: str, correct_letter: str | None,
     if not isinstance(obj, dict):
         return None
     q, a = obj.get("question"), _scalar_text(obj.get("answer"))
-    if not isinstance(q, str) or not q.strip() or not _utf8(q) or _is_template_text(q):
+    if not isinstance(q, str) or not q.strip() or not is_utf8(q) or _is_template_text(q):
         return None
     if _is_template_text(a):
         return None
@@ -806,7 +794,7 @@ CEM_MAX_LENGTH_RATIO = 3  # a doc_qa prediction's words per word of the gold, at
 
 
 def short_enough(prediction: str, gold: str, ratio: int = CEM_MAX_LENGTH_RATIO) -> bool:
-    """The prediction is at most `ratio` times the gold's length in normalised words (rule of Eq. 6).
+    """The prediction has at most `ratio` times the gold's normalised words (rule of Eq. 6).
 
     The bound for what candidate_count cannot see, candidates with nothing between them ("Paris
     Berlin Madrid Rome"); with ratio 3 the gold inside a short phrase passes ("the city of Berlin",
@@ -828,7 +816,7 @@ def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
     # and inf <= tol*inf let every number of its sign match. The ratio itself turns inf or 0 only
     # for numbers hundreds of orders apart, which no scale bridges
     ratio = p / g
-    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):  # percent vs fraction, and thousands/millions/billions
+    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):  # percent vs fraction; thousands, millions, billions
         if abs(ratio * scale - 1) <= rel_tol or abs(ratio / scale - 1) <= rel_tol:
             return True
     return False
@@ -975,8 +963,8 @@ def responder_reward(rule: float, vote: int | None, rule_decides: bool = False) 
 
 
 def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
-    """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r, 0 when nobody or everybody solved
-    it."""
+    """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r; 0 when nobody or everybody
+    solved it."""
     if r <= 0.0 or r >= 1.0:  # no learning signal at either end
         return 0.0
     return math.exp(-((r - mu) ** 2) / (2 * sigma ** 2))
@@ -1141,8 +1129,9 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
             evicted += 1
             doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
                                                            cfg.rollout.docs_per_question, rng)
-            ids = chat_ids(tok, questioner_prompt(task, [cluster.documents[i] for i in doc_ids],
-                                                  examples, letter, cfg.rollout.questioner_template))
+            docs = [cluster.documents[i] for i in doc_ids]
+            ids = chat_ids(tok, questioner_prompt(task, docs, examples, letter,
+                                                  cfg.rollout.questioner_template))
             fits = len(ids) <= cfg.rollout.max_prompt_tokens
             if fits or not history.forget_oldest(cluster.id, task):
                 break
@@ -1433,8 +1422,9 @@ Flat = list[tuple[int, int, Summary]]  # every question of the step: (rank, roll
 
 def select_responder(flat: Flat, cfg: Config, rng: np.random.Generator) -> list[int]:
     """§4.3 for the responder: groups with reward variance (in Rollout.selection: solved or not,
-    and answered or not under bootstrap), batch_groups of them at random when there are more. The shuffle uses the step's shared generator: taking them in (rank, idx) order
-    would cut the last ranks' groups first, and each rank samples a fixed shard of the corpus."""
+    and answered or not under bootstrap), batch_groups of them at random when there are more. The
+    shuffle uses the step's shared generator: taking them in (rank, idx) order would cut the last
+    ranks' groups first, and each rank samples a fixed shard of the corpus."""
     ok = [k for k, (_, _, s) in enumerate(flat) if s.status == "ok"]
     eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].selection for k in ok])]
     return sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist()) if eligible else []
@@ -1460,9 +1450,9 @@ def select_questioner(flat: Flat, res_keep: list[int], cfg: Config,
 
 def select_verifier(flat: Flat, res_groups: int, cfg: Config,
                     rng: np.random.Generator) -> tuple[list[tuple[int, int]], int]:
-    """§4.3 for the verifier: one group per (question, response) whose majority agrees with the rule
-    check, capped at reward.verifier_share of the responder trajectories [code]. Returns the kept
-    (question, response) pairs and the number of candidates."""
+    """§4.3 for the verifier: one group per (question, response) whose majority agrees with the
+    rule check, capped at reward.verifier_share of the responder trajectories [code]. Returns the
+    kept (question, response) pairs and the number of candidates."""
     cands = [(k, i) for k, (_, _, s) in enumerate(flat) if s.status == "ok"
              for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
     votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
@@ -1499,6 +1489,9 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
     for k, a in zip(que_keep, adv):  # Eq. 9: one group per task over the questioner's batch
         rank, idx, s = flat[k]
         items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s.que_len, s.que_cut))
+    # questions every response or no response solved (SPICE's pool trains them, below the mean)
+    extreme = [a for k, a in zip(que_keep, adv) if flat[k][2].solved
+               and (min(flat[k][2].solved) == 1 or max(flat[k][2].solved) == 0)]
     ver_keep, n_cands = select_verifier(flat, len(res_keep), cfg, rng)
     ver = [(k, i, j) for k, i in ver_keep for j in range(len(flat[k][2].ver_lens[i]))]
     adv = group_advantages([flat[k][2].ver_rewards[i][j] for k, i, j in ver],
@@ -1525,9 +1518,10 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
             it.weight, it.mini_batch = w, b
     counts = {"res_groups": len(res_keep), "que_pos": n_pos, "que_floor": n_floor,
               "que_neg": len(que_keep) - n_pos - n_floor, "ver_groups": len(ver_keep),
-              "ver_candidates": n_cands, "sequences": len(items)}
+              "ver_candidates": n_cands, "sequences": len(items), "que_all_or_none": len(extreme),
+              "que_all_or_none_adv": float(np.mean(extreme)) if extreme else 0.0}
     if "que" not in trained:
-        counts.update(que_pos=0, que_floor=0, que_neg=0)
+        counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
     if "ver" not in trained:
         counts["ver_groups"] = 0
     return items, counts
@@ -1837,8 +1831,8 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
         for b, plan in enumerate(plans):
             for m, mb in enumerate(plan):
                 batch = [seqs[i] for i in mb] or [dummy_sequence()]
-                loss, per_seq, s = micro_batch_loss(policy, batch, None if old is None else old[b][m],
-                                                    cfg, device)
+                before = None if old is None else old[b][m]
+                loss, per_seq, s = micro_batch_loss(policy, batch, before, cfg, device)
                 assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
                 # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of
                 # the batch is the sum of every rank's micro-batch losses. FSDP averages gradients
@@ -1870,26 +1864,8 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
 
 
 # ==================================================================================================
-# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1's phases, §2.3)         [algorithm]
+# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1 §2.3)                    [algorithm]
 # ==================================================================================================
-
-def phase_plan(text: str) -> list[tuple[int, int]] | None:
-    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...]; [] for ""; None if
-    malformed."""
-    if not text.strip():
-        return []
-    plan = []
-    for part in text.split(","):
-        # ASCII digits, at most 18 (infra.INT_DIGITS): int() would read "٣" and choke on 5000
-        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
-        if not m:
-            return None
-        plan.append((int(m[1]), int(m[2])))
-    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
-    rising = all(a < b for a, b in zip(steps, steps[1:]))
-    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
-    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
-
 
 def phase_pools(cfg: Config, clusters: list[Cluster], shard: list[int], tok) -> list[list[int]]:
     """Per data.phases phase, the shard's questions whose responder prompt fits it (QwenLong-L1
@@ -2088,10 +2064,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-
-
-
-
 # ---- models: the tokenizer, this rank's vLLM engine, the FSDP2 policy
 
 
@@ -2249,8 +2221,6 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     model.completion_logprobs = types.MethodType(completion_logprobs, model)
     register_fsdp_forward_method(model, "completion_logprobs")
     return model
-
-
 
 
 # ---- weight sync: the trainer's weights into vLLM, in place, every step
@@ -2433,42 +2403,9 @@ def load_data(cfg: Config) -> list[Cluster]:
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
-    """Read and validate a JSON Lines corpus: {"id", "task" (optional), "documents": [str, ...]}."""
-    path = Path(path)
-    if not path.is_file():
-        raise CorpusError(f"{path}: corpus file not found")
-    clusters, seen = [], {}
-    for lineno, where, obj in jsonl_records(path, CorpusError):
-        if not isinstance(obj, dict):
-            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        cid = obj.get("id", f"line{lineno}")
-        if not isinstance(cid, str) or not cid:
-            raise CorpusError(f"{where}: field 'id' must be a non-empty string")
-        if cid in seen:
-            raise CorpusError(f"{where}: field 'id' {cid!r} repeats line {seen[cid]}")
-        if not _utf8(cid):
-            raise CorpusError(f"{where}: field 'id' {SURROGATE_NOTE}")
-        docs = obj.get("documents")
-        if docs is None:
-            raise CorpusError(f"{where}: missing field 'documents'")
-        if not isinstance(docs, list) or not docs:
-            raise CorpusError(f"{where}: field 'documents' must be a non-empty list of strings")
-        for i, d in enumerate(docs):
-            if not isinstance(d, str) or not d.strip():
-                raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
-            if not _utf8(d):  # caught here, not when a rollout first tokenises the document
-                raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
-        task = obj.get("task")
-        if task is not None and task not in TASKS:
-            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
-                              f"{', '.join(TASKS)}")
-        seen[cid] = lineno
-        clusters.append(Cluster(cid, task or "", docs))
-    if not clusters:
-        raise CorpusError(f"{path}: the corpus is empty")
-    return clusters
-
-
+    """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
+    each line checked by infra.corpus_records (errors name the file, line and field)."""
+    return [Cluster(cid, task, docs) for cid, task, docs in corpus_records(Path(path), TASKS)]
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export
@@ -2549,18 +2486,6 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     set_model_state_dict(policy, state["model"])
     set_optimizer_state_dict(policy, optimizer, state["optim"])
     return rank_state
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 if __name__ == "__main__":

@@ -64,8 +64,6 @@ def all_fixture_items() -> list[EvalItem]:
     (8, 5, 4, 1.0), (8, 1, 8, 1.0),       # k > n − c: every k-subset holds a correct sample
     (1, 1, 1, 1.0), (1, 0, 1, 0.0),
 ])
-
-
 def test_pass_at_k_worked_examples(n, c, k, expected):
     # a product of c <= 8 factors in [0, 1] of 2 roundings each, then 1 - it: below 20 u = 2e-15
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
@@ -95,8 +93,6 @@ def test_pass_at_k_matches_subset_enumeration_and_exact_binomials():
     (0, 0, 1, ValueError),
     (8.0, 2, 1, TypeError), (8, 2.0, 1, TypeError),
 ])
-
-
 def test_pass_at_k_rejects_bad_arguments(n, c, k, error):
     with pytest.raises(error):
         pass_at_k(n, c, k)
@@ -113,8 +109,6 @@ def test_pass_at_k_rejects_bad_arguments(n, c, k, error):
     (100, 1, 0, 1),
     (6, 5, 2, 3),      # one token over
 ])
-
-
 def test_middle_truncate_keeps_head_and_tail(length, max_len, head, tail):
     ids = list(range(1000, 1000 + length))
     out = middle_truncate(ids, max_len)
@@ -143,8 +137,6 @@ def test_middle_truncate_rejects_empty_budget():
     ("longbench_v2.json", b'[{"question": "a"},\n {"question": "caf\xe9"}]'),
     ("frames.tsv", b"Prompt\tAnswer\ncaf\xe9\tx\n"),
 ])
-
-
 def test_eval_file_not_utf8_names_file_line_and_byte(tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content)
@@ -215,8 +207,6 @@ def test_judge_prompt_contract():
     ("MuSiQue.parquet", "musique"), ("frames_test.jsonl", "frames"),
     ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
 ])
-
-
 def test_infer_benchmark_from_filename(filename, expected):
     assert infer_benchmark(f"/data/{filename}", first=None) == expected
 
@@ -284,8 +274,6 @@ def _mutated(tmp_path: Path, name: str, index: int, mutate) -> str:
     ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs",
      "strings"),
 ])
-
-
 def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field,
                                                     words):
     path = _mutated(tmp_path, name, index, mutate)
@@ -390,7 +378,8 @@ def test_judge_prompt_strips_verdict_tags(prediction):
 
 def test_judge_prompt_of_a_bare_tag_shows_no_answer():
     item = EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Berlin",))
-    assert f"- Predicted answer: {evaluation.NO_ANSWER}\n" in evaluation.judge_prompt(item, "[[YES]]")
+    prompt = evaluation.judge_prompt(item, "[[YES]]")
+    assert f"- Predicted answer: {evaluation.NO_ANSWER}\n" in prompt
 
 
 @pytest.mark.parametrize("change, field", [
@@ -441,12 +430,14 @@ def test_eval_loaders_refuse_lone_surrogates(tmp_path, name, index, mutate, wher
 def test_eval_rule_score_refuses_hedges_too():
     item = EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Paris", "Paris, France"))
     assert evaluation.rule_score(hedged("Paris/Berlin"), item) == 0.0
-    assert evaluation.rule_score(hedged("Paris, France"), item) == 1.0  # the second gold holds the comma
+    # the second gold holds the comma
+    assert evaluation.rule_score(hedged("Paris, France"), item) == 1.0
 
 
 def test_docmath_rule_reads_the_answer_number():
     """The eval's DocMath numbers go through the same parse_number as training's fin_math rule."""
-    item = EvalItem("docmath", "0", "fin_math", "ctx", "How much?", (evaluation._number_text(-1234.0),))
+    item = EvalItem("docmath", "0", "fin_math", "ctx", "How much?",
+                    (evaluation._number_text(-1234.0),))
     assert evaluation.rule_score("Therefore, the answer is $(1,234).", item) == 1.0
 
 
@@ -961,15 +952,18 @@ def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
 
 
 @pytest.mark.parametrize("line, words", [
-    ('{"id": "a", "documents": ["d"], "question": "Q?"}', "qa.jsonl:2: fields 'question', 'answer'"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?"}',
+     "qa.jsonl:2: fields 'question', 'answer'"),
     ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}',
      "qa.jsonl:2"),
     ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}',
      "options"),
     ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
      "qa.jsonl:2: field 'documents'"),
-    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"', "qa.jsonl:2: not valid JSON"),
-    ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"', "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"',
+     "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"',
+     "qa.jsonl:2: not valid JSON"),
     ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": ' + "9" * 5000 + "}",
      "qa.jsonl:2: not valid JSON (Exceeds the limit (4300 digits)"),
     ('{"id": "a", "documents": ' + "[" * 100_000 + "]" * 100_000 + "}",

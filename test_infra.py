@@ -46,8 +46,6 @@ def test_tuples_from_the_command_line(tmp_path, text):
 
 @pytest.mark.parametrize("text", ["fin_math:2,doc_mc:0.5", "{fin_math = 2, doc_mc = 0.5}",
                                   "fin_math=2, doc_mc=0.5"])
-
-
 def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     """A table key (data.task_weights) takes named values; the names it leaves out keep theirs, in
     TOML files as on the command line, so stacked files override key by key."""
@@ -67,8 +65,6 @@ def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     (["--reward.questioner_floor=2"], "did you mean bootstrap.questioner_floor?"),
     (["--reward.verifier_reply_prefix=x"], "did you mean bootstrap.verifier_reply_prefix?"),
 ])
-
-
 def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
     with pytest.raises(spell.ConfigError, match=re.escape(message)):
         spell.load_config(None, argv)
@@ -88,8 +84,6 @@ def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
     (b"[train]\nsteps = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
      "c.toml: not valid TOML: nested deeper than Python's recursion limit"),
 ])
-
-
 def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content, message):
     config = tmp_path / "c.toml"
     if content is not None:
@@ -521,8 +515,6 @@ def flip_middle_byte(p: Path) -> None:
     (lambda step: (step / "__0_0.distcp").unlink(),
      "not a complete checkpoint (missing __0_0.distcp)"),
 ])
-
-
 def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypatch, damage,
                                                               message):
     """The checkpoint's own record catches a flipped byte, a cut file, a lost file: before the

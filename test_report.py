@@ -1,7 +1,7 @@
-"""Tests of report.py: the paired bootstrap of `compare`, the curves of `plot` and `side`, and hostile
-input files, each of which ends in one line naming the file, the line and the field (a ReportError,
-which main turns into a one-line exit), or in a correct table or plot; never in a traceback, a hang,
-or a table of nan or 500 %."""
+"""Tests of report.py: the paired bootstrap of `compare`, the curves of `plot` and `side`, and
+hostile input files, each of which ends in one line naming the file, the line and the field (a
+ReportError, which main turns into a one-line exit), or in a correct table or plot; never in a
+traceback, a hang, or a table of nan or 500 %."""
 
 import json
 import math

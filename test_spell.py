@@ -34,18 +34,17 @@ import pytest
 import torch
 
 
-
 import infra
 import spell
-from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S, demo_args,
-                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics,
-                      role_sequences, run_worker, snapshot, start_torchrun, tiny_llama, torchrun,
-                      worker_mesh)
-from spell import (parse_number)
+from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S,
+                      batch_counts, demo_args, make_tiny_model, metrics, protocol_corpus,
+                      qa_record, read_metrics, role_sequences, run_worker, snapshot,
+                      start_torchrun, tiny_llama, torchrun, worker_mesh)
 from spell import (HistoryMemory, cover_exact_match, extract_answer, group_advantages,
-                   majority_vote, numbers_match, parse_question, parse_verdict, questioner_reward,
-                   questioner_samples_to_keep, responder_groups_to_keep, responder_reward,
-                   rule_reward, token_logprobs, verifier_groups_to_keep, verifier_rewards)
+                   majority_vote, numbers_match, parse_number, parse_question, parse_verdict,
+                   questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
+                   responder_reward, rule_reward, token_logprobs, verifier_groups_to_keep,
+                   verifier_rewards)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,8 +71,6 @@ def test_config_file_and_overrides(tmp_path):
     ("", ["--model.attn_implementation=flash"], "model.attn_implementation must be"),
     ("[rollout\n", [], "not valid TOML"),
 ])
-
-
 def test_config_errors(tmp_path, text, argv, message):
     p = tmp_path / "c.toml"
     p.write_text(text)
@@ -365,8 +362,6 @@ QA_JSON = '{"question": "Who signed it?", "answer": "James Madison"}'
     ('{"question": "Q?", "answer": "a {brace} inside"}', "a {brace} inside"),   # braces in strings
     ('{"question": "Q?", "answer": 1812}', "1812"),                             # number as answer
 ])
-
-
 def test_parse_question_doc_qa(text, expected):
     assert parse_question(text, "doc_qa")["answer"] == expected
 
@@ -383,8 +378,6 @@ def test_parse_question_doc_qa(text, expected):
     # copied the template
     '{"question": "<your question>", "answer": "<short answer, at most 20 tokens>"}',
 ])
-
-
 def test_parse_question_format_errors(text):
     assert parse_question(text, "doc_qa") is None
 
@@ -432,8 +425,6 @@ def test_parse_question_doc_mc():
     ("The correct answer is Apple", "doc_mc", None),
     ("The correct answer is (insert answer here).", "doc_mc", None),
 ])
-
-
 def test_extract_answer(text, task, expected):
     assert extract_answer(text, task) == expected
 
@@ -447,8 +438,6 @@ def test_extract_answer(text, task, expected):
     ("the", "the", False),                   # empty after normalisation
     ("an apple", "Apple", True),
 ])
-
-
 def test_cover_exact_match(pred, gold, expected):
     assert cover_exact_match(pred, gold) is expected
 
@@ -469,8 +458,6 @@ def test_cover_exact_match(pred, gold, expected):
     ("no number", "3", False),
     ("3 apples", "3", True),
 ])
-
-
 def test_numbers_match(pred, gold, expected):
     assert numbers_match(pred, gold) is expected
 
@@ -497,8 +484,6 @@ def test_rule_reward():
     ("Format: Decision: [[YES]] or [[NO]]\nDecision: [[NO]]", 0),
     ('It must be either "[[YES]]" or "[[NO]]".', None),  # naming the choices is no decision either
 ])
-
-
 def test_parse_verdict(text, expected):
     assert parse_verdict(text) == expected
 
@@ -510,8 +495,6 @@ def test_parse_verdict(text, expected):
     ([1, 1, 0, None], 0), ([1, None, None], 0),
     ([1] * 5 + [None] * 3, 1), ([1] * 4 + [None] * 4, 0),  # G = 8: 5 > 4, 4 is not
 ])
-
-
 def test_majority_vote(votes, expected):
     assert majority_vote(votes) == expected
 
@@ -527,16 +510,12 @@ def test_majority_vote(votes, expected):
     ("The correct answer is the Eiffel Tower in Paris.", "Eiffel Tower", 1.0),
     ("The correct answer is the city of Berlin.", "Berlin", 1.0),  # the gold in a short phrase
 ])
-
-
 def test_rule_reward_refuses_listings(response, gold, expected):
     assert rule_reward(response, gold, "doc_qa") == expected
 
 
 @pytest.mark.parametrize("answer", ["Paris [[YES]]", "[[yes]] Paris", "[[YE[[NO]]S]]",
                                     "[[[[YES]]YES]]]]", "[[NO]][[YES]]"])
-
-
 def test_verifier_prompt_carries_no_verdict(answer):
     """An answer holding [[YES]] made every NO vote that quoted it hold both tags: an abstention."""
     q = {"question": "Which capital? [[YES]]", "answer": "Berlin"}
@@ -556,8 +535,6 @@ def test_verifier_prompt_carries_no_verdict(answer):
     ("35", "3.5", False), ("3.5", "35", False), ("3.5.", "3.5", True), ("1,500", "1500", True),
     ("U.S. Army", "US army", True), ("caf\u00e9", "Caf\u00e9", True),
 ])
-
-
 def test_cover_exact_match_unicode_and_decimals(pred, gold, expected):
     assert cover_exact_match(pred, gold) is expected
 
@@ -578,8 +555,6 @@ def test_answer_isnt_is_no_marker():
     ("doc_qa", "The correct answer is Paris.", "Paris"),  # the gold keeps no prefix
     ("fin_math", "Therefore, the answer is 12.5.", "12.5"),
 ])
-
-
 def test_reference_answers_are_matchable(task, answer, expected):
     parsed = parse_question(json.dumps({"question": "Q?", "answer": answer}), task)
     assert parsed["answer"] == expected
@@ -599,8 +574,6 @@ def test_multiple_choice_gold_written_as_a_sentence():
     "NaN", "-Infinity", "1e999",   # doc_qa wrote "nan" / "-inf" as the gold
     '"\\ud83d"',                   # a lone surrogate: the responder prompt could not be tokenised
 ])
-
-
 def test_parse_question_hostile_json_is_a_format_error(task, value):
     opts = '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}'
     assert parse_question(f'{{"question": "Q?", {opts}, "answer": {value}}}', task) is None
@@ -760,7 +733,8 @@ def answer(text: str) -> str:
 ])
 def test_rule_rejects_two_candidate_hedges(prediction, gold):
     """The two-word ones scored 1 before (CEM found the gold, the 2x word cap let them pass); the
-    three-word ones ("Paris or Berlin") the 2x cap caught, and the looser 3x cap must not free them."""
+    three-word ones ("Paris or Berlin") the 2x cap caught, and the looser 3x cap must not free
+    them."""
     assert rule_reward(answer(prediction), gold, "doc_qa") == 0.0
 
 
@@ -987,8 +961,6 @@ def test_verifier_and_responder_rewards():
 
 @pytest.mark.parametrize("k, expected", [(1, 0.0796), (2, 0.3247), (3, 0.7548), (4, 1.0),
                                          (5, 0.7548), (7, 0.0796), (0, 0.0), (8, 0.0)])
-
-
 def test_questioner_reward_gaussian(k, expected):
     # the expected values are rounded to 4 decimals, so they are within 5e-5 of the exact Gaussian
     assert questioner_reward(k / 8) == pytest.approx(expected, abs=5e-5)
@@ -1211,8 +1183,7 @@ def test_single_vote_decides_with_the_first_vote(monkeypatch):
     assert (majority.que_reward == 0.0
             and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3)))
     # the logged solve rate follows the decision that scored the responses
-    counts = {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0, "ver_groups": 0,
-              "ver_candidates": 0, "sequences": 0}
+    counts = batch_counts()
     rate = lambda r: infra.step_metrics(  # noqa: E731
         [[spell.summarize(r)]], counts, {}, {})["res/solve_rate"]
     assert rate(majority) == 1.0 and rate(single) == 0.25
@@ -1318,9 +1289,7 @@ def test_truncated_generations(monkeypatch, overlong):
     trained = {(it.role, it.i, it.j) for it in items}
     assert (("res", 1, 0) in trained) == (overlong == "zero")
     assert ("res", 0, 0) in trained
-    metrics = infra.step_metrics([[s]], {"que_pos": 0, "que_floor": 0, "que_neg": 0,
-                                         "res_groups": 1, "ver_groups": 0, "ver_candidates": 0,
-                                         "sequences": len(items)}, {}, {})
+    metrics = infra.step_metrics([[s]], batch_counts(res_groups=1, sequences=len(items)), {}, {})
     assert metrics["res/truncated"] == 0.25 and metrics["que/truncated"] == 0.0
 
 
@@ -1352,9 +1321,7 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
         assert r.que_reward == 0.0
         # the logged solve counts read Eq. 6, not the training reward: nothing solved,
         # whatever the penalty
-        m = infra.step_metrics([[spell.summarize(r)]],
-                               {"que_pos": 0, "que_floor": 0, "que_neg": 0, "res_groups": 0,
-                                "ver_groups": 0, "ver_candidates": 0, "sequences": 0}, {}, {})
+        m = infra.step_metrics([[spell.summarize(r)]], batch_counts(), {}, {})
         assert (m["res/solve_rate"], m["res/none_solved"], m["res/all_solved"]) == (0.0, 1, 0)
     assert rewards == {("verifier", 0.0): [0.0] * 4, ("verifier", -0.5): [0.0, -0.5, 0.0, -0.5],
                        ("rule", -0.5): [0.0, -0.5, 0.0, -0.5]}
@@ -1434,7 +1401,8 @@ def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeyp
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.solved == [1.0] * 4 and r.que_reward == pytest.approx(math.exp(-3.125))
     assert history.get("c", "doc_qa") == []
-    script["responder"] = [("The correct answer is blue.", "stop"), ("The correct answer is red.", "stop")]
+    script["responder"] = [("The correct answer is blue.", "stop"),
+                           ("The correct answer is red.", "stop")]
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], history,
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert len(history.get("c", "doc_qa")) == 1  # solved by half: solvable
@@ -1655,8 +1623,8 @@ def test_mini_batches_deal_whole_groups_and_normalise_each():
     own Eq. 12 objective (under "role", each role's weights sum to 1 within each mini-batch)."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.verifier_share, cfg.train.mini_batches = 4, 1.0, 2
-    summaries = [[summary([1.0, 0.0, 0.0, 0.0]), summary([1.0, 1.0, 0.0, 1.0]), invalid("format", -1.0),
-                  summary([0.0, 1.0, 0.0, 1.0])]]
+    summaries = [[summary([1.0, 0.0, 0.0, 0.0]), summary([1.0, 1.0, 0.0, 1.0]),
+                  invalid("format", -1.0), summary([0.0, 1.0, 0.0, 1.0])]]
     items, _ = spell.select_batch(summaries, cfg, np.random.default_rng(0))
     by_group: dict = {}
     for it in items:
@@ -1664,7 +1632,8 @@ def test_mini_batches_deal_whole_groups_and_normalise_each():
     assert all(len(b) == 1 for b in by_group.values()) and {0, 1} == set().union(*by_group.values())
     for b in (0, 1):
         for role in {it.role for it in items if it.mini_batch == b}:
-            total = sum(it.weight * it.length for it in items if it.mini_batch == b and it.role == role)
+            total = sum(it.weight * it.length for it in items
+                        if it.mini_batch == b and it.role == role)
             assert total == pytest.approx(1.0)
 
 
@@ -1862,9 +1831,9 @@ def test_loss_norm_group_sums_to_one_per_group():
 
 def paper_shaped_batch(res_len: int, que_len: int,
                        ver_len: int) -> tuple[list[int], list[tuple], list[str]]:
-    """The batch of §5.1 with G = 8: 128 responder groups, 128 + 128 questioner samples, 16 verifier
-    groups (1/8 of the responder trajectories [code]);
-    every output of a role has the given length."""
+    """The batch of §5.1 with G = 8: 128 responder groups, 128 + 128 questioner samples, 16
+    verifier groups (1/8 of the responder trajectories [code]); every output of a role has the
+    given length."""
     seqs = ([(res_len, ("res", b), "res") for b in range(128) for _ in range(8)]
             + [(que_len, ("que", q), "que") for q in range(256)]
             + [(ver_len, ("ver", b), "ver") for b in range(16) for _ in range(8)])
@@ -2020,7 +1989,8 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
     the second optimiser step's ratio is to the policy before the first, and with a step of SGD at
     lr 30 the clip binds (#20 item 5: clip_high could never bind at ppo_epochs = 1)."""
     cfg = spell.Config()
-    cfg.train.mini_batches, cfg.train.micro_batch_tokens, cfg.train.grad_clip = mini_batches, 4096, 1e9
+    cfg.train.mini_batches, cfg.train.micro_batch_tokens = mini_batches, 4096
+    cfg.train.grad_clip = 1e9
     seqs = [s._replace(mini_batch=i % mini_batches) for i, s in enumerate(update_batch())]
     model = tiny_llama()
     stats = spell.update_policy(model, torch.optim.SGD(model.parameters(), lr=30.0), seqs, cfg, 1,
@@ -2049,7 +2019,8 @@ def test_phase_plan_and_retrospective_sampling():
     assert not sampler.start_step(2)
     visit = lambda i, solved: spell.Rollout(corpus[i], "doc_qa", [0], [], status="ok",  # noqa: E731
                                             rules=[0.0] * 4, solved=solved)
-    sampler.note_accuracy([visit(0, [1.0, 0.0, 0.0, 0.0]), visit(2, [0.0] * 4), visit(4, [0.0] * 4)])
+    sampler.note_accuracy([visit(0, [1.0, 0.0, 0.0, 0.0]), visit(2, [0.0] * 4),
+                           visit(4, [0.0] * 4)])
     sampler.note_accuracy([visit(2, [1.0] * 4), visit(4, [0.0] * 4)])  # 2: unsolved, then 4 of 4
     assert sampler.accuracy == {0: 0.25, 2: 1.0, 4: 0.0}
     assert sampler.start_step(3)
@@ -2167,8 +2138,6 @@ def test_table2_ablations_compose_end_to_end(speaker, corpus_file, tmp_path):
     ("--reward.judge=rule", "--train.frozen_roles=que", "--reward.questioner_mapping=rzero"),
     ("--train.frozen_roles=ver", "--reward.questioner_mapping=azr"),
 ])
-
-
 def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
     """The other Table 2 switches and two §5.4 mappings, 2 steps on 2 ranks: without a verifier (or
     with it frozen) no verifier sequence trains, and a frozen questioner contributes none either,
@@ -2190,7 +2159,9 @@ def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
 @pytest.mark.stack
 def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
     """presets/spice.toml on the demo preset, 2 steps on 2 ranks: Challenger and Reasoner train, no
-    grounding check and no verifier ran, and the run's config is SPICE's."""
+    grounding check and no verifier ran, and the run's config is SPICE's. Every valid task trains
+    (reward.questioner_pool = "all"), and those the Reasoner always or never solved sit below the
+    batch mean: SPICE's Gaussian gives them its least reward to a valid task, 0.044."""
     out_dir = tmp_path / "run"
     torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--config",
                            str(REPO / "presets" / "spice.toml"), "--log.save_every=2"))
@@ -2200,6 +2171,9 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
         assert m["res/kept_groups"] >= 1 and m["que/pos"] >= 1, m
         assert m["ver/kept_groups"] == 0 and m["ver/candidates"] == 0 and "perf/ver_s" not in m, m
         assert "perf/ground_s" not in m and m["train/sequences"] == role_sequences(m), m
+        assert m["que/pos"] + m["que/neg"] == m["que/questions"] - m["que/skipped"], m
+    extreme = [m for m in steps if m["que/all_or_none"]]
+    assert extreme and all(m["que/all_or_none_adv"] < 0 for m in extreme), steps
     saved = json.loads((out_dir / "config.json").read_text())
     assert (saved["rollout"]["responder_template"] == "reasoner"
             and saved["train"]["loss_norm"] == "constant")
@@ -2248,7 +2222,9 @@ def test_qwenlong_phases_end_to_end(speaker, tmp_path):
     """RLVR on a static QA set with two context phases and retrospective sampling, 2 steps on 2
     ranks: step 1 draws the short questions, step 2 switches to the long ones and carries the 4
     questions that no response could solve (their reference, "green", is never what the
-    speaker says)."""
+    speaker says). DAPO's length shaping over almost the whole output budget gives answers of
+    different lengths different rewards, but a group is kept for its accuracy alone (departure 14),
+    and the batch trains in two mini-batches."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(speaker)
@@ -2268,7 +2244,9 @@ def test_qwenlong_phases_end_to_end(speaker, tmp_path):
                                     str(REPO / "presets" / "rlvr.toml"), f"--data.qa={qa}",
                                     f"--data.phases=1:{cut},2:1024", "--data.retrospective=true",
                                     "--train.loss_norm=token", "--train.clip_high=0.28",
-                                    "--reward.overlong_buffer=8", "--log.save_every=2"))
+                                    "--reward.overlong_buffer=47", "--train.mini_batches=2",
+                                    "--bootstrap.responder_format_penalty=0",
+                                    "--log.save_every=2"))
     print("\n".join(line for line in result.stdout.splitlines() if line.startswith("step ")))
     assert "step 1: data.phases phase 1, 12 questions (0 carried over)" in result.stdout
     # the 4 "green" questions at least;
@@ -2283,6 +2261,10 @@ def test_qwenlong_phases_end_to_end(speaker, tmp_path):
         assert (m["res/kept_groups"] >= 1
                 and m["que/pos"] + m["que/neg"] + m["ver/kept_groups"] == 0), m
         assert m["train/sequences"] == 4 * m["res/kept_groups"] and "perf/que_s" not in m, m
+        # only groups that some answer solved and some did not
+        assert m["res/kept_groups"] <= m["res/groups"] - m["res/all_solved"] - m["res/none_solved"]
+    # the groups length shaping alone would have kept (the speaker's answers vary in length)
+    assert sum(m["res/length_only"] for m in steps) >= 1, steps
 
 
 @pytest.mark.stack
@@ -2412,8 +2394,6 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     ([GOOD_CLUSTER], ["--train.fsdp_shard_size=2"], spell.ConfigError,
      "train.fsdp_shard_size = 2 must divide the number of ranks, 1"),
 ])
-
-
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
@@ -2454,8 +2434,6 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
       ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
      "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
-
-
 def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, message):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
@@ -2532,8 +2510,6 @@ def test_load_corpus(tmp_path):
     (b'["x"]\n', ":1: expected a JSON object"),
     (b"\n\n", "the corpus is empty"),
 ])
-
-
 def test_load_corpus_errors(tmp_path, content, message):
     p = tmp_path / "bad.jsonl"
     p.write_bytes(content)
