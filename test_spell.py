@@ -683,7 +683,7 @@ LONG_PIECES = ["9" * 400, "9" * 4400, "[" * 1200, '{"a": ' * 1200]  # huge numbe
 
 def hostile_outputs(n: int, seed: int = 0):
     """n random concatenations of hostile pieces (short ones repeated, a long one in one output of
-    ten), then three 1 MB outputs."""
+    ten), then three outputs of 300 kB."""
     rng = np.random.default_rng(seed)
     for _ in range(n):
         parts = [HOSTILE_PIECES[p] * int(rng.choice([1, 1, 1, 2, 3, 10]))
@@ -694,28 +694,28 @@ def hostile_outputs(n: int, seed: int = 0):
         yield "".join(parts)
     for piece in ('{"question": "Q?", "answer": "a"}{}\n', "The correct answer is Paris, ",
                   "[[YES]]\u201c\u0301 "):
-        yield piece * (1_000_000 // len(piece))
+        yield piece * (300_000 // len(piece))
 
 
 def test_fuzz_parsers_never_raise():
-    """10^4 generated outputs plus three of 1 MB through every parser and reward: no exception, all
-    within 120 s and none over 15 s. Measured on the shared 2-core CPU box: 10 s in all, the slowest
-    output (1 MB) 1.4 s."""
+    """4000 generated outputs plus three of 300 kB through every parser and reward: no exception,
+    all within 120 s and none over 15 s. Measured on the shared 2-core CPU box (2026-11-24): 5 s in
+    all, the slowest output (300 kB) 0.7 s; 1 MB outputs took 1.9 s, linear in the length (the
+    adversarial inputs of test_parsers_run_in_linear_time check the growth itself)."""
     slowest, start = 0.0, time.perf_counter()
     with time_limit(120.0, "fuzz"):
-        for text in hostile_outputs(10_000):
+        for text in hostile_outputs(4000):
             t = time.perf_counter()
             every_parser(text)
             slowest = max(slowest, time.perf_counter() - t)
     print(f"METRIC fuzz_s={time.perf_counter() - start:.2f} slowest_output_s={slowest:.3f}")
-    assert slowest < 15.0  # 10x the slowest measured (a 1 MB output)
+    assert slowest < 15.0  # far above the slowest measured, so a slow machine cannot fail it
 
 
 # ------------------------------------------------------------------------------------------------
 # 2. Parsing, round 3 of hostile model output (#20): hedges, negations, the answer's number,
 # options, unclosed braces, golds the rule cannot match
 # ------------------------------------------------------------------------------------------------
-
 
 def answer(text: str) -> str:
     """A responder's reply in the format the doc_qa and doc_mc prompts ask for."""
