@@ -290,6 +290,13 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
     return out_dir, output
 
 
+def batch_counts(**given) -> dict:
+    """The counts select_batch returns for the log, zero but for those given."""
+    zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
+                          "ver_groups", "ver_candidates", "sequences"), 0)
+    return {**zero, "que_all_or_none_adv": 0.0, **given}
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -304,17 +311,19 @@ def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dic
     """What main() hands the run log in a step: the summaries of two questions, one valid, one
     malformed, the batch counts, update_policy's stats and the step's times."""
     ok = spell.Summary(task="doc_qa", status="ok", que_reward=0.5, que_len=30, que_cut=False,
-                       res_rewards=[1.0, 0.0, 0.0, 0.0], rules=[1.0, 0.0, 0.0, 0.0],
+                       evicted=1, res_rewards=[1.0, 0.0, 0.0, 0.0], rules=[1.0, 0.0, 0.0, 0.0],
                        majorities=[1, None, 0, 0], solved=[1.0, 0.0, 0.0, 0.0],
+                       selection=[1.0, 0.0, 0.0, 0.0],
                        agreements=[1.0, 0.0, 0.75, 0.75], ver_rewards=[None] * 4,
                        res_lens=[10, 20, 30, 40], res_cut=[False] * 4, abstained=[1, 0, 0, 0],
                        ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4)
     bad = spell.Summary(task="doc_qa", status="format", que_reward=-1.0, que_len=50, que_cut=False,
-                        res_rewards=None, rules=[], majorities=[], solved=[], agreements=[],
+                        evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
+                        selection=[], agreements=[],
                         ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
                         ver_cut=[])
-    counts = {"que_pos": 1, "que_floor": 0, "que_neg": 1, "res_groups": 1, "ver_groups": 1,
-              "ver_candidates": 3, "sequences": 9}
+    counts = batch_counts(que_pos=1, que_neg=1, res_groups=1, ver_groups=1, ver_candidates=3,
+                          sequences=9)
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
              "grad_norm": 1.0, "micro_batches": 2, "rollout_logp_gap_sum": 1.0,
              "rollout_logp_tokens": 100}

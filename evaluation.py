@@ -17,22 +17,24 @@ import io
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from infra import (ConfigError, CorpusError, InputError, all_gather_objects, engine_groups,
-                   resolve_model, parse_args, rollout_dtype, set_vllm_log_level, write_atomic)
-from spell import (LETTERS, TASKS, Cluster, ClusterSampler, HistoryMemory, _validate_question,
-                   chat_ids, extract_answer, generate, init_distributed, load_config, load_corpus,
-                   parse_verdict, render_prompt, request_seeds, rule_reward,
-                   run_grounding, run_questioner, start_engine, start_vllm)
+from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
+                   check_head_split, context_bound, engine_groups, is_utf8, jsonl_records,
+                   parse_args, resolve_model, rollout_dtype, set_vllm_log_level, unreadable,
+                   write_atomic)
+from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _validate_question,
+                   chat_ids, extract_answer, generate, generator, init_distributed, load_config,
+                   load_corpus, parse_verdict, render_prompt, request_seeds, rule_reward,
+                   run_grounding, run_questioner, start_engine, start_vllm, strip_verdict_tags)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -150,6 +152,8 @@ def read_records(path: str) -> list[tuple[str, object]]:
             # "Extra data" = several top-level values, i.e. JSONL named .json
             if e.msg != "Extra data":
                 raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of 5000 digits, "[[[[..."
+            raise EvalDataError(f"{path}: not valid JSON ({unreadable(e)})") from None
         else:
             if not isinstance(data, list):
                 raise EvalDataError(f"{path}: expected a JSON list of records, "
@@ -164,8 +168,9 @@ def read_records(path: str) -> list[tuple[str, object]]:
                 continue
             try:
                 records.append((f"{path}, line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({unreadable(e)})") \
+                    from None
         return records
     if suffix == ".parquet":
         try:
@@ -177,7 +182,13 @@ def read_records(path: str) -> list[tuple[str, object]]:
     # the raw google/frames-benchmark file; the Frames loader explains what it lacks
     if suffix == ".tsv":
         rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
-        return [(f"{path}, row {i}", rec) for i, rec in enumerate(rows)]
+        records = []
+        try:
+            for rec in rows:
+                records.append((f"{path}, row {len(records)}", rec))
+        except csv.Error as e:  # e.g. a cell over csv's field limit of 131,072 characters
+            raise EvalDataError(f"{path}, row {len(records)}: not a TSV row ({e})") from None
+        return records
     raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
                         "expected .jsonl, .json, .parquet or .tsv")
 
@@ -218,7 +229,7 @@ def _text(rec: dict, key: str, where: str) -> str:
     value = rec.get(key)
     if not isinstance(value, str) or not value.strip():
         raise _bad(where, rec, key, "a non-empty string")
-    return value
+    return _tokenizable(value, where, key)
 
 
 def _texts(rec: dict, key: str, where: str) -> list[str]:
@@ -227,6 +238,8 @@ def _texts(rec: dict, key: str, where: str) -> list[str]:
     if (not isinstance(value, list) or not value
             or not all(isinstance(v, str) and v.strip() for v in value)):
         raise _bad(where, rec, key, "a non-empty list of non-empty strings")
+    for i, v in enumerate(value):
+        _tokenizable(v, where, f"{key}[{i}]")
     return value
 
 
@@ -235,7 +248,16 @@ def _ident(rec: dict, key: str, where: str) -> str:
     value = rec.get(key)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
         raise _bad(where, rec, key, "an id (string or integer)")
-    return str(value)
+    return _tokenizable(str(value), where, key)
+
+
+def _tokenizable(value: str, where: str, key: str) -> str:
+    """value, refused at load when it holds a lone surrogate (JSON "\\ud800"): chat_ids would raise
+    on it in the middle of the run."""
+    if not is_utf8(value):
+        raise EvalDataError(f"{where}, field {key!r}: expected text without a lone surrogate "
+                            "(a JSON \\ud800-\\udfff escape, which no tokenizer can encode)")
+    return value
 
 
 # ---- the four native layouts
@@ -361,8 +383,12 @@ def eval_prompt(item: EvalItem) -> str:
 def judge_prompt(item: EvalItem, prediction: str | None) -> str:
     """The LLM-judge prompt for one extracted answer against the first gold answer
     (Appendix C.2, Table 3)."""
-    return render_prompt("judge", question=item.question, prediction=prediction or NO_ANSWER,
-                         reference=item.answers[0])
+    # as in verifier_prompt: a tag in a field (the prediction is the model's) must not read as the
+    # judge's decision, so each field loses its [[YES]] / [[NO]]; a bare tag is no answer
+    shown = strip_verdict_tags(prediction or "")
+    return render_prompt("judge", question=strip_verdict_tags(item.question),
+                         prediction=shown if shown.strip() else NO_ANSWER,
+                         reference=strip_verdict_tags(item.answers[0]))
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
@@ -523,7 +549,13 @@ def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None
     write_atomic(out / "eval_results.md",
                  eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
     write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
-    write_atomic(out / "eval_samples.jsonl",
+    write_samples(out_dir, records)
+
+
+def write_samples(out_dir: str, records: list[dict]) -> None:
+    """eval_samples.jsonl: every sample, its answer and scores (judge None until judged)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out_dir) / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
 
 
@@ -630,6 +662,10 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
     records = sample_answers(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
                              max_input_len=max_input_len, max_output_len=max_output_len,
                              chunk_size=chunk_size, rank=rank, world=world, show=main)
+    # the answers reach the disk before the judge runs: a judge that fails loses none of them
+    answered = gather_records(records, world)
+    if main:
+        write_samples(out_dir, answered)
     todo = to_judge(items, records)
     prompts = judge_prompts(judge_tokenizer if judge_model else tokenizer, todo, max_input_len)
     if judge_model:
@@ -671,11 +707,17 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
     items = load_eval_data(data)
-    rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # A separate judge's tokenizer loads now,
+    # A separate judge is read and checked now,
     # so a wrong eval.judge_model fails before hours of sampling.
     judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
+    if judge_model:
+        check_judge(judge_model, judge_tokenizer, items, max_input_len=max_input_len,
+                    max_output_len=max_output_len,
+                    judge_max_tokens=max_output_len if judge_max_tokens is None
+                    else judge_max_tokens,
+                    tensor_parallel_size=tensor_parallel_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
     # engine_groups, checked by the caller
     group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
     engine_args = dict(seed=seed + group, dtype=dtype,
@@ -689,6 +731,32 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
                     judge_max_tokens=judge_max_tokens, engine_args=engine_args,
                     rank=group, world=groups, out_dir=out_dir)
+
+
+def check_judge(judge_model: str, judge_tokenizer, items: list[EvalItem], *, max_input_len: int,
+                max_output_len: int, judge_max_tokens: int, tensor_parallel_size: int) -> None:
+    """Stop, before any sampling, on a separate judge (eval.judge_model) that would fail only after
+    the whole sampling pass: one without a chat template, one whose context cannot hold its longest
+    prompt plus judge_max_tokens, one whose attention heads the tensor-parallel size does not
+    split."""
+    from transformers import AutoConfig
+
+    where = f"eval.judge_model {judge_model}"
+    if not getattr(judge_tokenizer, "chat_template", None):
+        raise ConfigError(f"{where}: its tokenizer has no chat template (the judge prompt is "
+                          "a chat turn)")
+    config = AutoConfig.from_pretrained(judge_model)
+    check_head_split(config, tensor_parallel_size, f"eval.judge_model's ({judge_model})")
+    # The longest judge prompt: the template, question and reference with an empty prediction,
+    # plus a prediction of up to a whole answer (max_output_len), cut to max_input_len
+    todo = [(item, {"answer": None}) for item in items if needs_judge(item, 0.0)]
+    longest = max(map(len, judge_prompts(judge_tokenizer, todo, max_input_len)), default=0)
+    need = min(max_input_len, longest + max_output_len) + judge_max_tokens
+    if todo and need > context_bound(config):
+        raise ConfigError(f"{where}: its context of {context_bound(config):.0f} tokens cannot hold "
+                          f"a judge prompt of up to {need - judge_max_tokens} tokens plus "
+                          f"{judge_max_tokens} to answer; lower eval.max_input_len or "
+                          "eval.max_output_len, or choose a judge with a longer context")
 
 
 def eval_main(argv: Sequence[str]) -> None:
@@ -740,20 +808,28 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     """
     spec = str(path)
     name, sep, _ = spec.partition(":")
+    first = None if sep and name in BENCHMARKS else _first_json_line(Path(spec))
+    ours = isinstance(first, dict) and "documents" in first
     try:
-        records = [] if sep and name in BENCHMARKS else read_records(spec)
-        ours = bool(records) and isinstance(records[0][1], dict) and "documents" in records[0][1]
         items = [] if ours else load_eval_data([spec])  # an eval benchmark's layout
     except EvalDataError as e:
         raise CorpusError(str(e)) from None
     if not ours:
+        seen: dict[str, int] = {}
+        for i, it in enumerate(items):
+            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
+                raise CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
         return [Cluster(it.id, it.task, [it.context],
                         {"question": it.question, "answer": it.answers[0],
                          **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
                 for it in items]
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
-    for c, (where, rec) in zip(clusters, records):
+    # its records, split into lines as load_corpus splits them, so each cluster meets its own
+    records = [(where, rec) for _, where, rec in jsonl_records(Path(spec), CorpusError)]
+    for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
+        if bad := _surrogate_fields(rec):  # _validate_question would only say "no question"
+            raise CorpusError(f"{where}: field {bad[0]!r} {SURROGATE_NOTE}")
         c.qa = _validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = ("'question', 'answer'"
@@ -761,6 +837,22 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
             raise CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
     return clusters
+
+
+def _first_json_line(path: Path) -> object:
+    """The value on the first non-blank line of a file, or None where that is not JSON."""
+    try:
+        return next((value for _, _, value in jsonl_records(path, CorpusError)), None)
+    except (CorpusError, OSError):
+        return None
+
+
+def _surrogate_fields(rec: dict) -> list[str]:
+    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+    options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
+    fields = {"question": rec.get("question"), "answer": rec.get("answer"),
+              **{f"options.{k}": v for k, v in options.items()}}
+    return [key for key, v in fields.items() if isinstance(v, str) and not is_utf8(v)]
 
 
 # ==================================================================================================
@@ -781,9 +873,11 @@ def synth_main(argv: Sequence[str]) -> None:
     for arg in it:
         if arg in ("--out", "--passes"):
             value = next(it, None)
-            if value is None or (arg == "--passes" and not value.isdigit()):
-                raise ConfigError(
-                    f"{arg} needs a {'file name' if arg == '--out' else 'whole number'}")
+            # ASCII digits: str.isdigit also takes "٣" and "²", which int() reads or chokes on
+            if value is None or (arg == "--passes" and not (re.fullmatch(r"[0-9]{1,4}", value)
+                                                             and 1 <= int(value) <= 1000)):
+                raise ConfigError(f"{arg} needs a "
+                                  f"{'file name' if arg == '--out' else 'whole number, 1 to 1000'}")
             out, passes = (value, passes) if arg == "--out" else (out, int(value))
         else:
             args.append(arg)
@@ -791,6 +885,11 @@ def synth_main(argv: Sequence[str]) -> None:
         raise ConfigError("spell.py synth: say where to write the set with --out FILE")
     if Path(out).exists():
         raise ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
+    # the set is written after the whole run: a folder it cannot go in must stop it now
+    folder = next(p for p in Path(out).absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"spell.py synth: --out {out}: {folder} is "
+                          f"{'a file, not a folder' if not folder.is_dir() else 'not writable'}")
     paths, _, overrides = parse_args(args)
     cfg = load_config(paths, overrides)
     if cfg.data.phases:  # the phases order a QA set by its prompts; synth walks data.corpus
@@ -801,7 +900,7 @@ def synth_main(argv: Sequence[str]) -> None:
     group, groups = engine_groups(cfg, rank, world)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
     _, tok, llm = start_engine(cfg, rank, world, device, group, training=False)
-    rng = np.random.default_rng([cfg.train.seed, group])
+    rng = generator(cfg, "engine", group)
     shard = list(range(group, len(corpus), groups))
     drawn = ClusterSampler(cfg, corpus, shard, rng).draw(len(shard) * passes)
     rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,

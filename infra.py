@@ -2,17 +2,22 @@
 
 spell.py holds SPELL itself (config, the three roles, rewards, §4.3's batch, the loss, the update,
 main) and the simple, obviously correct versions of the machinery it runs on. This file holds the
-rest: config loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the
-start-up memory estimate, the export of the embedded SmolLM2 model, the bucketed weight sync (the
-fast twin of spell.gathered_state_dict), tensor-parallel rollout helpers, rebalancing sequences over
-ranks, small collective helpers, and checkpoint integrity (CRC-32, fsync, atomic writes, trimming
-metrics on resume). It never imports spell: every function here takes plain values or the config
-object, so spell.py reads top to bottom without it, like kernels/.
+rest: one-line errors and the checked readers of data files (JSON Lines, the corpus), config
+loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the linear-time
+text readers the parsers build on, the start-up memory estimate, the export of the embedded
+SmolLM2 model, the bucketed weight sync (the fast twin of spell.gathered_state_dict),
+tensor-parallel rollout helpers, rebalancing sequences over ranks, small collective helpers,
+checkpoint integrity (CRC-32, fsync, atomic writes, trimming metrics on resume, the run's
+fingerprint) and the run log. It never imports spell: every function here takes plain values or
+the config object, so spell.py reads top to bottom without it, like kernels/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import functools
 import importlib.util
 import json
 import math
@@ -20,15 +25,18 @@ import os
 import random
 import re
 import shutil
+import stat
+import string
 import tempfile
 import time
 import tomllib
 import typing
+import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +46,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 # ==================================================================================================
-# Bad input: one clear line naming the file, line or key, never a traceback (spell.py's __main__)
+# Bad input: one clear line naming the file, line or key (spell.py's __main__); checked data readers
 # ==================================================================================================
 
 class InputError(ValueError):
@@ -54,8 +62,96 @@ class CorpusError(InputError):
     line and field."""
 
 
+# JSON can write half of a UTF-16 pair ("\ud800"): Python reads it into a str no tokenizer encodes
+SURROGATE_NOTE = ("holds a lone surrogate (a JSON \\ud800-\\udfff escape), "
+                   "which no tokenizer can encode")
+
+
 class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the folder and what is wrong."""
+
+
+def shown(value: Any) -> str:
+    """repr(value) cut to a length an error line can show (a 5000-character path, a huge number)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than 4300 digits has no repr
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def unreadable(e: ValueError | RecursionError) -> str:
+    """Why json.loads or tomllib gave up on a text, in a few words: its syntax error, or one of the
+    two limits Python puts on any reader (the recursion limit, 4300 digits in an integer)."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than Python's recursion limit"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg}, column {e.colno}"
+    return str(e).split(";")[0]  # drop int()'s advice to raise sys.set_int_max_str_digits
+
+
+def is_utf8(s: str) -> bool:
+    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
+    """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
+    is not UTF-8 or not JSON raises `error` naming the file and line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line:
+                continue
+            try:
+                value = json.loads(line)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise error(f"{where}: not valid JSON ({unreadable(e)})") from None
+            yield lineno, where, value
+
+
+def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, list[str]]]:
+    """(id, task or "", documents) of each line of a JSON Lines corpus, checked: a unique non-empty
+    id, a task among `tasks` if given, a non-empty list of non-empty documents, no lone surrogate
+    (caught here, not when a rollout first tokenises it). A CorpusError names file and line."""
+    if not path.is_file():
+        raise CorpusError(f"{path}: corpus file not found")
+    records, seen = [], {}
+    for lineno, where, obj in jsonl_records(path, CorpusError):
+        if not isinstance(obj, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        cid, docs, task = obj.get("id", f"line{lineno}"), obj.get("documents"), obj.get("task")
+        if not isinstance(cid, str) or not cid:
+            raise CorpusError(f"{where}: field 'id' must be a non-empty string")
+        if cid in seen:
+            raise CorpusError(f"{where}: field 'id' {cid!r} repeats line {seen[cid]}")
+        if not is_utf8(cid):
+            raise CorpusError(f"{where}: field 'id' {SURROGATE_NOTE}")
+        if docs is None:
+            raise CorpusError(f"{where}: missing field 'documents'")
+        if not isinstance(docs, list) or not docs:
+            raise CorpusError(f"{where}: field 'documents' must be a non-empty list of strings")
+        for i, d in enumerate(docs):
+            if not isinstance(d, str) or not d.strip():
+                raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
+            if not is_utf8(d):
+                raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
+        if task is not None and task not in tasks:
+            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
+                              f"{', '.join(tasks)}")
+        seen[cid] = lineno
+        records.append((cid, task or "", docs))
+    if not records:
+        raise CorpusError(f"{path}: the corpus is empty")
+    return records
 
 
 # ==================================================================================================
@@ -72,7 +168,11 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
     elif isinstance(current, int) and not isinstance(current, bool):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
+        # ASCII digits only (int() also reads "٣"), and few enough to fit int64 (INT_DIGITS)
+        if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value):
+            if len(value.lstrip("+-")) > INT_DIGITS:
+                raise ConfigError(f"{where}: expected an integer of at most {INT_DIGITS} digits, "
+                                  f"got {len(value.lstrip('+-'))} digits")
             return int(value)
     elif isinstance(current, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -98,7 +198,7 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             except ConfigError:
                 pass  # the message below shows the whole value, not one element
         example = f"{len(current)} comma-separated values like {','.join(map(str, current))}"
-        raise ConfigError(f"{where}: expected {example}, got {value!r}")
+        raise ConfigError(f"{where}: expected {example}, got {shown(value)}")
     elif isinstance(current, dict):  # a table of named numbers (data.task_weights); merged
         items = value
         if isinstance(value, str):  # the command line: `doc_qa:1,doc_mc:0` (or `doc_qa=1,...`)
@@ -114,8 +214,9 @@ def _coerce(value: Any, current: Any, where: str) -> Any:
             return {**current, **{k: _coerce(v, current[k], f"{where}.{k}")
                                   for k, v in items.items()}}
         example = ", ".join(f"{k}:{v}" for k, v in current.items())
-        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {value!r}")
-    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, got {value!r}")
+        raise ConfigError(f"{where}: expected a table like {{{example}}}, got {shown(value)}")
+    raise ConfigError(f"{where}: expected {type(current).__name__} like {current!r}, "
+                      f"got {shown(value)}")
 
 
 def apply_overrides(cfg, overrides: dict[str, dict[str, Any]], source: str) -> None:
@@ -150,8 +251,8 @@ def read_config(cfg, paths: str | Sequence[str] | None, argv: Sequence[str] = ()
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+            raise ConfigError(f"{path}: not valid TOML: {unreadable(e)}") from None
         apply_overrides(cfg, values, path)
     for arg in argv:
         m = re.fullmatch(r"--(\w+)\.(\w+)=(.*)", arg)
@@ -168,19 +269,31 @@ def config_values(cfg) -> Iterator[tuple[str, Any]]:
             yield f"{section.name}.{f.name}", getattr(sub, f.name)
 
 
+# The bounds of every number key, before its own range rule. No key has a use for a float beyond
+# 1e6 in size (rewards, penalties, ratios, weights, rates), and beyond it a value overflows on its
+# way: a penalty of -3.4e38 is -inf in float32, the dtype of rewards and advantages, and task
+# weights of 1e308 sum to inf. An int of more than 18 digits leaves int64 (9.2e18), the dtype numpy
+# and torch give it.
+FLOAT_BOUND, INT_DIGITS = 1e6, 18
+
+
 def check_every_key(cfg) -> None:
     """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
     then checks the algorithm's keys.
 
-    Every float (also inside a tuple or a table) must be finite: nan passes no comparison, so it
-    would slip through the range checks and surface as a crash, or worse, steps later. A key typed
-    `Literal[...]` must hold one of its choices, named in the message.
+    Every float (also inside a tuple or a table) must be finite and at most FLOAT_BOUND in size: nan
+    passes no comparison, so it would slip through the range checks and surface as a crash, or
+    worse, steps later. Every int has at most INT_DIGITS digits. A key typed `Literal[...]` must
+    hold one of its choices, named in the message.
     """
     for key, value in config_values(cfg):
         numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) \
             else (value,)
-        if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
-            raise ConfigError(f"{key} must be finite, got {value!r}")
+        if any(isinstance(x, float) and not abs(x) <= FLOAT_BOUND for x in numbers):
+            raise ConfigError(f"{key} must be finite and at most {FLOAT_BOUND:,.0f} in size, "
+                              f"got {shown(value)}")
+        if any(type(x) is int and abs(x) >= 10**INT_DIGITS for x in numbers):
+            raise ConfigError(f"{key} must have at most {INT_DIGITS} digits, got {shown(value)}")
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
         hints = typing.get_type_hints(type(sub))
@@ -217,7 +330,7 @@ def check_every_key(cfg) -> None:
     values = dict(config_values(cfg))
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {values[key]!r}")
+            raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
 
 
 def config_changes(cfg) -> list[str]:
@@ -251,8 +364,27 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
     return paths or [str(ROOT / "config.toml")], resume, rest
 
 
+def phase_plan(text: str) -> list[tuple[int, int]] | None:
+    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...] (QwenLong-L1's
+    context phases, spell.phase_pools); [] for ""; None if malformed."""
+    if not text.strip():
+        return []
+    plan = []
+    for part in text.split(","):
+        # ASCII digits, at most 18 (INT_DIGITS): int() would read "٣" and choke on 5000
+        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
+        if not m:
+            return None
+        plan.append((int(m[1]), int(m[2])))
+    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
+    rising = all(a < b for a, b in zip(steps, steps[1:]))
+    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
+    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
+
+
 # ==================================================================================================
-# Reading the policy's JSON in linear time, whatever it writes (spell.parse_question)
+# Reading the policy's text in linear time, whatever it writes: JSON candidates, normalised
+# words, an answer's candidates, control tokens (spell.parse_question, the rules, chat_ids)
 # ==================================================================================================
 
 def fenced_blocks(text: str) -> list[tuple[int, str]]:
@@ -269,33 +401,195 @@ def fenced_blocks(text: str) -> list[tuple[int, str]]:
     return found
 
 
-_JSON_TOKEN = re.compile(r'\\.|[{}"]', re.S)  # an escaped character, a brace or a quote
+_JSON_TOKEN = re.compile(r'\\.|[{}"\n]', re.S)  # an escaped character, a brace, a quote, a newline
 
 
 def json_candidates(text: str, key: str) -> list[str]:
-    """Fenced blocks and balanced top-level {...} spans holding `key` (e.g. '"question"'), in order
-    of where they end: what spell.parse_question tries to read, in linear time."""
-    # a span without the key cannot validate: leaving it out keeps "{}" * 10**5 from costing
-    # 10**5 parses
+    """Fenced blocks and outermost balanced {...} spans holding `key` (e.g. '"question"'), by where
+    they end: what spell.parse_question tries to read, in linear time.
+
+    A span is outermost when no brace around it ever closes: an unclosed '{' in prose ("I think {
+    maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
+    key in each, and parsing each, stays linear in the text.
+    """
+    # a span without the key cannot validate: skipping it keeps "{}" * 10**5 from costing 10**5
+    # parses
     if key not in text:
         return []
     found = [(end, body) for end, body in fenced_blocks(text) if key in body]
-    depth, start, in_str = 0, 0, False
+    opened: list[int] = []  # positions of the braces open here, outermost first
+    inner: dict[int, list] = {}  # depth d -> the spans that closed right inside opened[d]
+    top: list[tuple[int, int]] = []  # spans that closed with no brace open around them
+    in_str = False
     for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
-        if in_str:  # inside a JSON string braces do not count, nor does an escaped quote
-            in_str = m[0] != '"'
+        # inside a JSON string braces do not count, nor does an escaped quote; and a JSON string
+        # holds no raw newline, so a quote opened in prose ends at the line's end
+        if in_str:
+            in_str = m[0] not in ('"', "\n")
             continue
         ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
-        if ch == '"' and depth > 0:
+        if ch == '"' and opened:
             in_str = True
         elif ch == "{":
-            start = i if depth == 0 else start
-            depth += 1
-        elif ch == "}" and depth > 0:
-            depth -= 1
-            if depth == 0 and text.find(key, start, i + 1) >= 0:
-                found.append((i + 1, text[start:i + 1]))
+            opened.append(i)
+        elif ch == "}" and opened:
+            start = opened.pop()
+            inner.pop(len(opened), None)  # the spans inside it stop being outermost
+            (inner.setdefault(len(opened) - 1, []) if opened else top).append((start, i + 1))
+    # a brace that never closed was prose: the spans inside it are outermost too
+    spans = top + [span for inside in inner.values() for span in inside]
+    found += [(end, text[start:end]) for start, end in spans
+              if text.find(key, start, end) >= 0]
     return [s for _, s in sorted(found, key=lambda p: p[0])]
+
+
+# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
+# ~20x slower)
+_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
+_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
+_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
+# punctuation and symbols, also combining marks
+_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def _space_if_punctuation(m: re.Match) -> str:
+    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
+    word."""
+    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
+
+
+def normalize_text(s: str) -> str:
+    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
+    Unicode-aware)."""
+    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
+    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
+    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
+    s = _ASCII_PUNCTUATION.sub(" ", s)
+    if not s.isascii():
+        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
+    return " ".join(w for w in s.split() if w not in _ARTICLES)
+
+
+# "/", ";", "&" and a comma stand between alternatives; a comma between digits is a number's "1,500"
+ALTERNATIVE_MARK = re.compile(r"[/;&]|,(?:(?!\d)|(?<!\d,))")
+BREAK = "/"  # marks that place in a list of words: normalize_text never leaves a "/" in a word
+CONJUNCTIONS = frozenset(("or", "and", "nor"))  # words that join alternatives: "Paris or Berlin"
+# words that deny what follows them: "not Paris", "isn't Paris" (normalize_text leaves "isn t")
+NEGATIONS = frozenset(("not", "never", "neither", "nor", "t"))
+YES_NO = frozenset(("yes", "no"))
+
+
+def answer_tokens(text: str) -> list[str]:
+    """normalize_text's words of text, with BREAK where it had '/', ';', '&' or a comma outside a
+    number."""
+    tokens: list[str] = []
+    for k, piece in enumerate(ALTERNATIVE_MARK.split(text)):  # marks are punctuation: same words
+        tokens += [BREAK] * (k > 0) + normalize_text(piece).split()
+    return tokens
+
+
+def gold_starts(words: list[str], gold: list[str]) -> list[int]:
+    """Indices in words where the gold's words occur, left to right and not overlapping."""
+    # padding with spaces turns substring search into whole-word search, as in cover_exact_match
+    hay, needle = " " + " ".join(words) + " ", " " + " ".join(gold) + " "
+    word_at, offset = {}, 0  # where a word's leading space stands in hay -> the word's index
+    for i, w in enumerate(words):
+        word_at[offset] = i
+        offset += len(w) + 1
+    starts, pos = [], hay.find(needle)
+    while pos >= 0:
+        starts.append(word_at[pos])
+        pos = hay.find(needle, pos + len(needle) - 1)  # its trailing space may lead the next one
+    return starts
+
+
+def candidate_count(tokens: list[str], gold: dict[int, int]) -> int:
+    """How many candidates an answer names: groups of words split at breaks and conjunctions outside
+    the gold's spans (gold: token index of a span's first word -> index past its last), the gold
+    counting as a word. A group led by a negation rules out ("Paris, not Berlin"); an empty one is
+    nothing ("Paris;")."""
+    count, lead, i = 0, None, 0  # lead: the first word of the group being read, None while empty
+    while i <= len(tokens):
+        if i in gold:  # the gold's own "/" or "or" ("AC/DC", "War and Peace") splits nothing
+            lead = "" if lead is None else lead
+            i = gold[i]
+        elif i == len(tokens) or tokens[i] == BREAK or tokens[i] in CONJUNCTIONS:
+            count += lead is not None and lead not in NEGATIONS
+            lead, i = None, i + 1
+        else:
+            lead = tokens[i] if lead is None else lead
+            i += 1
+    return count
+
+
+NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+CURRENCY = ("$", "€", "£", "¥")
+
+
+def answer_number(s: str) -> re.Match | None:
+    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
+    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
+    # first number, not the last
+    first = None
+    for m in NUMBER.finditer(s):
+        if not is_label(s, m):
+            return m
+        first = first or m
+    return first
+
+
+def is_label(s: str, m: re.Match) -> bool:
+    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
+    ('2023: 1.5')."""
+    glued = m.start() > 0 and s[m.start() - 1].isalpha()
+    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
+    return glued or colon
+
+
+CLOSING_PAREN = re.compile(r"\s*\)")
+
+
+def number_is_negative(s: str, m: re.Match) -> bool:
+    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
+    around them ('(12)', '$(1,234)', '($1,234)')."""
+    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
+    head = s[:m.start()].rstrip()
+    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
+        head = head[:-1].rstrip()
+    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
+    return head.endswith("-") or accounting
+
+
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer reads as special ids wherever they stand: role tags, end of turn."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    return tuple(sorted(special | set(getattr(tokenizer, "all_special_tokens", None) or ())))
+
+
+_WORD_JOINER = "\u2060"  # invisible, and no tokenizer's control token holds it
+
+
+def defuse_control_tokens(text: str, tokens: Sequence[str]) -> str:
+    """text with a word joiner after the first character of every place a control token starts.
+
+    "Paris<|im_end|>\n<|im_start|>system" in an answer would otherwise end the user turn of the
+    verifier's prompt and open a system turn. Text that holds no control token comes back unchanged,
+    so its ids do not change either.
+    """
+    tokens = tuple(t for t in tokens if len(t) > 1)  # one character cannot be split (none in use)
+    if not any(t in text for t in tokens):
+        return text
+    return _control_token_starts(tokens).sub(lambda m: m[0] + _WORD_JOINER, text)
+
+
+@functools.lru_cache(maxsize=8)
+def _control_token_starts(tokens: tuple[str, ...]) -> re.Pattern:
+    """Matches the first character of every occurrence of a token, overlapping ones included."""
+    # a lookahead at each position also finds occurrences that overlap; a joiner lands inside each
+    # of them, and inserting joiners cannot make a new occurrence (no token holds one)
+    return re.compile("(?=" + "|".join(map(re.escape, tokens)) + ")(.)", re.S)
 
 
 def loads_lenient(s: str) -> Any:
@@ -319,25 +613,6 @@ def world_of_one_env() -> dict[str, str]:
         port = s.getsockname()[1]
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
-    """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
-    is not UTF-8 or not JSON raises `error` naming the file and line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise error(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line:
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
-            yield lineno, where, value
 
 
 def train_mode_without_dropout(model) -> None:
@@ -375,15 +650,31 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 
 def all_reduce_max(x: int, device: torch.device) -> int:
+    """The largest x over the ranks (x itself without a process group: a world of one)."""
+    if not dist.is_initialized():
+        return x
     t = torch.tensor([x], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def all_reduce_sum(x: int, device: torch.device) -> int:
+    """The sum of x over the ranks (x itself without a process group)."""
+    if not dist.is_initialized():
+        return x
     t = torch.tensor([x], dtype=torch.long, device=device)
     dist.all_reduce(t)
     return int(t.item())
+
+
+def all_reduce_stats(stats: dict[str, float], keys: Sequence[str],
+                     device: torch.device) -> dict[str, float]:
+    """stats with each of `keys` summed over the ranks, in float64, one collective for all."""
+    if not dist.is_initialized():
+        return dict(stats)
+    t = torch.tensor([float(stats.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {**stats, **dict(zip(keys, t.tolist()))}
 
 
 def seed_everything(seed: int) -> None:
@@ -393,7 +684,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """The global generators' states as plain data, which torch.load reads with weights_only=True:
+    NumPy's key array goes in as a list (np.random.set_state takes it back as it is)."""
+    mt = np.random.get_state(legacy=False)
+    state = {"python": random.getstate(),
+             "numpy": {**mt, "state": {**mt["state"], "key": mt["state"]["key"].tolist()}},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -966,15 +1261,32 @@ def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int,
         raise ConfigError(
             f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
     if model_dir and k > 1:
-        model_config = AutoConfig.from_pretrained(model_dir)
-        heads = model_config.num_attention_heads
-        kv = getattr(model_config, "num_key_value_heads", None) or heads
-        # vLLM splits query heads, and splits or replicates KV heads
-        if heads % k or (kv % k and k % kv):
-            raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide the model's "
-                              f"{heads} attention heads and divide, or be a multiple of, "
-                              f"its {kv} key/value heads")
+        check_head_split(AutoConfig.from_pretrained(model_dir), k)
     return rank // k, world // k
+
+
+def check_head_split(model_config, k: int, whose: str = "the model's") -> None:
+    """Stop unless vLLM can split a model's attention heads over k tensor-parallel ranks."""
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    # vLLM splits query heads, and splits or replicates KV heads
+    if heads % k or (kv % k and k % kv):
+        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide {whose} "
+                          f"{heads} attention heads and divide, or be a multiple of, "
+                          f"its {kv} key/value heads")
+
+
+def context_bound(model_config) -> float:
+    """The most tokens vLLM could allow a model (inf if its config names no limit): the largest of
+    the config's position keys, times a RoPE scaling factor. vLLM derives at most this, so a length
+    beyond it certainly fails, and one within it is left for vLLM to judge."""
+    text = model_config.get_text_config()
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",  # vLLM's keys
+            "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
+            "seq_len")
+    sizes = [v for v in (getattr(text, key, None) for key in keys) if isinstance(v, int)]
+    rope = getattr(text, "rope_scaling", None) or {}
+    return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
 
 
 def check_vllm_groups(k: int) -> None:
@@ -1066,7 +1378,7 @@ def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seqs, behaviour
     rank = dist.get_rank()
-    moves = plan_rebalance(all_gather_objects([len(p) + len(c) for p, c, _, _ in seqs]))
+    moves = plan_rebalance(all_gather_objects([len(s[0]) + len(s[1]) for s in seqs]))
     given = {i for src, i, _ in moves if src == rank}
     sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
     received, taken = [], [0] * len(sent)
@@ -1085,6 +1397,79 @@ def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], 
 
 def checkpoint_dir(cfg) -> Path:
     return Path(cfg.log.out_dir) / "checkpoints"
+
+
+# What a resumed run may change: how long it runs, and where and how fast, never what it samples or
+# trains. These keys, and every key of [log] and [eval], stay out of the run's fingerprint; any
+# other key does change the run (rollout.tensor_parallel_size is also checked on its own).
+RESUMABLE_KEYS = frozenset((
+    "train.steps",  # a run continued for longer
+    # the same model computed another way: attention kernel, recomputation, the log-prob kernel
+    "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
+    "train.logprob_impl",
+    # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
+    # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
+    "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
+    "rollout.sleep_level", "train.micro_batch_tokens", "train.fsdp_shard_size", "rollout.dtype",
+    "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+))
+
+
+def run_fingerprint(cfg) -> dict[str, Any]:
+    """What makes the run what it is, stored in meta.json: every key but RESUMABLE_KEYS, as JSON
+    values, with the data file read (data.corpus, or data.qa under RLVR) as its size and CRC-32
+    in place of its name, so a moved corpus resumes and an edited one does not."""
+    out = {key: value for key, value in config_values(cfg)
+           if key not in RESUMABLE_KEYS and key.split(".")[0] not in ("log", "eval")}
+    qa = cfg.data.qa
+    out["data.corpus"] = None if qa else data_fingerprint(cfg.data.corpus)
+    # data.qa may be BENCHMARK:PATH (evaluation.load_qa_set)
+    out["data.qa"] = qa and data_fingerprint(qa if os.path.isfile(qa) else qa.partition(":")[2])
+    return json.loads(json.dumps(out))  # tuples as lists, as meta.json gives them back
+
+
+def data_fingerprint(path: str) -> str | None:
+    """A data file as "N bytes, CRC-32 X"; None if it is not a file. Read once per process and
+    version of the file: a corpus of some GB costs seconds, at the first checkpoint only."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    crc = _file_crc(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return f"{st.st_size} bytes, CRC-32 {crc}"
+
+
+@functools.lru_cache(maxsize=8)
+def _file_crc(path: str, size: int, mtime_ns: int) -> str:
+    return file_checksum(Path(path))  # size and mtime are the cache's key: a new version reads anew
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    """The keys whose values differ, each with both values. A key that one side lacks (a newer
+    spell.py added or removed it) is not compared."""
+    return [f"{key} (saved {shown(saved[key])}, now {shown(now[key])})"
+            for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key]]
+
+
+def read_small_file(path: Path, limit: int = 1 << 20) -> str:
+    """The text of a small file the run wrote (meta.json, `latest`), which must be a plain file of
+    at most `limit` bytes: a link is not followed (it may lead out of the run, or to /dev/zero,
+    which never ends) and a FIFO is not waited on. ValueError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a plain file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a plain file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"longer than {limit} bytes")
+    return data.decode("utf-8")  # a UnicodeDecodeError is a ValueError
 
 
 def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Path:
@@ -1173,10 +1558,12 @@ def verify_files(path: Path, files: dict[str, tuple[int, str]],
     those written by `ranks` (None: all) their CRC-32."""
     for name, (size, _) in files.items():
         try:
-            found = (path / name).stat().st_size
+            st = os.lstat(path / name)  # the entry itself: a link to /dev/zero would never end
         except OSError:
             raise CheckpointError(f"{path}: not a complete checkpoint (missing {name})") from None
-        if found != size:
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: {name} is not a plain file (a link, a device...)")
+        if (found := st.st_size) != size:
             raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
                                   "(cut short or overwritten)")
     for name, (_, crc) in files.items():
@@ -1191,30 +1578,49 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     CheckpointError otherwise.
 
     Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
-    that resuming ranks share the reading. A checkpoint saved before meta.json recorded its files is
-    accepted with a warning: only the presence of its files can be checked.
+    that resuming ranks share the reading. meta.json must record every file the checkpoint holds, by
+    its plain name inside the folder: a name with a "/" or "..", a link or a device is refused, so
+    that resuming reads nothing outside the checkpoint and nothing that never ends.
     """
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads(read_small_file(path / "meta.json"))
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
         files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
                  if "files" in meta else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
     if saved_world != world:
         raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
                               "the per-rank samplers and history memories need the same number "
                               "of ranks")
     missing = [f for f in [".metadata"] + [f"rank{r}.pt" for r in range(world)]
-               if not (path / f).is_file()]
+               if not os.path.lexists(path / f)]
     if missing:
         raise CheckpointError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-    if files is not None:
-        verify_files(path, files, ranks)
-    elif ranks is None or 0 in ranks:
-        print(f"warning: {path}: meta.json records no file sizes or checksums "
-              "(saved by an older spell.py); its files are not verified", flush=True)
+    if files is None:
+        raise CheckpointError(f"{path}: meta.json records no file sizes or checksums (saved by an "
+                              "older spell.py?), so its files cannot be verified")
+    if bad := [n for n in files if n in (".", "..") or not re.fullmatch(r"[\w.-]+", n)]:
+        raise CheckpointError(f"{path}: meta.json names {shown(bad[0])}, not a file of the "
+                              "checkpoint folder")
+    on_disk = [p.name for p in path.glob("*.distcp")]
+    if unrecorded := sorted(set([".metadata", *on_disk] + [f"rank{r}.pt" for r in range(world)])
+                            - set(files)):
+        raise CheckpointError(f"{path}: meta.json records no size or checksum of {unrecorded[0]}")
+    verify_files(path, files, ranks)
     return meta
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    """A rank's own state in a checkpoint (spell.run_state: lists, numbers, strings, tensors),
+    unpickled with torch.load's weights_only, which builds no other object: a planted pickle that
+    names a function to call is refused, not run."""
+    try:
+        return torch.load(path / f"rank{rank}.pt", weights_only=True)
+    except Exception as e:  # a cut file, or a pickle that weights_only refuses
+        lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
+        raise CheckpointError(f"{path}: rank{rank}.pt cannot be read safely ({cause})") from None
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -1260,8 +1666,18 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         return None
     pointer = checkpoint_dir(cfg) / "latest"
     path, step = None, 0
-    if pointer.is_file():
-        path = checkpoint_dir(cfg) / pointer.read_text().strip()
+    if os.path.lexists(pointer):
+        try:
+            name = read_small_file(pointer, limit=4096).strip()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{pointer}: cannot be read ({e})") from None
+        # `latest` names a checkpoint folder beside it, and nothing else: no path, no ../
+        if not re.fullmatch(r"step_[0-9]{6,}", name):
+            raise CheckpointError(f"{pointer}: names {shown(name)}, not a step_NNNNNN folder "
+                                  f"of {checkpoint_dir(cfg)}")
+        path = checkpoint_dir(cfg) / name
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder of the run")
         meta = check_checkpoint(path, world, ranks=[rank])
         step, saved_tp = (meta["step"],
                           meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1))
@@ -1270,6 +1686,13 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
             raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
                                   f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
+        if "fingerprint" not in meta:
+            raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "
+                                  "older spell.py?), so its config and data cannot be compared")
+        if changes := fingerprint_changes(meta["fingerprint"], run_fingerprint(cfg)):
+            raise CheckpointError(f"{path}: saved by a run with another {'; '.join(changes)}. "
+                                  "Resume with its values (meta.json holds its config), or start "
+                                  "a new run in another log.out_dir")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
               flush=True)
@@ -1279,7 +1702,12 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` by `text` all at once, durably: the old or the new file survives any crash."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    # A .tmp left by a crash goes first; then the temporary is created anew (O_EXCL, O_NOFOLLOW),
+    # so a link planted in its place fails the write instead of redirecting it
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -1326,11 +1754,11 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
 def step_times(phase_s: dict, rounds: int, clock: tuple[float, float, float], sync_s: float,
                train: dict, device: torch.device) -> dict:
     """The step's seconds per phase (a phase lasts as long as its slowest rank: ranks wait for
-    each other after each round) and the update's trained tokens per second."""
+    each other after each round) and the update's trained tokens per second, all ranks'."""
     t0, t1, t2 = clock
     gathered = all_gather_objects(dict(phase_s))
     slowest = {k: max(d.get(k, 0.0) for d in gathered) for k in phase_s}
-    tokens = all_reduce_sum(int(train.get("tokens", 0)), device)
+    tokens = train.get("tokens", 0)  # update_policy summed them over the ranks
     return {**{f"{phase}_s": v for phase, v in slowest.items()}, "rounds": rounds,
             "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s,
             "step_s": time.perf_counter() - t0, "train_tokens_per_s": tokens / max(t2 - t1, 1e-9)}
@@ -1343,7 +1771,7 @@ class RunLog:
 
     def __init__(self, cfg, paths: Sequence[str], rank: int, world: int,
                  device: torch.device):
-        self.cfg, self.rank, self.board = cfg, rank, None
+        self.cfg, self.rank, self.world, self.board = cfg, rank, world, None
         self.metrics_file = Path(cfg.log.out_dir) / "metrics.jsonl"
         print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in "
                f"{Path(cfg.log.out_dir) / 'config.json'}; keys set away from spell.py's defaults: "
@@ -1352,8 +1780,13 @@ class RunLog:
     def step(self, step: int, summaries: list[list], counts: dict, train: dict,
              times: dict, rollouts: list) -> None:
         m = step_metrics(summaries, counts, train, times)
+        line = log_line(step, self.cfg.train.steps, m)
+        r, groups = self.cfg.rollout, self.world // self.cfg.rollout.tensor_parallel_size
+        asked = max(1, r.clusters_per_round // groups) * groups * times["rounds"]
+        if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
+            line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
         if self.rank == 0:
-            print(log_line(step, self.cfg.train.steps, m), flush=True)
+            print(line, flush=True)
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps({"step": step, **m}) + "\n")
             if self.cfg.log.tensorboard:
@@ -1381,6 +1814,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
     votes = sum(len(ns) for s in ok for ns in s.ver_lens)
     m = {
         "que/questions": len(flat),
+        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
+        "que/evicted": sum(s.evicted for s in flat),
         "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
         "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
         "que/skipped": sum(s.status == "skipped" for s in flat),
@@ -1388,6 +1823,10 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
                                     or [0.0])),
         "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
         "que/neg": counts["que_neg"],
+        # trained questions that every response or none solved, and their mean advantage
+        # (reward.questioner_pool = "all"; §4.3's pool takes them only as negatives)
+        "que/all_or_none": counts["que_all_or_none"],
+        "que/all_or_none_adv": counts["que_all_or_none_adv"],
         "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
         "res/reward": float(np.mean(res)) if res else 0.0,
         "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
@@ -1398,6 +1837,8 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         if ok else 0.0,
         "res/all_solved": sum(min(s.solved) == 1 for s in ok),
         "res/none_solved": sum(max(s.solved) == 0 for s in ok),
+        # groups whose training rewards vary by length shaping alone (never kept, departure 14)
+        "res/length_only": sum(len(set(s.selection)) == 1 < len(set(s.res_rewards)) for s in ok),
         "res/length": float(np.mean(lens)) if lens else 0.0,
         "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
         "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,

@@ -1,18 +1,19 @@
-"""Reports on SPELL runs: learning curves from metrics.jsonl, and a paired bootstrap between two evals.
+"""Reports on SPELL runs: learning curves from metrics.jsonl, a paired bootstrap between two evals.
 
     python report.py plot RUN_DIR [--out DIR] [--smooth N]
         RUN_DIR/metrics.jsonl (one JSON object per step, written by spell.py) -> RUN_DIR/plots/:
         one PNG per role (questioner.png, responder.png, verifier.png), training.png and
         throughput.png. The questioner's figure adds two quantities computed from logged keys: the
-        valid-question rate and Figure 4's difficulty, 1 - pass@1 of the responders on its questions.
-        Absent keys are skipped; a logged key no figure lists gets a panel of its own (a new
-        namespace goes to other.png), so metrics added later still show up.
+        valid-question rate and Figure 4's difficulty, 1 - pass@1 of the responders on its
+        questions. Absent keys are skipped; a logged key no figure lists gets a panel of its own (a
+        new namespace goes to other.png), so metrics added later still show up.
 
     python report.py side RUN_DIR [RUN_DIR ...] --out FILE.png [--keys K,K,...]
         Several runs' metrics.jsonl -> one PNG with a panel per key and a line per run (labelled by
         its folder name): recipes side by side on the same budget.
 
-    python report.py compare BASE_EVAL_DIR TRAINED_EVAL_DIR [--metric rule|score] [--boot 10000] [--seed 0]
+    python report.py compare BASE_EVAL_DIR TRAINED_EVAL_DIR [--metric rule|score] [--boot 10000]
+                             [--seed 0]
         Two `spell.py eval` output folders (eval_samples.jsonl each) on the same questions -> pass@1
         of each model with a 95 % bootstrap confidence interval over questions, and the paired
         difference (trained - base) with its 95 % interval and the share of draws <= 0.
@@ -22,8 +23,15 @@ rule metric is the rule score alone (cover exact match for doc_qa), score is max
 The bootstrap resamples questions with replacement and takes percentile intervals; the paired
 difference resamples the same questions for both models, which is what makes it paired.
 
-Needs numpy; `plot` also needs matplotlib (requirements.txt, requirements-cpu.txt). Importing this file
-runs nothing.
+Bad input ends in one line naming the file, never in a traceback (both files go through one reader,
+json_lines). A line of eval_samples.jsonl that is not a sample with a score in [0, 1] is an error
+naming its line and field (eval_sample): a NaN or a 5 would print a table of nan or 500 %.
+metrics.jsonl is read leniently, since a plot of a crashed run should still draw (read_metrics): a
+line that is not a step is skipped, and a value no curve can draw is left out (a gap), each with a
+note on stderr naming the first such line.
+
+Needs numpy; `plot` also needs matplotlib (requirements.txt, requirements-cpu.txt). Importing this
+file runs nothing.
 """
 
 from __future__ import annotations
@@ -32,43 +40,98 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 
 class ReportError(Exception):
-    """Bad input files: missing, empty, or two evals that do not cover the same questions."""
+    """Bad input files: missing, empty, a line that is not a sample, or two evals that do not cover
+    the same questions. main prints it as one line."""
+
+
+# ==================================================================================================
+# reading: one JSON-lines reader for metrics.jsonl and eval_samples.jsonl
+# ==================================================================================================
+
+def json_lines(file: Path) -> Iterator[tuple[int, object, str | None]]:
+    """(line number, value, None) for each non-blank line of a JSONL file that parses, and (line
+    number, None, why) for one that does not; the caller decides whether that is fatal. A file it
+    cannot open is a ReportError. Linear in the file's size: json.loads is, and its two failures
+    that are not syntax errors are caught by type, RecursionError (nesting deeper than the stack)
+    and ValueError (an integer of over 4300 digits, Python's limit on parsing ints)."""
+    try:
+        f = open(file, "rb")  # bytes: text that is not UTF-8 is one line's problem, not the file's
+    except OSError as e:  # missing, a directory, no permission
+        raise ReportError(f"{file}: cannot read it ({e.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            value, why = None, None
+            try:  # the first two are ValueErrors too: they go before it
+                value = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                why = f"not UTF-8 (byte {e.start + 1} of the line)"
+            except json.JSONDecodeError as e:
+                why = f"not JSON ({e.msg}, column {e.colno})"
+            except RecursionError:
+                why = "JSON nested too deeply to parse"
+            except ValueError:
+                why = "an integer of over 4300 digits (Python's limit)"
+            yield lineno, value, why
+
+
+def shown(value) -> str:
+    """A parsed JSON value as JSON text cut to 40 characters, for a message: a line can hold
+    megabytes, and an array or an object (perhaps a thousand deep) is named, not printed."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    return cut(json.dumps(value))  # NaN, Infinity, true, null, "text": as the file spells them
+
+
+def cut(text: str, limit: int = 40) -> str:
+    """text, or its first limit - 3 characters and '...'."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ==================================================================================================
 # plot: metrics.jsonl -> PNG figures
 # ==================================================================================================
 
-# One figure per file name: (title, key prefix it owns, panels); a panel is (title, [keys]). Keys of
-# the prefix that no panel lists are appended as panels of their own; keys that are absent are skipped.
-# The keys are those of infra.step_metrics, plus the two that add_derived computes from them.
+# One figure per file name: (title, key prefix it owns, panels); a panel is (title, [keys]). Keys
+# of the prefix that no panel lists are appended as panels of their own; keys that are absent are
+# skipped. The keys are those of infra.step_metrics, plus the two that add_derived computes.
 FIGURES = {
     "questioner": ("Questioner (§4.1; reward Eq. 7)", "que/", [
         ("valid questions (well-formed and grounded) / drawn", ["que/valid_rate"]),
         # Figure 4: the questioner learns to ask harder questions, so this should rise over training
-        ("difficulty 1 - pass@1 of the responders on its valid questions (Figure 4)", ["que/difficulty"]),
+        ("difficulty 1 - pass@1 of the responders on its valid questions (Figure 4)",
+         ["que/difficulty"]),
         ("reward r_que", ["que/reward"]),
-        ("kept samples: positive / floor (bootstrapping) / negative (§4.3)", ["que/pos", "que/floor", "que/neg"]),
+        ("kept samples: positive / floor (bootstrapping) / negative (§4.3)",
+         ["que/pos", "que/floor", "que/neg"]),
+        ("kept questions every response or none solved, and their mean advantage",
+         ["que/all_or_none", "que/all_or_none_adv"]),
         ("format error / ungrounded rate", ["que/format_error", "que/ungrounded"]),
-        ("questions: drawn / skipped (too long)", ["que/questions", "que/skipped"]),
+        ("questions: drawn / skipped (too long) / history entries forgotten to fit",
+         ["que/questions", "que/skipped", "que/evicted"]),
         ("generations cut at max_new_tokens", ["que/truncated"]),
     ]),
     "responder": ("Responder (§4.1; reward Eq. 6)", "res/", [
-        ("solve rate max(rule, vote) (Eq. 6) / rule pass rate", ["res/solve_rate", "res/rule_pass"]),
+        ("solve rate max(rule, vote) (Eq. 6) / rule pass rate",
+         ["res/solve_rate", "res/rule_pass"]),
         ("training reward (with bootstrap.responder_format_penalty)", ["res/reward"]),
         ("groups: valid / kept / all solved / none solved", ["res/groups", "res/kept_groups",
                                                             "res/all_solved", "res/none_solved"]),
+        ("groups whose rewards vary by length shaping alone (not kept)", ["res/length_only"]),
         ("response length (tokens)", ["res/length"]),
         ("generations cut at max_new_tokens", ["res/truncated"]),
     ]),
     "verifier": ("Verifier (§4.1; majority vote Eq. 4)", "ver/", [
-        ("majority rate / majority agrees with the rule", ["ver/majority_rate", "ver/agrees_with_rule"]),
+        ("majority rate / majority agrees with the rule",
+         ["ver/majority_rate", "ver/agrees_with_rule"]),
         ("votes with a verdict tag (the rest abstain)", ["ver/tagged"]),
         ("kept groups / candidates", ["ver/kept_groups", "ver/candidates"]),
         ("generations cut at max_new_tokens", ["ver/truncated"]),
@@ -83,8 +146,10 @@ FIGURES = {
         ("mean |log-prob trainer - vLLM| per token", ["train/rollout_logp_gap"]),
     ]),
     "throughput": ("Throughput", "perf/", [
-        ("seconds per step, by phase", ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/step_s"]),
-        ("rollout seconds per step, by role", ["perf/que_s", "perf/ground_s", "perf/res_s", "perf/ver_s"]),
+        ("seconds per step, by phase",
+         ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/step_s"]),
+        ("rollout seconds per step, by role",
+         ["perf/que_s", "perf/ground_s", "perf/res_s", "perf/ver_s"]),
         ("generated tokens per second, by role", ["perf/que_tokens_per_s", "perf/res_tokens_per_s",
                                                   "perf/ver_tokens_per_s"]),
         ("trained tokens per second", ["perf/train_tokens_per_s"]),
@@ -94,43 +159,87 @@ FIGURES = {
 
 
 def add_derived(row: dict) -> dict:
-    """The row plus que/valid_rate and que/difficulty (1 - pass@1, Figure 4) where their inputs are logged."""
+    """The row plus que/valid_rate and que/difficulty (1 - pass@1, Figure 4) where their inputs are
+    logged."""
     row = dict(row)
-    drawn, valid, solved = (number(row.get(k)) for k in ("que/questions", "res/groups", "res/solve_rate"))
+    keys = ("que/questions", "res/groups", "res/solve_rate")
+    drawn, valid, solved = (number(row.get(k)) for k in keys)
     if drawn > 0 and math.isfinite(valid):
         row["que/valid_rate"] = valid / drawn
-    # not from res/reward: that is the training reward, which bootstrap.responder_format_penalty can make
-    # negative. Logs written before res/solve_rate existed get no difficulty
-    if valid > 0 and math.isfinite(solved):  # with no valid question the solve rate is a placeholder 0
+    # not from res/reward: that is the training reward, which bootstrap.responder_format_penalty can
+    # make negative. Logs written before res/solve_rate existed get no difficulty
+    if valid > 0 and math.isfinite(solved):  # with no valid question, the solve rate is a filler 0
         row["que/difficulty"] = 1.0 - solved
     return row
 
 
+PLOTTABLE = 1e300  # |value| past this overflows matplotlib's axis arithmetic (span, margins, ticks)
+MAX_KEY = 200      # characters of a metric's key: it is a panel title and a legend label
+MAX_PANELS = 32    # per figure: a line of a million keys would otherwise take hours to draw
+
+
 def number(v) -> float:
-    """v as a float; NaN for a missing value, a bool or a non-number."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    """v as a float if a curve can draw it (a number, not a bool, within +-PLOTTABLE), else NaN: a
+    missing value, a string, NaN, Infinity, or an integer past float's range."""
+    # the range test fails NaN and Infinity, and compares a huge integer without float() overflowing
+    drawable = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= PLOTTABLE
+    return float(v) if drawable else math.nan
+
+
+def step_problem(row) -> str | None:
+    """Why a parsed line of metrics.jsonl is not a step's metrics, or None if it is: a JSON object
+    whose step is an integer (not a bool) in [0, 2**53), which a float x axis holds exactly."""
+    if not isinstance(row, dict):
+        return f"{shown(row)}, not a JSON object"
+    if "step" not in row:
+        return "no step"
+    step = row["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**53:
+        return f"step {shown(step)}, not an integer in [0, 2**53)"
+    return None
+
+
+def is_key(key: str) -> bool:
+    """A metric key a panel title can show: at most MAX_KEY characters, all printable (no newline,
+    no lone surrogate, which matplotlib cannot render)."""
+    return len(key) <= MAX_KEY and key.isprintable()
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
-    """step -> metrics; a step logged twice (a resumed run) keeps its last line; a torn line is skipped."""
-    rows, skipped = {}, 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    """step -> metrics (and add_derived's), from metrics.jsonl. A step logged twice (a resumed run)
+    keeps its last line. Lenient otherwise, since a plot of a crashed or a live run should still
+    draw; each kind of damage gets one note on stderr, naming its first line:
+      - a line that is not a step's metrics (step_problem) is skipped: a run killed mid-write
+        leaves a torn line, and bytes that are not UTF-8 or JSON nested too deep count as torn;
+      - a value no curve can draw (number: NaN, Infinity, past +-PLOTTABLE, a string, a bool, null)
+        is left out of its step, so its curve has a gap there, as where the step lacks the key; so
+        is the value of a key that is no panel title (is_key).
+    A file with no step at all is a ReportError."""
+    rows, skipped, left_out = {}, [], []  # skipped: (line, why); left_out: (line, key, value)
+    for lineno, row, why in json_lines(path):
+        why = why or step_problem(row)
+        if why is not None:
+            skipped.append((lineno, why))
+            continue
+        kept = {"step": row["step"]}
+        for key, value in row.items():
+            if key == "step":
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1  # a run killed mid-write leaves a partial last line
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows[row["step"]] = add_derived(row)
+            if is_key(key) and math.isfinite(number(value)):
+                kept[key] = value
             else:
-                skipped += 1
-    if skipped:
-        print(f"{path}: skipped {skipped} line(s) that are not a JSON object with an integer step", file=sys.stderr)
+                left_out.append((lineno, key, value))
+        rows[row["step"]] = add_derived(kept)
+    first_skipped = "(first: line {}, {})".format(*skipped[0]) if skipped else ""
     if not rows:
-        raise ReportError(f"{path}: no metrics rows")
+        raise ReportError(f"{path}: no metrics rows {first_skipped}".rstrip())
+    if skipped:
+        print(f"{path}: skipped {len(skipped)} line(s) that are not a JSON object with an integer "
+              f"step {first_skipped}", file=sys.stderr)
+    if left_out:
+        lineno, key, value = left_out[0]
+        print(f"{path}: left out {len(left_out)} value(s) that no curve can draw (first: line "
+              f"{lineno}, {shown(key)}: {shown(value)})", file=sys.stderr)
     return dict(sorted(rows.items()))
 
 
@@ -140,7 +249,9 @@ def series(rows: dict[int, dict], key: str) -> np.ndarray:
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing mean of the finite values among the last `window` steps; the first steps use fewer."""
+    """Trailing mean of the finite values among the last `window` steps; the first steps use
+    fewer."""
+    window = min(window, len(values))  # longer is the mean so far (and a huge --smooth fits int64)
     ok = np.isfinite(values)
     sums = np.concatenate([[0.0], np.cumsum(np.where(ok, values, 0.0))])
     counts = np.concatenate([[0], np.cumsum(ok)])
@@ -152,7 +263,8 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def figure_panels(name: str, keys: set[str]) -> list[tuple[str, list[str]]]:
-    """The figure's panels restricted to present keys, then one panel per unlisted key of its prefix."""
+    """The figure's panels restricted to present keys, then one panel per unlisted key of its
+    prefix."""
     _, prefix, panels = FIGURES[name]
     out = [(title, [k for k in ks if k in keys]) for title, ks in panels]
     out = [(title, ks) for title, ks in out if ks]
@@ -168,7 +280,8 @@ def other_keys(keys: set[str]) -> list[str]:
 
 
 def panel_grid(plt, n: int):
-    """A figure of n panels in two columns (one column for one panel); its n axes in reading order."""
+    """A figure of n panels in two columns (one column for one panel); its n axes in reading
+    order."""
     ncols = 2 if n > 1 else 1
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
@@ -184,8 +297,10 @@ def finish_panel(ax, title: str) -> None:
     ax.legend(fontsize=7)
 
 
-def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict], smooth: int, path: Path):
-    """One PNG: a grid of panels (two columns), each key a line; a rolling mean over it when smooth > 1."""
+def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict], smooth: int,
+                path: Path):
+    """One PNG: a grid of panels (two columns), each key a line; a rolling mean over it when
+    smooth > 1."""
     fig, axes = panel_grid(plt, len(panels))
     for ax, (panel_title, keys) in zip(axes, panels):
         for i, key in enumerate(keys):
@@ -194,9 +309,11 @@ def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict
             if smooth > 1:  # raw values faint, the trend bold
                 ax.plot(steps[ok], y[ok], color=color, alpha=0.25, linewidth=0.8)
                 trend = rolling_mean(y, smooth)
-                ax.plot(steps[ok], trend[ok], color=color, linewidth=1.8, label=f"{key} (mean of {smooth})")
+                ax.plot(steps[ok], trend[ok], color=color, linewidth=1.8,
+                        label=f"{key} (mean of {smooth})")
             else:
-                ax.plot(steps[ok], y[ok], color=color, marker="." if ok.sum() < 30 else None, label=key)
+                marker = "." if ok.sum() < 30 else None
+                ax.plot(steps[ok], y[ok], color=color, marker=marker, label=key)
         finish_panel(ax, panel_title)
     fig.suptitle(title)
     fig.tight_layout()
@@ -205,7 +322,8 @@ def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None, smooth: int | None = None) -> list[Path]:
-    """Write the figures of one run; figures with no key present are skipped. Returns the PNG paths."""
+    """Write the figures of one run; figures with no key present are skipped, and a figure draws its
+    first MAX_PANELS panels (a note on stderr says how many it has). Returns the PNG paths."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -221,18 +339,24 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, smooth: int | None = No
     figures.append(("other", "Other metrics", [(k, [k]) for k in other_keys(keys)]))
     written = []
     for name, title, panels in figures:
+        path = out_dir / f"{name}.png"
+        if len(panels) > MAX_PANELS:
+            print(f"{path}: drew the first {MAX_PANELS} of {len(panels)} panels", file=sys.stderr)
+            panels = panels[:MAX_PANELS]
         if panels:
-            draw_figure(plt, title, panels, steps, rows, smooth, out_dir / f"{name}.png")
-            written.append(out_dir / f"{name}.png")
+            draw_figure(plt, title, panels, steps, rows, smooth, path)
+            written.append(path)
     return written
 
 
-SIDE_BY_SIDE_KEYS = ("que/valid_rate", "res/solve_rate", "res/kept_groups", "train/sequences", "train/entropy",
-                     "perf/step_s")
+SIDE_BY_SIDE_KEYS = ("que/valid_rate", "res/solve_rate", "res/kept_groups", "train/sequences",
+                     "train/entropy", "perf/step_s")
 
 
-def plot_side_by_side(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = SIDE_BY_SIDE_KEYS) -> list[str]:
-    """One PNG: a panel per key (absent from every run: skipped), a line per run. Returns the keys drawn."""
+def plot_side_by_side(run_dirs: list[Path], out: Path,
+                      keys: tuple[str, ...] = SIDE_BY_SIDE_KEYS) -> list[str]:
+    """One PNG: a panel per key (absent from every run: skipped), a line per run. Returns the keys
+    drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -259,51 +383,82 @@ def plot_side_by_side(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = S
 # compare: two evals -> pass@1 with bootstrap intervals and the paired difference
 # ==================================================================================================
 
+def is_score(v) -> bool:
+    """A pass rate: a number in [0, 1], not a bool. The range test fails NaN, Infinity and 5, and
+    compares a huge integer without float() overflowing."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+
+
+def eval_sample(sample, metric: str, where: str) -> tuple[tuple[str, str], float]:
+    """((benchmark, id), score) of one parsed line of eval_samples.jsonl, or a ReportError at
+    `where` (file and line) naming the field that is missing or wrong. The score, rule or score
+    (max(rule, judge)), must pass is_score: a NaN or a 5 would make pass@1 nan or 500 %."""
+    need = f"a sample has benchmark, id and {metric!r}"
+    if not isinstance(sample, dict):
+        raise ReportError(f"{where}: {shown(sample)}, not a sample ({need})")
+    for field in ("benchmark", "id", metric):
+        if field not in sample:
+            raise ReportError(f"{where}: no {field!r} field ({need})")
+    benchmark, qid, score = sample["benchmark"], sample["id"], sample[metric]
+    if not isinstance(benchmark, str):
+        raise ReportError(f"{where}, field 'benchmark': {shown(benchmark)} is not a string")
+    if not isinstance(qid, (str, int)) or isinstance(qid, bool):
+        raise ReportError(f"{where}, field 'id': {shown(qid)} is not a string or an integer")
+    if not is_score(score):
+        raise ReportError(f"{where}, field {metric!r}: {shown(score)} is not a score "
+                          "(a number in [0, 1], not a boolean)")
+    return (benchmark, str(qid)), float(score)
+
+
 def read_eval_samples(path: Path, metric: str = "rule") -> dict[tuple[str, str], list[float]]:
-    """(benchmark, id) -> the metric of each sample, from eval_samples.jsonl (a folder holding it, or the file)."""
+    """(benchmark, id) -> the metric of each sample, from eval_samples.jsonl (a folder holding it,
+    or the file). Strict: any line that is not a sample (eval_sample) is a ReportError naming the
+    file, the line and the field, since a comparison on a silently shortened eval would mislead."""
     file = path / "eval_samples.jsonl" if path.is_dir() else path
     if not file.exists():
-        raise ReportError(f"{file}: not found (expected the eval_samples.jsonl of a `spell.py eval` run)")
+        raise ReportError(f"{file}: not found (expected the eval_samples.jsonl of a "
+                          "`spell.py eval` run)")
     scores: dict[tuple[str, str], list[float]] = {}
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-                value = float(sample[metric])
-                key = (str(sample["benchmark"]), str(sample["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ReportError(f"{file}, line {lineno}: not a sample with benchmark, id and a numeric "
-                                  f"{metric!r} ({type(e).__name__}: {e})") from None
-            scores.setdefault(key, []).append(value)
+    for lineno, sample, why in json_lines(file):
+        where = f"{file}, line {lineno}"
+        if why is not None:
+            raise ReportError(f"{where}: {why}")
+        key, score = eval_sample(sample, metric, where)
+        scores.setdefault(key, []).append(score)
     if not scores:
         raise ReportError(f"{file}: no samples")
     return scores
 
 
-def pass_at_1(scores: dict[tuple[str, str], list[float]], keys: list[tuple[str, str]]) -> np.ndarray:
-    """pass@1 per question (Eq. 11, k = 1): the mean of its samples' scores, in the order of keys."""
+def pass_at_1(scores: dict[tuple[str, str], list[float]],
+              keys: list[tuple[str, str]]) -> np.ndarray:
+    """pass@1 per question (Eq. 11, k = 1): the mean of its samples' scores, in the order of
+    keys."""
     return np.array([np.mean(scores[k]) for k in keys], dtype=float)
 
 
 def matched_questions(base: dict, trained: dict) -> list[tuple[str, str]]:
-    """The shared (benchmark, id) keys, sorted; an error naming a few keys if the two sets differ."""
+    """The shared (benchmark, id) keys, sorted; an error naming a few keys if the two sets
+    differ."""
     only = {"base": sorted(set(base) - set(trained)), "trained": sorted(set(trained) - set(base))}
     if only["base"] or only["trained"]:
-        parts = [f"{len(keys)} only in {side}" + (f" (e.g. {keys[:3]})" if keys else "") for side, keys in only.items()]
+        parts = []
+        for side, keys in only.items():
+            examples = [(cut(b), cut(q)) for b, q in keys[:3]]  # an id can be megabytes long
+            parts.append(f"{len(keys)} only in {side}" + (f" (e.g. {examples})" if keys else ""))
         raise ReportError("the two evals cover different questions: " + ", ".join(parts))
     return sorted(base)
 
 
-def bootstrap_means(per_question: np.ndarray, boot: int, seed: int, chunk: int = 1000) -> np.ndarray:
+def bootstrap_means(per_question: np.ndarray, boot: int, seed: int,
+                    chunk: int = 1000) -> np.ndarray:
     """Means of `boot` resamples of the questions, drawn with replacement; each row of per_question
     is one model (or the paired difference), and every row is resampled with the same indices."""
     per_question = np.atleast_2d(per_question)                      # (M, Q)
     rng = np.random.default_rng(seed)
     q = per_question.shape[1]
     out = []
-    for start in range(0, boot, chunk):  # chunks keep memory at chunk x Q indices for large benchmarks
+    for start in range(0, boot, chunk):  # chunks hold memory at chunk x Q indices on big benchmarks
         idx = rng.integers(0, q, size=(min(chunk, boot - start), q))  # (b, Q)
         out.append(per_question[:, idx].mean(axis=2))              # (M, b)
     return np.concatenate(out, axis=1)                             # (M, boot)
@@ -340,15 +495,20 @@ def compare_table(result: dict, names: tuple[str, str], metric: str, boot: int, 
 
     n = result["questions"]
     scored = {"rule": "the rule score alone", "score": "max(rule, judge)"}[metric]
-    lines = [f"pass@1 of {scored} (per question the mean over its samples), {n} questions; 95 % percentile "
-             f"bootstrap intervals over questions, {boot} draws, seed {seed}.", "",
-             "| model | questions | samples per question | pass@1 % | 95 % CI |", "|---|---:|---:|---:|---|"]
-    for label, name, counts in (("base", names[0], result["samples"][0]), ("trained", names[1], result["samples"][1])):
+    lines = [f"pass@1 of {scored} (per question the mean over its samples), {n} questions; 95 % "
+             f"percentile bootstrap intervals over questions, {boot} draws, seed {seed}.", "",
+             "| model | questions | samples per question | pass@1 % | 95 % CI |",
+             "|---|---:|---:|---:|---|"]
+    for label, name, counts in (("base", names[0], result["samples"][0]),
+                                ("trained", names[1], result["samples"][1])):
         mean, lo, hi = result[label]
-        lines.append(f"| {label}: {name} | {n} | {ns(counts)} | {100 * mean:.1f} | [{100 * lo:.1f}, {100 * hi:.1f}] |")
+        lines.append(f"| {label}: {name} | {n} | {ns(counts)} | {100 * mean:.1f} "
+                     f"| [{100 * lo:.1f}, {100 * hi:.1f}] |")
     mean, lo, hi = result["diff"]
-    lines.append(f"| trained - base (paired) | {n} | | {100 * mean:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
-    lines += ["", f"share of bootstrap draws with difference <= 0 (one-sided p): {result['p_le_0']:.4f}"]
+    lines.append(f"| trained - base (paired) | {n} | | {100 * mean:+.1f} "
+                 f"| [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+    lines += ["", "share of bootstrap draws with difference <= 0 (one-sided p): "
+                  f"{result['p_le_0']:.4f}"]
     return "\n".join(lines)
 
 
@@ -363,19 +523,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
     p.add_argument("--smooth", type=int, default=None,
-                   help="rolling-mean window in steps (default: none under 20 steps, else max(5, steps/20))")
+                   help="rolling-mean window in steps (default: none under 20 steps, else "
+                        "max(5, steps/20))")
     b = sub.add_parser("side", help="one PNG comparing several runs' curves, a line per run")
     b.add_argument("run_dirs", type=Path, nargs="+")
     b.add_argument("--out", type=Path, required=True, help="the PNG to write")
     b.add_argument("--keys", default=",".join(SIDE_BY_SIDE_KEYS),
                    help="comma-separated metric keys (default %(default)s)")
-    c = sub.add_parser("compare", help="pass@1 of two evals with bootstrap intervals and the paired difference")
-    c.add_argument("base", type=Path, help="eval output folder of the base model (eval_samples.jsonl)")
+    c = sub.add_parser("compare", help="pass@1 of two evals with bootstrap intervals and the "
+                                       "paired difference")
+    c.add_argument("base", type=Path,
+                   help="eval output folder of the base model (eval_samples.jsonl)")
     c.add_argument("trained", type=Path, help="eval output folder of the trained model")
     c.add_argument("--metric", choices=("rule", "score"), default="rule",
                    help="rule: the rule score alone; score: max(rule, judge) (default %(default)s)")
     c.add_argument("--boot", type=int, default=10000, help="bootstrap draws (default %(default)s)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the bootstrap draws (default %(default)s)")
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of the bootstrap draws (default %(default)s)")
     args = parser.parse_args(argv)
     try:
         if args.command == "plot":
@@ -388,7 +552,8 @@ def main(argv: list[str] | None = None) -> None:
             base = read_eval_samples(args.base, args.metric)
             trained = read_eval_samples(args.trained, args.metric)
             result = compare(base, trained, args.boot, args.seed)
-            print(compare_table(result, (str(args.base), str(args.trained)), args.metric, args.boot, args.seed))
+            names = (str(args.base), str(args.trained))
+            print(compare_table(result, names, args.metric, args.boot, args.seed))
     except (ReportError, OSError) as e:  # bad input: one clear line, no traceback
         sys.exit(f"report.py: {e}")
 

@@ -52,22 +52,26 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a config key ........... the dataclasses below, and a range rule in check_config
 Below main() is the machine room: the simple, obviously correct versions of processes, vLLM, FSDP2,
 weight sync, packing, corpus reading, checkpoints and logging. Their fast or defensive twins (config
-mechanics, memory estimate, bucketed sync, tensor-parallel helpers, checkpoint integrity) are in
-infra.py, which never imports this file.
+mechanics, the corpus checks, memory estimate, bucketed sync, tensor-parallel helpers, checkpoint
+integrity) are in infra.py, which never imports this file.
 
 Departures from the paper and from the authors' code (a VeRL fork), on purpose (README,
 "Departures", gives each one's reasons and numbers):
   1. Cover exact match is on word boundaries ("5" is not in "1995"; the authors test substrings),
-     Unicode punctuation counts as punctuation, a decimal point stays ("35" is not "3.5"), and a
-     doc_qa prediction more than twice the gold's length earns no rule reward (a list of
-     candidates would otherwise collect Eq. 6's max over the verifier's NO).
-  2. The number rule is sign-sensitive; the authors compare absolute values.
+     Unicode punctuation counts as punctuation, a decimal point stays ("35" is not "3.5"). A doc_qa
+     answer also fails the rule when it offers a second candidate ("Paris/Berlin", "yes or no"),
+     denies the gold ("not Paris") or has over 3x the gold's words, and a yes/no gold needs the
+     answer to be yes or no: a hedge would otherwise collect Eq. 6's max over the verifier's NO.
+  2. The number rule is sign-sensitive (the authors compare absolute values) and reads the
+     answer's number: after the last "answer is", else on the last line, labels ("FY2023:")
+     skipped, accounting parentheses negative; the comparison cannot overflow.
   3. The multiple-choice questioner is told which letter must be correct, drawn uniformly from
      A-D (in the authors' code a task-name typo skips this).
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
-  5. History memory skips repeated questions and stores a question only when r_que > 0
-     (Algorithm 1, line 20); the authors' de-duplication is a no-op and they also store questions
-     every rollout solved.
+  5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
+     (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
+     authors' de-duplication is a no-op and they also store questions every rollout solved. A
+     history that outgrows the prompt budget loses its oldest entries (the paper is silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
      abstention is no YES, a tie is NO).
@@ -84,6 +88,15 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      verifier_reply_prefix starts the verifier's reply, as prompt.
  12. Rollouts on CPU run in float32 unless the CPU has bf16 instructions (rollout.dtype "auto");
      the trainer keeps fp32 masters and logs the log-prob gap to vLLM.
+ 13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
+     policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
+     already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
+     Task.rule_decides = False restores Eq. 6's max.
+ 14. §4.3's selection (responder groups with reward variance, questioner positives) reads Eq. 6's
+     accuracy (and the bootstrap format penalty where set); DAPO's length shaping
+     (reward.overlong_buffer) enters the advantage only, so no group is kept for length alone.
+ 15. A doc_qa reference the rule can never match (no word left once normalised, several lines, a
+     '*') is a format error (Eq. 7), as an unparseable question is.
 """
 
 from __future__ import annotations
@@ -93,11 +106,9 @@ import math
 import os
 import re
 import signal
-import string
 import sys
 import time
 import types
-import unicodedata
 import zlib
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -113,16 +124,19 @@ import torch.distributed as dist
 # switches Triton to its interpreter, which only works if that happens before anything imports
 # triton.
 import kernels
-from infra import (CheckpointError, ConfigError, CorpusError, InputError, RunLog,
-                   all_gather_objects, all_reduce_max, all_reduce_sum, attention_implementation,
-                   balance_sequences, bucketed_state_dict, check_checkpoint, check_every_key,
+from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
+                   YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats, all_reduce_sum,
+                   answer_number, answer_tokens, attention_implementation, balance_sequences,
+                   bucketed_state_dict, candidate_count, check_checkpoint, check_every_key,
                    check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
-                   checkpoint_dir, config_to_dict, engine_groups, export_hf, json_candidates,
-                   jsonl_records, loads_lenient, parse_args, policy_mesh, print0,
+                   checkpoint_dir, config_to_dict, control_tokens, corpus_records,
+                   defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
+                   json_candidates, load_rank_state, loads_lenient, normalize_text,
+                   number_is_negative, parse_args, phase_plan, policy_mesh, print0,
                    rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
-                   rng_state, rollout_dtype, rollout_fingerprint, save_atomically, seed_everything,
-                   set_rng_state, set_vllm_log_level, share_within_groups, step_times,
-                   train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   rng_state, rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
+                   seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
+                   step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
                    write_run_config)
 
 ROOT = Path(__file__).resolve().parent
@@ -148,20 +162,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: str = "data/corpus.jsonl"  # JSON Lines of clusters (see load_corpus)
-    # Draw weight of each task type (a key of TASKS) for a cluster whose corpus line names no
-    # task (§5.1: balanced). A TOML table, or `--data.task_weights=doc_qa:1,doc_mc:0`; the tasks
-    # it does not name keep their weight
+    # draw weight of each task type (a key of TASKS) for clusters without one (§5.1: balanced); a
+    # TOML table or `--data.task_weights=doc_mc:0`, the tasks not named keep their weight
     task_weights: dict[str, float] = field(default_factory=lambda: {task: 1.0 for task in TASKS})
-    # RLVR instead of self-play: a static QA set (JSON Lines, see load_qa_set) whose questions the
-    # responder answers; there is no questioner and data.corpus is not read. "" = self-play
-    qa: str = ""
-    # QwenLong-L1's progressive context scaling (§2.3, Eq. 9), data.qa only: "STEP:TOKENS,..." e.g.
-    # "1:4096,21:8192" trains steps 1-20 on questions whose responder prompt has <= 4096 tokens,
-    # then steps 21- on those with 4096 < tokens <= 8192. "" = one phase, every question
+    qa: str = ""  # RLVR: a static QA set (evaluation.load_qa_set) instead of the questioner
+    # QwenLong-L1's context phases (§2.3, Eq. 9), data.qa only: "1:4096,21:8192" = steps 1-20 on
+    # prompts of <= 4096 tokens, then 4096 < tokens <= 8192. "" = one phase
     phases: str = ""
-    # QwenLong-L1's retrospective sampling (§2.3): questions no response solved (mean reward 0)
-    # in a phase are carried into the next phase's pool (the paper's "average accuracy of zero")
-    retrospective: bool = False
+    retrospective: bool = False  # QwenLong-L1 §2.3: a phase's never-solved questions go on
 
 
 @dataclass
@@ -177,23 +185,16 @@ class RolloutConfig:
     clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
-    # Prompt families (prompts/<name>_<task>.txt). questioner: SPELL's, sees m documents |
-    # challenger: SPICE's Challenger, writes a self-contained question from one document.
-    # responder: answers with the whole cluster | reasoner: SPICE's Reasoner, without any document
+    # prompt families, prompts/<family>_<task>.txt: questioner (SPELL's, m documents) or challenger
+    # (SPICE's, one document); responder (the whole cluster) or reasoner (SPICE's, no document)
     questioner_template: str = "questioner"
     responder_template: str = "responder"
-    # §4.1's no-document check; false = Table 2 "w/o grounding filter"
-    grounding_filter: bool = True
+    grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding"
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
-    # Ranks per vLLM engine (tensor parallelism, for models one GPU cannot hold): groups of
-    # consecutive ranks share one engine and its rollouts; FSDP still shards over every rank
-    tensor_parallel_size: int = 1
-    # Weight sync: one all-gather per bucket of consecutive weights of at most this many MiB (full
-    # tensors in the sync dtype; a bigger tensor travels alone). 0 = one all-gather per tensor
-    sync_bucket_mb: int = 512
+    tensor_parallel_size: int = 1  # ranks per vLLM engine, consecutive (infra.engine_groups)
+    sync_bucket_mb: int = 512  # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions, else float32
-    # (departure 12); train/rollout_logp_gap logs how far they drift from the fp32 trainer
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
     sleep_level: Literal[0, 1, 2] = 1
@@ -201,60 +202,42 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    # How the questioner's reward reads the responders' mean reward r (a key of
-    # QUESTIONER_MAPPINGS): gaussian = SPELL's Eq. 7 | azr = Absolute Zero's 1 - r | rzero =
-    # R-Zero's 1 - 2|r - 0.5| | spice = SPICE's Gaussian in the variance r(1 - r). The penalties
-    # below hold for all of them
+    # r_que from the responders' mean reward, a key of QUESTIONER_MAPPINGS: gaussian (Eq. 7), azr,
+    # rzero, spice (§5.4); the penalties below hold for all of them
     questioner_mapping: str = "gaussian"
     mu: float = 0.5  # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     sigma: float = 0.5 / 3  # width of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
     format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
     negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
-    # Who judges a response against the reference (Eq. 6). verifier: the policy, G votes, majority
-    # vote v_i, and it learns from them (SPELL) | rule: nobody, r_i = R_rule (Table 2 "w/o
-    # verifier"; RLVR's rule reward). A hybrid max(rule, judge) with a frozen judge is verifier +
-    # train.frozen_roles = "ver"
+    # the questioner samples that train: spell (§4.3's positives and negatives) or all (every
+    # question drawn, as SPICE's Algorithm 1 trains every task)
+    questioner_pool: Literal["spell", "all"] = "spell"
+    # who judges a response in Eq. 6: verifier (the policy's G votes) or rule (nobody: r_i is the
+    # rule check; Table 2 "w/o verifier", RLVR). Hybrid = verifier + train.frozen_roles = "ver"
     judge: Literal["verifier", "rule"] = "verifier"
-    # v_i in Eq. 6. majority: Eq. 4's vote over G | single: the first vote alone (Table 2 "w/o
-    # majority voting"); the verifier's own rewards (Eq. 5) and its consistency filter still use
-    # the majority
+    # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
-    # §4.3: keep a verifier group only when its majority agrees with the rule check; false =
-    # Table 2 "w/o update consistency" (any majority in verifier_agreement trains)
-    consistency_filter: bool = True
+    consistency_filter: bool = True  # §4.3: a verifier group trains only if its majority = rule
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
-    # A generation cut at rollout.max_new_tokens. zero: it is unfinished, so it earns what an
-    # unfinished answer earns (responder: no answer, r = 0; verifier: an abstention; questioner: a
-    # format error) and trains with that reward | mask: the same rewards, but cut outputs stay out
-    # of the loss (DAPO's overlong filtering) | keep: scored as if the cut text were finished
+    # an output cut at rollout.max_new_tokens: zero (scored as unfinished), mask (that, and left
+    # out of the loss: DAPO) or keep (scored as it stands); departure 10
     overlong: Literal["zero", "mask", "keep"] = "zero"
-    # DAPO's soft overlong punishment (Yu et al. 2025; QwenLong-L1 §2.2, item 4) on the responder's
-    # training reward: past max_new_tokens - overlong_buffer tokens it falls linearly, to -1 at
-    # max_new_tokens. 0 = off
+    # DAPO's soft overlong punishment on the responder's training reward: over the last this many
+    # tokens before max_new_tokens it falls linearly to -1. 0 = off
     overlong_buffer: int = 0
 
 
 @dataclass
 class BootstrapConfig:
     """Not in the paper (departure 11): four switches that let a model which cannot yet write the
-    roles' formats learn them. All off in config.toml, on in the CPU presets."""
-    # A task with fewer positives than this takes well-formed questions (best r_que first) as extra
-    # positives, so a model that cannot yet write the format learns it (r = 0 against a format
-    # error's -1) instead of getting no questioner gradient at all. 0 = off
-    questioner_floor: int = 0
-    # The training reward of a response with no final answer to extract (or cut short), in place of
-    # 0, so a group that mixes answered and unanswered responses has variance and teaches the
-    # answer format. The questioner's Eq. 7 still sees Eq. 6's r_i. 0 = off
-    responder_format_penalty: float = 0.0
-    # The reward of a verifier vote with no verdict tag, in place of Eq. 5's 0. A group whose
-    # majority matches the rule, and in which some votes abstained and some agreed, is then
-    # trainable even outside reward.verifier_agreement: it teaches the verdict format. 0 = off
-    verifier_format_penalty: float = 0.0
-    # Text the verifier's reply starts with, written after the chat template's assistant header as
-    # part of the prompt (never sampled, never trained). "Decision: [[" leaves the model one choice,
-    # YES]] or NO]]: SmolLM2-135M wrote a tag in 19 of 64 votes with it, 0 of 64 without. "" = off
+    roles' formats learn them. All off in config.toml, on in the CPU presets; 0 or "" = off."""
+    questioner_floor: int = 0  # a task's well-formed questions as positives, up to this many
+    responder_format_penalty: float = 0.0  # training reward of a response with no final answer
+    verifier_format_penalty: float = 0.0  # reward of a vote without a verdict tag (Eq. 5: 0)
+    # the verifier's reply starts with this, as prompt: "Decision: [[" leaves it YES]] or NO]]
+    # (SmolLM2-135M tagged 19 of 64 votes with it, 0 of 64 without)
     verifier_reply_prefix: str = ""
 
 
@@ -265,24 +248,19 @@ class TrainConfig:
     lr: float = 2e-6  # constant (§5.1)
     weight_decay: float = 0.01  # [code]
     grad_clip: float = 1.0  # [code]
-    clip_low: float = 0.2  # PPO clip range; inactive on-policy (Eq. 12), used when ppo_epochs > 1
+    clip_low: float = 0.2  # PPO clip range (Eq. 2): binds only off-policy (below)
     clip_high: float = 0.2
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
-    # The objective per token, a key of POLICY_LOSSES: grpo (Eq. 2's clipped token ratio) | gspo
-    # (one ratio per sequence) | cispo (a clipped, stop-gradient importance weight). On-policy
-    # (ppo_epochs = 1) the ratio is 1 and all three give the same gradient
-    policy_loss: str = "grpo"
-    # The loss normaliser, a key of LOSS_NORMS: role (Eq. 12 per role, roles summed as Eq. 10) |
-    # group (Eq. 12 over the batch) | token (DAPO) | sequence (GRPO) | constant (Dr.GRPO)
-    loss_norm: str = "role"
-    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO: r - mean)
+    # optimiser steps per pass, each on a mini-batch of whole groups with its own Eq. 12 objective
+    # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
+    mini_batches: int = 1
+    policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
+    loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
+    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
-    # Ranks one FSDP2 shard group spans. 0 = all of them (FSDP); S = HSDP: sharded within groups
-    # of S consecutive ranks (a node: 8), replicated across them (infra.mesh_shape)
-    fsdp_shard_size: int = 0
+    fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
-    # Table 2's "w/o update" ablations: comma-separated roles (que, ver) that still play their part
-    # in the rollouts but whose samples never enter the batch. "" = every role trains
+    # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
     seed: int = 42
 
@@ -293,8 +271,7 @@ class LogConfig:
     save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
     sample_every: int = 5  # print a table of sample rollouts every N steps
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
-    # also write every metric to <out_dir>/tensorboard (offline; `tensorboard --logdir`)
-    tensorboard: bool = False
+    tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
 
 
 @dataclass
@@ -304,8 +281,7 @@ class EvalConfig:
     n: int = 8  # samples per question (Appendix C.2)
     temperature: float = 0.7
     top_p: float = 0.95
-    # prompts are middle-truncated to this; the paper also reports 100000
-    max_input_len: int = 16384
+    max_input_len: int = 16384  # middle-truncated to this; the paper also reports 100000
     max_output_len: int = 4096  # 20000 for reasoning models (Appendix C.2); also the judge's budget
     judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
     gpu_memory_utilization: float = 0.9  # eval has no trainer on the GPU
@@ -343,23 +319,30 @@ def check_config(cfg: Config) -> None:
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
-    needs = {role: missing_templates(cfg, role, rlvr) for role in ("questioner", "responder")}
+    needs = {role: missing_templates(cfg, role, rlvr)
+             for role in ("questioner", "history", "responder")}
     value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
         "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
         "reward.negative_ratio": 0, "reward.verifier_share": 0, "train.steps": 1,
-        "train.batch_groups": 1, "train.lr": 0, "train.weight_decay": 0, "train.clip_high": 0,
-        "train.ppo_epochs": 1}
+        "train.batch_groups": 1, "train.weight_decay": 0, "train.clip_high": 0,
+        "train.ppo_epochs": 1, "train.mini_batches": 1}
     rules = [(key, value(key) >= n, f">= {n}") for key, n in at_least.items()]
+    rules += [(key, value(key) <= 0, "<= 0 (a penalty)") for key in (
+        "reward.ungrounded_penalty", "reward.format_penalty", "bootstrap.responder_format_penalty",
+        "bootstrap.verifier_format_penalty")]
     rules += [  # (key, holds, what the key must be)
         ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
-        ("reward.sigma", w.sigma > 0, "> 0"),
+        # past the generic bounds (infra.FLOAT_BOUND): a penalty is <= 0, Eq. 7 squares sigma
+        # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
+        ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
+        ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
         ("rollout.votes_per_response", r.votes_per_response >= 0, ">= 0 (0: rollout.group_size)"),
-        ("rollout.temperature", r.temperature > 0, "> 0 (log-probs divide by it)"),
+        ("rollout.temperature", r.temperature >= 1e-3, ">= 1e-3 (log-probs divide by it)"),
         ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
         ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("reward.questioner_mapping", w.questioner_mapping in QUESTIONER_MAPPINGS,
@@ -374,18 +357,17 @@ def check_config(cfg: Config) -> None:
         ("data.phases", not d.phases or rlvr, "\"\" without data.qa (phases order a QA set)"),
         ("data.phases", (plan or [(1, 0)])[-1][1] <= r.max_prompt_tokens,
          "phases whose last length fits rollout.max_prompt_tokens (longer prompts are skipped)"),
+        ("data.phases", (plan or [(1, 0)])[-1][0] <= t.steps, "phases that start by train.steps"),
         ("rollout.questioner_template", needs["questioner"] == [],
          f"a prompt family with a file per task in use; missing {needs['questioner']}"),
+        ("rollout.history_size", needs["history"] == [], f"0 with rollout.questioner_template "
+         f"{r.questioner_template!r}: it has no history prompts; missing {needs['history']}"),
         ("rollout.responder_template", needs["responder"] == [],
          f"a prompt family with a file per task in use; missing {needs['responder']}"),
         ("rollout.grounding_filter", not r.grounding_filter
          or "documents" in template_fields(f"{r.responder_template}_{next(iter(TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
-        ("bootstrap.responder_format_penalty", b.responder_format_penalty <= 0,
-         "<= 0 (a penalty; 0: off)"),
-        ("bootstrap.verifier_format_penalty", b.verifier_format_penalty <= 0,
-         "<= 0 (a penalty; 0: off)"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -398,7 +380,7 @@ def check_config(cfg: Config) -> None:
     ]
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {value(key)!r}")
+            raise ConfigError(f"{key} must be {must}, got {shown(value(key))}")
 
 
 # ==================================================================================================
@@ -423,9 +405,15 @@ LETTERS = ("A", "B", "C", "D")
 
 def check_doc_qa(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
     """A general-QA question: the reference answer is a short span (rollout.max_answer_words)."""
-    if not answer.strip() or len(answer.split()) > max_words:
+    if not answer.strip() or len(answer.split()) > max_words or not _matchable_gold(answer):
         return None
     return {"question": question, "answer": answer.strip()}
+
+
+def _matchable_gold(answer: str) -> bool:
+    """A doc_qa gold that the rule can match at all: some word left after normalisation (not a bare
+    "A" or "The"), one line (extraction reads one), no '*' (extraction drops an answer's '*')."""
+    return bool(normalize_text(answer)) and "\n" not in answer.strip() and "*" not in answer
 
 
 def check_fin_math(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
@@ -468,16 +456,36 @@ def extract_number_answer(body: str) -> str | None:
 
 
 def extract_letter_answer(body: str) -> str | None:
-    """A multiple-choice answer: the last '\\boxed{X}' or 'answer is (X)'; a letter must stand alone
-    (not the 'A' of 'Apple')."""
+    """The option a multiple-choice response settles on (SPEC §3): the last of '\\boxed{X}',
+    'answer is (X)' or 'answer is option x', an 'Answer: X' line, a last line of only 'Option X'."""
+    # a letter must stand alone (not the 'A' of 'Apple'); 'Option B' counts only as the answer,
+    # never in prose ("option A is wrong because..."): after a marker, or alone on the last line
     hits = [(m.start(), m[1]) for m in re.finditer(r"\\boxed\{\s*\(?([A-D])\)?\s*\}", body)]
-    hits += [(m.start(), m[1]) for m in _MC_ANSWER.finditer(body)]
-    return max(hits)[1] if hits else None
+    hits += [(m.start(), m[1] or m[2]) for m in _MC_ANSWER.finditer(body)]
+    hits += [(m.start(), m[1] or m[2] or m[3]) for m in _MC_ANSWER_LINE.finditer(body)]
+    last = body.rstrip()
+    start = last.rfind("\n") + 1
+    if m := _MC_OPTION_LINE.fullmatch(last, start):
+        hits.append((start, m[1]))
+    return max(hits)[1].upper() if hits else None
 
 
-def rule_doc_qa(predicted: str, gold: str) -> bool:
-    """Cover exact match (§4.2), for a prediction not far longer than the gold (departure 1)."""
-    return short_enough(predicted, gold) and cover_exact_match(predicted, gold)
+def rule_doc_qa(prediction: str, gold: str) -> bool:
+    """R_rule for doc_qa (Eq. 6, SPEC §3): the prediction covers the gold on word boundaries (CEM,
+    §4.2), offers no other candidate ("Paris/Berlin"), does not deny the gold ("not Paris") and is
+    not far longer than it; a yes/no gold needs the answer to be yes or no (departure 1)."""
+    g = normalize_text(gold).split()
+    if " ".join(g) in YES_NO:  # a yes/no question is answered by yes or no, never by "yes/no"
+        return normalize_text(prediction) == g[0]
+    if not g or not short_enough(prediction, gold):
+        return False
+    tokens = answer_tokens(prediction)
+    at = [i for i, t in enumerate(tokens) if t != BREAK]  # the token index of each word
+    words = [tokens[i] for i in at]
+    starts = gold_starts(words, g)
+    if not starts or any(k > 0 and words[k - 1] in NEGATIONS for k in starts):
+        return False
+    return candidate_count(tokens, {at[k]: at[k + len(g) - 1] + 1 for k in starts}) < 2
 
 
 def rule_doc_mc(predicted: str, gold: str) -> bool:
@@ -488,19 +496,23 @@ def rule_doc_mc(predicted: str, gold: str) -> bool:
 class Task(NamedTuple):
     """One task type (§5.1): how its reference answer is checked (None = a format error, Eq. 7),
     how a response's final answer is read from the text after its reasoning, R_rule of Eq. 6 on the
-    two answers, and whether it is multiple choice (the questioner is then told which letter must
-    be correct, and the prompts show the options)."""
+    two answers, whether it is multiple choice (the questioner is then told which letter must be
+    correct, and the prompts show the options), and whether the rule alone decides r_i (Eq. 6
+    without the verifier's max, departure 13)."""
     check: Callable[[str, str, dict, str | None, int], dict | None]
     extract: Callable[[str], str | None]
     rule: Callable[[str, str], bool]
     multiple_choice: bool = False
+    rule_decides: bool = False
 
 
 # §5.1's three task types; data.task_weights draws among them in this order
 TASKS: dict[str, Task] = {
     "doc_qa": Task(check_doc_qa, extract_text_answer, rule_doc_qa),
-    "fin_math": Task(check_fin_math, extract_number_answer, lambda p, g: numbers_match(p, g)),
-    "doc_mc": Task(check_doc_mc, extract_letter_answer, rule_doc_mc, multiple_choice=True),
+    "fin_math": Task(check_fin_math, extract_number_answer, lambda p, g: numbers_match(p, g),
+                     rule_decides=True),
+    "doc_mc": Task(check_doc_mc, extract_letter_answer, rule_doc_mc, multiple_choice=True,
+                   rule_decides=True),
 }
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -538,17 +550,15 @@ def template_fields(name: str) -> set[str]:
 
 
 def missing_templates(cfg: Config, role: str, rlvr: bool) -> list[str]:
-    """Prompt files the config needs for `role` (questioner or responder) that prompts/ lacks. Under
-    RLVR (data.qa) there is no questioner, and the set may hold every task."""
-    weights = cfg.data.task_weights
+    """Prompt files the config needs for `role` (questioner, history: the questioner's with history
+    memory, or responder) that prompts/ lacks. Under RLVR (data.qa) there is no questioner, and the
+    set may hold every task."""
+    r, weights = cfg.rollout, cfg.data.task_weights
     tasks = list(TASKS) if rlvr else [t for t in TASKS if weights[t] > 0]
-    if role == "questioner":
-        if rlvr:
-            return []
-        names = [f"{cfg.rollout.questioner_template}_{t}" for t in tasks]
-        names += [f"{n}_history" for n in names] if cfg.rollout.history_size else []
-    else:
-        names = [f"{cfg.rollout.responder_template}_{t}" for t in tasks]
+    names = {"questioner": [] if rlvr else [f"{r.questioner_template}_{t}" for t in tasks],
+             "history": [] if rlvr or not r.history_size
+             else [f"{r.questioner_template}_{t}_history" for t in tasks],
+             "responder": [f"{r.responder_template}_{t}" for t in tasks]}[role]
     return [n + ".txt" for n in names if not prompt_path(n).is_file()]
 
 
@@ -606,8 +616,13 @@ def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a one-turn chat with the generation prompt, tokenised once, by the trainer."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+    """Token ids of a one-turn chat with the generation prompt, tokenised once on the trainer side.
+
+    Every prompt enters here, and its text is documents, model output and our templates: none of it
+    may become a control token, so a role tag written as text is defused first.
+    """
+    content = defuse_control_tokens(text, control_tokens(tokenizer))
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                               add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
 
@@ -629,15 +644,6 @@ def strip_reasoning(text: str) -> str | None:
     return text
 
 
-def _utf8(s: str) -> bool:
-    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _scalar_text(x: Any) -> str | None:
     """A JSON string or finite number as text; None for anything else (bool, NaN, Infinity,
     list...)."""
@@ -647,7 +653,7 @@ def _scalar_text(x: Any) -> str | None:
         return str(x)  # exact; json.loads already refused more than 4300 digits (a ValueError)
     if isinstance(x, float):
         return format_number(x) if math.isfinite(x) else None
-    return x if isinstance(x, str) and _utf8(x) else None
+    return x if isinstance(x, str) and is_utf8(x) else None
 
 
 def _is_template_text(s: Any) -> bool:
@@ -662,7 +668,7 @@ def _validate_question(obj: Any, task: str, correct_letter: str | None,
     if not isinstance(obj, dict):
         return None
     q, a = obj.get("question"), _scalar_text(obj.get("answer"))
-    if not isinstance(q, str) or not q.strip() or not _utf8(q) or _is_template_text(q):
+    if not isinstance(q, str) or not q.strip() or not is_utf8(q) or _is_template_text(q):
         return None
     if _is_template_text(a):
         return None
@@ -699,7 +705,16 @@ def parse_question(text: str, task: str, correct_letter: str | None = None,
 # match the same characters, so 200k spaces after a marker cost linear time (r"\s*:?\s*\**\s*" was
 # cubic)
 _MARKER = re.compile(r"\banswer\s+is\b\s*:?", re.I)
-_MC_ANSWER = re.compile(r"\b(?i:answer\s+is)\b[\s:*]*\(?([A-D])\)?(?![A-Za-z0-9])")
+# a letter after 'answer is': '(C)' or 'C' in capitals, or after 'option' / 'choice' in either case
+_MC_CHOICE = r"(?:(?i:option|choice)[ \t]*\(?([A-Da-d])\)?|\(?([A-D])\)?)(?![A-Za-z0-9])"
+_MC_ANSWER = re.compile(r"\b(?i:answer\s+is)\b[\s:*]*" + _MC_CHOICE)
+# a line that starts 'Answer:' (also 'Final answer:', markdown allowed): a bare letter must end the
+# line, so the 'A' of 'Answer: A lot depends on...' is prose
+_MC_ANSWER_LINE = re.compile(r"^[ \t*#>]*(?i:(?:final|correct)[ \t]+)?(?i:answer)[ \t*]*:[ \t*]*(?:"
+                             r"(?i:option|choice)[ \t]*\(?([A-Da-d])\)?(?![A-Za-z0-9])|\(([A-D])\)"
+                             r"|([A-D])[.)*]*[ \t\r]*$)", re.M)
+# a last line that is only an option: 'Option B.', '**option (b)**'
+_MC_OPTION_LINE = re.compile(r"[ \t*#>]*(?i:option|choice)[ \t]*\(?([A-Da-d])\)?[ \t.*!]*")
 _PLACEHOLDER_ANSWER = "insert answer here"
 
 
@@ -723,13 +738,13 @@ def extract_answer(text: str, task: str) -> str | None:
     return None if body is None else TASKS[task].extract(body)
 
 
-_NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-_CURRENCY = ("$", "€", "£", "¥")
-
-
 def parse_number(text: Any) -> float | None:
-    """The first finite number in a string ('$1,234.5 million' -> 1234.5, '-12%' -> -12.0), else
-    None."""
+    """The number a text gives as its answer, else None ('$1,234.5 million' -> 1234.5, '-1%' -> -1).
+
+    Where: the line after the last 'answer is' (as extract_answer reads it), else the last non-empty
+    line; there the first number that is not a label ('FY2023: 1.5' -> 1.5, 'Q4' and '2023:' are
+    labels). Accounting parentheses make it negative: '$(1,234)' -> -1234.0.
+    """
     if isinstance(text, bool):
         return None
     if isinstance(text, (int, float)):
@@ -738,20 +753,23 @@ def parse_number(text: Any) -> float | None:
         except OverflowError:  # an integer beyond the float range (JSON integers are unbounded)
             return None
         return value if math.isfinite(value) else None
-    s = str(text).replace("\u2212", "-").replace(",", "")
-    m = _NUMBER.search(s)
-    if not m:
+    s = _number_region(str(text).replace("\u2212", "-")).replace(",", "")
+    m = answer_number(s)
+    if m is None:
         return None
     value = float(m[0])
     if not math.isfinite(value):  # "1e999"
         return None
-    # the sign stands before the number or before its currency: "-12", "- $12", "$-12". Looked up
-    # with str methods: a regex r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
-    head = s[:m.start()].rstrip()
-    negative = head.endswith("-")
-    if head.endswith(_CURRENCY):
-        negative = negative or head[:-1].rstrip().endswith("-")
-    return -value if negative else value
+    return -value if number_is_negative(s, m) else value
+
+
+def _number_region(s: str) -> str:
+    """The part of a text that states its number: the answer after the last 'answer is' marker, else
+    the last non-empty line (a derivation that ends 'Profit: 20' states 20)."""
+    if _MARKER.search(s):
+        return _after_last_marker(s) or ""  # a marker with nothing after it states no number
+    s = s.rstrip()
+    return s[s.rfind("\n") + 1:]
 
 
 def format_number(value: float) -> str:
@@ -763,34 +781,6 @@ def format_number(value: float) -> str:
     return format(Decimal(repr(value)), "f")  # repr: the shortest digits that give the float back
 
 
-# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
-# ~20x slower)
-_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
-_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
-_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
-# punctuation and symbols, also combining marks
-_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
-_ARTICLES = frozenset(("a", "an", "the"))
-
-
-def _space_if_punctuation(m: re.Match) -> str:
-    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
-    word."""
-    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
-
-
-def normalize_text(s: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
-    Unicode-aware)."""
-    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
-    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
-    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
-    s = _ASCII_PUNCTUATION.sub(" ", s)
-    if not s.isascii():
-        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
-    return " ".join(w for w in s.split() if w not in _ARTICLES)
-
-
 def cover_exact_match(prediction: str, gold: str) -> bool:
     """CEM (§4.2): the normalised gold answer occurs in the prediction, on word boundaries."""
     p, g = normalize_text(prediction), normalize_text(gold)
@@ -800,17 +790,15 @@ def cover_exact_match(prediction: str, gold: str) -> bool:
     return f" {g} " in f" {p} "
 
 
-# a doc_qa prediction may hold at most this many words per word of the gold
-CEM_MAX_LENGTH_RATIO = 2
+CEM_MAX_LENGTH_RATIO = 3  # a doc_qa prediction's words per word of the gold, at most
 
 
 def short_enough(prediction: str, gold: str, ratio: int = CEM_MAX_LENGTH_RATIO) -> bool:
-    """The prediction is at most `ratio` times the gold's length in normalised words (Eq. 6's rule).
+    """The prediction has at most `ratio` times the gold's normalised words (rule of Eq. 6).
 
-    CEM alone pays a list of candidates ("Paris, London, Berlin, Madrid" holds "Berlin"), and
-    Eq. 6's max lets that override the verifier's NO. With ratio 2 the gold plus as many words again
-    passes ("Berlin, Germany", "Eiffel Tower in Paris"), a list of three same-length candidates
-    never does; a longer correct paraphrase is left to the verifier.
+    The bound for what candidate_count cannot see, candidates with nothing between them ("Paris
+    Berlin Madrid Rome"); with ratio 3 the gold inside a short phrase passes ("the city of Berlin",
+    "Eiffel Tower in Paris"), and a longer correct paraphrase is left to the verifier.
     """
     return len(normalize_text(prediction).split()) <= ratio * len(normalize_text(gold).split())
 
@@ -824,11 +812,13 @@ def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
         return p == g
     if (p < 0) != (g < 0):
         return False
-    # percent vs fraction, and thousands/millions/billions
-    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):
-        for a, b in ((p * scale, g), (p, g * scale)):
-            if abs(a - b) <= rel_tol * abs(b):
-                return True
+    # |p*s - g| <= tol*|g| written as |ratio*s - 1| <= tol: scaling a gold of 1e300 by 1e9 gave inf,
+    # and inf <= tol*inf let every number of its sign match. The ratio itself turns inf or 0 only
+    # for numbers hundreds of orders apart, which no scale bridges
+    ratio = p / g
+    for scale in (1.0, 100.0, 1e3, 1e6, 1e9):  # percent vs fraction; thousands, millions, billions
+        if abs(ratio * scale - 1) <= rel_tol or abs(ratio / scale - 1) <= rel_tol:
+            return True
     return False
 
 
@@ -926,6 +916,15 @@ class HistoryMemory:
         del entries[:-self.size]  # keep the L latest
         return True
 
+    def forget_oldest(self, cluster_id: str, task: str) -> bool:
+        """Drop the oldest entry, when the questioner's prompt outgrew rollout.max_prompt_tokens
+        (the cluster would be skipped for ever otherwise); False if there is none to drop."""
+        entries = self.entries.get(self.key(cluster_id, task))
+        if not entries:
+            return False
+        del entries[0]
+        return True
+
     def questioner_context(self, cluster_id: str, task: str, n_docs: int, m: int,
                            rng: np.random.Generator) -> tuple[list[int], list[HistoryEntry]]:
         """Documents and examples for the questioner: history docs + m unseen ones (§4.1)."""
@@ -956,15 +955,16 @@ def verifier_rewards(votes: Sequence[int | None], majority: int | None) -> list[
     return [float(v == majority) for v in votes]
 
 
-def responder_reward(rule: float, vote: int | None) -> float:
+def responder_reward(rule: float, vote: int | None, rule_decides: bool = False) -> float:
     """r_i = max(R_rule(y_i, a), v_i) (Eq. 6); a response never verified (no answer, vote None) has
-    v_i = 0."""
-    return float(max(rule, vote or 0))
+    v_i = 0. Where the rule decides (a number, a letter: Task.rule_decides), r_i = R_rule: a YES
+    cannot pay for an answer the rule has proven wrong (departure 13)."""
+    return float(rule if rule_decides else max(rule, vote or 0))
 
 
 def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
-    """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r, 0 when nobody or everybody solved
-    it."""
+    """SPELL's r_que for 0 < r < 1 (§4.2, Eq. 7): a Gaussian in r; 0 when nobody or everybody
+    solved it."""
     if r <= 0.0 or r >= 1.0:  # no learning signal at either end
         return 0.0
     return math.exp(-((r - mu) ** 2) / (2 * sigma ** 2))
@@ -1079,10 +1079,14 @@ class Rollout:
     majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
     # per response: Eq. 6's r_i before training-only penalties
     solved: list = field(default_factory=list)
+    # per response: what §4.3's variance test reads, Eq. 6's r_i with bootstrap's answer-format
+    # penalty (not the overlong shaping: a length-only difference keeps no group)
+    selection: list = field(default_factory=list)
     agreements: list = field(default_factory=list)
     ver_rewards: list = field(default_factory=list)  # per response: G rewards r_ij (Eq. 5), or None
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
     que_reward: float = 0.0  # r_que (Eq. 7)
+    evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
 
 
 def sampling(cfg: Config) -> dict:
@@ -1095,6 +1099,12 @@ def finished(c: Completion, cfg: Config) -> bool:
     """Whether a completion is scored as a finished output: not cut at max_new_tokens, unless
     reward.overlong = "keep" scores cut text as it stands."""
     return c.finish_reason != "length" or cfg.reward.overlong == "keep"
+
+
+def generator(cfg: Config, purpose: str, index: int) -> np.random.Generator:
+    """A NumPy generator of its own for each purpose ("engine": an engine's draws, "batch": a step's
+    selection) and index: streams of different purposes never coincide."""
+    return np.random.default_rng([cfg.train.seed, zlib.crc32(purpose.encode()), index])
 
 
 def request_seeds(*key: Any, count: int) -> list[int]:
@@ -1112,16 +1122,22 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
     (§4.1)."""
     rollouts, letters = [], []
     for cluster, task in drawn:
-        doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
-                                                       cfg.rollout.docs_per_question, rng)
         # the letter that must be correct, drawn uniformly (departure 3)
         letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
-        text = questioner_prompt(task, [cluster.documents[i] for i in doc_ids], examples, letter,
-                                 cfg.rollout.questioner_template)
-        ids = chat_ids(tok, text)
-        if len(ids) > cfg.rollout.max_prompt_tokens:
-            continue  # the history grew past the prompt budget: skip this draw, no penalty
-        rollouts.append(Rollout(cluster, task, doc_ids, ids))
+        evicted = -1
+        while True:  # a history grown past the prompt budget forgets its oldest entry (departure)
+            evicted += 1
+            doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
+                                                           cfg.rollout.docs_per_question, rng)
+            docs = [cluster.documents[i] for i in doc_ids]
+            ids = chat_ids(tok, questioner_prompt(task, docs, examples, letter,
+                                                  cfg.rollout.questioner_template))
+            fits = len(ids) <= cfg.rollout.max_prompt_tokens
+            if fits or not history.forget_oldest(cluster.id, task):
+                break
+        if not fits:
+            continue  # m documents alone are too long: skip this draw, no penalty
+        rollouts.append(Rollout(cluster, task, doc_ids, ids, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg), logprobs=True, desc="questioner")
@@ -1213,16 +1229,21 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
         decisions = (r.majorities if rc.verifier_decision == "majority"
                      else [v[0] if v else None for v in r.votes])
-        r.solved = [responder_reward(rule, v) for rule, v in zip(r.rules, decisions)]  # Eq. 6
-        r.que_reward = questioner_reward(float(np.mean(r.solved)), mapping=rc.questioner_mapping,
-                                         mu=rc.mu, sigma=rc.sigma)  # Eq. 7
+        r.solved = [responder_reward(rule, v, TASKS[r.task].rule_decides)  # Eq. 6
+                    for rule, v in zip(r.rules, decisions)]
+        solve_rate = float(np.mean(r.solved))
+        r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
+                                         sigma=rc.sigma)  # Eq. 7
         r.res_rewards = list(r.solved)  # the responder's training reward: Eq. 6, then shaping
         bootstrap_rewards(r, cfg)
+        r.selection = list(r.res_rewards)
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, the responder's training reward
             r.res_rewards = [x + overlong_penalty(len(c.token_ids), cfg.rollout.max_new_tokens,
                                                   rc.overlong_buffer)
                              for x, c in zip(r.res_rewards, r.responses)]
-        if r.que_reward > 0 and r.que_prompt:  # solvable, and from the questioner (not RLVR's set)
+        # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
+        # and written by the questioner (not RLVR's set)
+        if 0 < solve_rate < 1 and r.que_prompt:
             history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question),
                          r.question["answer"])
 
@@ -1277,10 +1298,12 @@ class Summary:
     que_reward: float
     que_len: int
     que_cut: bool  # the generation hit rollout.max_new_tokens
+    evicted: int  # history entries forgotten for the questioner's prompt
     res_rewards: list[float] | None
     rules: list[float]
     majorities: list[int | None]
     solved: list[float]
+    selection: list[float]
     agreements: list[float]
     ver_rewards: list[list[float] | None]
     res_lens: list[int]
@@ -1294,7 +1317,9 @@ def summarize(r: Rollout) -> Summary:
     """The Summary of a rollout."""
     cut = lambda c: c.finish_reason == "length"  # noqa: E731
     return Summary(r.task, r.status, r.que_reward, len(r.que_output.token_ids), cut(r.que_output),
-                   r.res_rewards, r.rules, r.majorities, r.solved, r.agreements, r.ver_rewards,
+                   r.evicted,
+                   r.res_rewards, r.rules, r.majorities, r.solved, r.selection, r.agreements,
+                   r.ver_rewards,
                    [len(c.token_ids) for c in r.responses], [cut(c) for c in r.responses],
                    [sum(v is None for v in vs) for vs in r.votes],
                    [[len(c.token_ids) for c in vs] for vs in r.verdicts],
@@ -1314,6 +1339,7 @@ class TrainItem:
     length: int
     cut: bool = False  # the generation hit max_new_tokens
     weight: float = 0.0  # 1 / the loss normaliser (LOSS_NORMS)
+    mini_batch: int = 0  # train.mini_batches: the optimiser step it trains in
 
 
 def responder_groups_to_keep(group_rewards: Sequence[Sequence[float]]) -> list[int]:
@@ -1395,11 +1421,12 @@ Flat = list[tuple[int, int, Summary]]  # every question of the step: (rank, roll
 
 
 def select_responder(flat: Flat, cfg: Config, rng: np.random.Generator) -> list[int]:
-    """§4.3 for the responder: groups with reward variance, batch_groups of them at random when
-    there are more. The shuffle uses the step's shared generator: taking them in (rank, idx) order
-    would cut the last ranks' groups first, and each rank samples a fixed shard of the corpus."""
+    """§4.3 for the responder: groups with reward variance (in Rollout.selection: solved or not,
+    and answered or not under bootstrap), batch_groups of them at random when there are more. The
+    shuffle uses the step's shared generator: taking them in (rank, idx) order would cut the last
+    ranks' groups first, and each rank samples a fixed shard of the corpus."""
     ok = [k for k, (_, _, s) in enumerate(flat) if s.status == "ok"]
-    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].res_rewards for k in ok])]
+    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].selection for k in ok])]
     return sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist()) if eligible else []
 
 
@@ -1407,9 +1434,12 @@ def select_questioner(flat: Flat, res_keep: list[int], cfg: Config,
                       rng: np.random.Generator) -> tuple[list[int], int, int]:
     """§4.3 for the questioner: positives are the questions of the kept responder groups, plus as
     many negatives (r_que <= 0) per task; bootstrap.questioner_floor adds well-formed questions as
-    positives. Returns the kept questions, the number of positives and of floor positives."""
+    positives (reward.questioner_pool = "all": every question). Returns the kept questions, the
+    number of positives and of floor positives."""
     pool = [k for k, (_, _, s) in enumerate(flat) if s.status != "skipped"]
     pos = [pool.index(k) for k in res_keep]
+    if cfg.reward.questioner_pool == "all":  # SPICE: every question drawn trains (its Alg. 1)
+        return pool, len(pos), 0
     r_que, tasks = [flat[k][2].que_reward for k in pool], [flat[k][2].task for k in pool]
     floor = cfg.bootstrap.questioner_floor
     extra = questioner_floor_samples(r_que, tasks, [flat[k][2].status != "format" for k in pool],
@@ -1420,9 +1450,9 @@ def select_questioner(flat: Flat, res_keep: list[int], cfg: Config,
 
 def select_verifier(flat: Flat, res_groups: int, cfg: Config,
                     rng: np.random.Generator) -> tuple[list[tuple[int, int]], int]:
-    """§4.3 for the verifier: one group per (question, response) whose majority agrees with the rule
-    check, capped at reward.verifier_share of the responder trajectories [code]. Returns the kept
-    (question, response) pairs and the number of candidates."""
+    """§4.3 for the verifier: one group per (question, response) whose majority agrees with the
+    rule check, capped at reward.verifier_share of the responder trajectories [code]. Returns the
+    kept (question, response) pairs and the number of candidates."""
     cands = [(k, i) for k, (_, _, s) in enumerate(flat) if s.status == "ok"
              for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
     votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
@@ -1459,6 +1489,9 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
     for k, a in zip(que_keep, adv):  # Eq. 9: one group per task over the questioner's batch
         rank, idx, s = flat[k]
         items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s.que_len, s.que_cut))
+    # questions every response or no response solved (SPICE's pool trains them, below the mean)
+    extreme = [a for k, a in zip(que_keep, adv) if flat[k][2].solved
+               and (min(flat[k][2].solved) == 1 or max(flat[k][2].solved) == 0)]
     ver_keep, n_cands = select_verifier(flat, len(res_keep), cfg, rng)
     ver = [(k, i, j) for k, i in ver_keep for j in range(len(flat[k][2].ver_lens[i]))]
     adv = group_advantages([flat[k][2].ver_rewards[i][j] for k, i, j in ver],
@@ -1473,17 +1506,22 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
     trained = trained_roles(cfg)
     items = [it for it in items if it.length > 0 and it.role in trained
              and not (it.cut and cfg.reward.overlong == "mask")]
-    # Eq. 12's normaliser, over the global batch (departure 8)
-    norm = LOSS_NORMS[cfg.train.loss_norm]
-    weights = norm([it.length for it in items], [it.group for it in items],
-                   [it.role for it in items], cfg.rollout.max_new_tokens) if items else []
-    for it, w in zip(items, weights):
-        it.weight = w
+    # Eq. 12's normaliser, over the global batch (departure 8), or over each mini-batch: a group
+    # goes whole to one, the groups dealt out in turn
+    norm, k = LOSS_NORMS[cfg.train.loss_norm], cfg.train.mini_batches
+    dealt = {g: j % k for j, g in enumerate(dict.fromkeys(it.group for it in items))}
+    for b in range(k):
+        mine = [it for it in items if dealt[it.group] == b]
+        weights = norm([it.length for it in mine], [it.group for it in mine],
+                       [it.role for it in mine], cfg.rollout.max_new_tokens) if mine else []
+        for it, w in zip(mine, weights):
+            it.weight, it.mini_batch = w, b
     counts = {"res_groups": len(res_keep), "que_pos": n_pos, "que_floor": n_floor,
               "que_neg": len(que_keep) - n_pos - n_floor, "ver_groups": len(ver_keep),
-              "ver_candidates": n_cands, "sequences": len(items)}
+              "ver_candidates": n_cands, "sequences": len(items), "que_all_or_none": len(extreme),
+              "que_all_or_none_adv": float(np.mean(extreme)) if extreme else 0.0}
     if "que" not in trained:
-        counts.update(que_pos=0, que_floor=0, que_neg=0)
+        counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
     if "ver" not in trained:
         counts["ver_groups"] = 0
     return items, counts
@@ -1493,7 +1531,7 @@ def batch_is_full(rollouts: list[Rollout], cfg: Config, reports: bool,
                   device: torch.device) -> bool:
     """Algorithm 1, line 6: |B_res| >= N, counted over every engine (each engine's first rank
     reports; the others share its rollouts under tensor parallelism)."""
-    kept = len(responder_groups_to_keep([r.res_rewards for r in rollouts if r.status == "ok"]))
+    kept = len(responder_groups_to_keep([r.selection for r in rollouts if r.status == "ok"]))
     return all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups
 
 
@@ -1624,15 +1662,15 @@ LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
 
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and the
-    share of trained tokens whose term the clip bound. All (T,)."""
+    """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and how many
+    trained tokens there are and how many the clip bound. All (T,)."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     objective = torch.minimum(unclipped, clipped)  # pessimistic bound of PPO
     loss = -(objective * weights).sum()
     active = weights > 0
-    clipfrac = ((clipped < unclipped) & active).float().sum() / active.float().sum().clamp(min=1)
-    return loss, {"clipfrac": clipfrac.item()}
+    return loss, {"clipped": float(((clipped < unclipped) & active).sum()),
+                  "active": float(active.sum())}
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -1671,8 +1709,8 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     capped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -(capped * advantages * logp * weights).sum()
     active = weights > 0
-    clipfrac = ((capped != ratio) & active).float().sum() / active.float().sum().clamp(min=1)
-    return loss, {"clipfrac": clipfrac.item()}
+    return loss, {"clipped": float(((capped != ratio) & active).sum()),
+                  "active": float(active.sum())}
 
 
 # train.policy_loss -> the objective of a micro-batch
@@ -1691,6 +1729,7 @@ class Seq(NamedTuple):
     completion: list[int]
     advantage: float  # A_i, the same at every token
     weight: float  # per-token weight: 1 / the loss normaliser (LOSS_NORMS)
+    mini_batch: int = 0  # which optimiser step of the batch it trains in (train.mini_batches)
 
 
 def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
@@ -1709,7 +1748,7 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
         else:
             prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j]
         assert len(completion.token_ids) == it.length, "summary and rollout disagree on a length"
-        seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight))
+        seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight, it.mini_batch))
         behaviour.append(completion.logprobs)
     return seqs, behaviour
 
@@ -1764,75 +1803,69 @@ def dummy_sequence() -> Seq:
 
 def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, device: torch.device,
                   behaviour: Sequence[list[float] | None] | None = None) -> dict:
-    """Algorithm 1, line 26 (Eq. 10): train.ppo_epochs optimiser steps over this rank's sequences.
+    """Algorithm 1, line 26 (Eq. 10): train.ppo_epochs passes over the batch, each one optimiser
+    step per mini-batch (train.mini_batches; one by default) of this rank's sequences.
 
     Every rank runs the same number of micro-batches (padded with dummies), because each FSDP
-    forward and backward is a collective. behaviour[i], if given, holds the log-probs vLLM sampled
-    seqs[i] with. The update never uses them (on-policy, the ratio is 1); their distance to the
-    trainer's log-probs is logged as rollout_logp_gap_sum (over rollout_logp_tokens), the drift
-    between the two policies' numerics: bf16 rollouts against fp32 masters, and, when top_p < 1,
-    vLLM's renormalisation over the nucleus.
+    forward and backward is a collective. Past the first step the behaviour policy's log-probs,
+    taken before it, make the ratio. behaviour[i], if given, holds the log-probs vLLM sampled
+    seqs[i] with; their distance to the trainer's is logged (rollout_logp_gap_sum over
+    rollout_logp_tokens), the drift between the two policies' numerics: bf16 rollouts against
+    fp32 masters, and, when top_p < 1, vLLM's renormalisation over the nucleus. The returned
+    stats are the whole batch's, summed over the ranks.
     """
-    plan = plan_micro_batches([len(s.prompt) + len(s.completion) for s in seqs],
-                              cfg.train.micro_batch_tokens)
-    n_micro = all_reduce_max(len(plan), device)
-    plan += [[]] * (n_micro - len(plan))
+    plans = []  # per mini-batch: micro-batches of indices into seqs, as many on every rank
+    for b in range(cfg.train.mini_batches):
+        mine = [i for i, s in enumerate(seqs) if s.mini_batch == b]
+        plan = [[mine[j] for j in mb] for mb in plan_micro_batches(
+            [len(seqs[i].prompt) + len(seqs[i].completion) for i in mine],
+            cfg.train.micro_batch_tokens)]
+        plans.append(plan + [[]] * (all_reduce_max(len(plan), device) - len(plan)))
     old = None
-    if cfg.train.ppo_epochs > 1:  # off-policy epochs need the behaviour policy's log-probs, now
+    if cfg.train.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
         with torch.no_grad():
-            old = [micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None, cfg,
-                                    device)[1] for mb in plan]
+            old = [[micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None,
+                                     cfg, device)[1] for mb in plan] for plan in plans]
     stats = defaultdict(float)
     for epoch in range(cfg.train.ppo_epochs):
-        for m, mb in enumerate(plan):
-            batch = [seqs[i] for i in mb] or [dummy_sequence()]
-            loss, per_seq, s = micro_batch_loss(policy, batch, None if old is None else old[m], cfg,
-                                                device)
-            assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
-            # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of the
-            # whole batch is the sum of every rank's micro-batch losses. FSDP averages gradients
-            # over ranks: scaling by the world size turns that average into the global sum, so the
-            # gradient is the same for any micro-batch size and any number of ranks (departure 8).
-            (loss * world).backward()
-            stats["loss"] += loss.item()
-            stats["clipfrac"] += s["clipfrac"] / n_micro / cfg.train.ppo_epochs
-            if epoch == 0:
-                stats["entropy_sum"] += s["entropy_sum"]
-                stats["tokens"] += s["tokens"] if mb else 0
-                for i, logp in zip(mb, per_seq):
-                    if behaviour is not None and behaviour[i] is not None:
-                        sampled = torch.tensor(behaviour[i], device=logp.device)
-                        stats["rollout_logp_gap_sum"] += float((logp - sampled).abs().sum())
-                        stats["rollout_logp_tokens"] += len(behaviour[i])
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
-        stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                   else grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    stats["micro_batches"] = n_micro
-    return dict(stats)
+        for b, plan in enumerate(plans):
+            for m, mb in enumerate(plan):
+                batch = [seqs[i] for i in mb] or [dummy_sequence()]
+                before = None if old is None else old[b][m]
+                loss, per_seq, s = micro_batch_loss(policy, batch, before, cfg, device)
+                assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
+                # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of
+                # the batch is the sum of every rank's micro-batch losses. FSDP averages gradients
+                # over ranks: scaling by the world size turns that average into the global sum, so
+                # the gradient is the same for any micro-batch size and any number of ranks
+                # (departure 8).
+                (loss * world).backward()
+                stats["loss"] += loss.item() / cfg.train.ppo_epochs
+                stats["clipped"] += s["clipped"]
+                stats["active"] += s["active"] if mb else 0
+                if epoch == 0:
+                    stats["entropy_sum"] += s["entropy_sum"]
+                    stats["tokens"] += s["tokens"] if mb else 0
+                    for i, logp in zip(mb, per_seq):
+                        if behaviour is not None and behaviour[i] is not None:
+                            sampled = torch.tensor(behaviour[i], device=logp.device)
+                            stats["rollout_logp_gap_sum"] += float((logp - sampled).abs().sum())
+                            stats["rollout_logp_tokens"] += len(behaviour[i])
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
+            stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                                       else grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    stats = all_reduce_stats(stats, ("loss", "clipped", "active", "entropy_sum", "tokens",
+                                     "rollout_logp_gap_sum", "rollout_logp_tokens"), device)
+    stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
+    stats["micro_batches"] = sum(map(len, plans))
+    return stats
 
 
 # ==================================================================================================
-# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1's phases, §2.3)         [algorithm]
+# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1 §2.3)                    [algorithm]
 # ==================================================================================================
-
-def phase_plan(text: str) -> list[tuple[int, int]] | None:
-    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...]; [] for ""; None if
-    malformed."""
-    if not text.strip():
-        return []
-    plan = []
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", part)
-        if not m:
-            return None
-        plan.append((int(m[1]), int(m[2])))
-    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
-    rising = all(a < b for a, b in zip(steps, steps[1:]))
-    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
-    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
-
 
 def phase_pools(cfg: Config, clusters: list[Cluster], shard: list[int], tok) -> list[list[int]]:
     """Per data.phases phase, the shard's questions whose responder prompt fits it (QwenLong-L1
@@ -1852,9 +1885,11 @@ class ClusterSampler:
     reshuffled every epoch (§5.1). A cluster whose corpus line names a task keeps it; otherwise the
     task is drawn by data.task_weights.
 
-    With data.phases (QwenLong-L1 §2.3, Eq. 9) the walk covers the current phase's pool of
-    questions; with data.retrospective, the questions a phase left unsolved (no response solved
-    them) join the next phase's pool. The state is saved in checkpoints (state_dict).
+    A static QA set's question (RLVR) is drawn at most once a step (start_step): two draws would
+    train the same group twice. With data.phases (QwenLong-L1 §2.3, Eq. 9) the walk covers the
+    current phase's pool of questions; with data.retrospective, the questions whose average
+    accuracy over the phase was zero join the next phase's pool. The state is saved in checkpoints
+    (state_dict).
     """
 
     def __init__(self, cfg: Config, corpus: list[Cluster], shard: list[int],
@@ -1867,8 +1902,9 @@ class ClusterSampler:
         self.index = {c.id: i for i, c in enumerate(corpus)}
         self.shard, self.order, self.pos, self.epoch = list(shard), [], 0, 0
         self.phase: int | None = None
-        self.hard: list[int] = []  # this phase's unsolved questions (retrospective sampling)
+        self.accuracy: dict[int, float] = {}  # this phase: question -> sum of its solve rates
         self.carried = 0  # questions the current phase took over from the one before
+        self.drawn: set[int] = set()  # the QA set's questions drawn this step
         if self.plan:  # every phase needs a question on every rank: find out now, not at its step
             sizes = all_gather_objects([len(p) for p in self.pools])
             for k, (first, tokens) in enumerate(self.plan):
@@ -1878,45 +1914,54 @@ class ClusterSampler:
                                       f"some rank ({[n[k] for n in sizes]} per rank)")
 
     def draw(self, count: int) -> list[tuple[Cluster, str]]:
-        """The next `count` (cluster, task) pairs of the walk."""
-        out = []
-        for _ in range(count):
+        """The next `count` (cluster, task) pairs of the walk; fewer when a QA set has no question
+        left that this step has not drawn."""
+        out, distinct = [], len(set(self.shard))
+        while len(out) < count and len(self.drawn) < distinct:
             if self.pos >= len(self.order):
                 self.order = self.rng.permutation(self.shard).tolist()
                 self.pos, self.epoch = 0, self.epoch + 1
-            cluster = self.corpus[self.order[self.pos]]
+            i = self.order[self.pos]
             self.pos += 1
+            cluster = self.corpus[i]
+            if cluster.qa is not None:  # a question of a static set: once a step
+                if i in self.drawn:
+                    continue
+                self.drawn.add(i)
             p = self.weights / self.weights.sum()
             out.append((cluster, cluster.task or list(TASKS)[self.rng.choice(len(TASKS), p=p)]))
         return out
 
-    def enter_phase(self, step: int) -> bool:
-        """Switch to the data.phases phase of `step` if not there yet; True (and a log line) if it
-        switched. With data.retrospective the questions of the phase just left that no response
-        solved go along into the new pool (QwenLong-L1 §2.3)."""
+    def start_step(self, step: int) -> bool:
+        """A new step: every question of a QA set may be drawn again. Also switch to the
+        data.phases phase of `step` if not there yet (True, and a log line, if it switched); with
+        data.retrospective, the questions of the phase just left whose average accuracy was zero
+        go along into the new pool (QwenLong-L1 §2.3)."""
+        self.drawn = set()
         k = max([p for p, (first, _) in enumerate(self.plan) if first <= step], default=0)
         if self.phase == k:
             return False
-        carried = sorted(set(self.hard) - set(self.pools[k])) if self.retrospective else []
+        unsolved = {i for i, solved in self.accuracy.items() if solved == 0}
+        carried = sorted(unsolved - set(self.pools[k])) if self.retrospective else []
         self.shard, self.order, self.pos = self.pools[k] + carried, [], 0
-        self.phase, self.hard, self.carried = k, [], len(carried)
+        self.phase, self.accuracy, self.carried = k, {}, len(carried)
         if self.plan and dist.is_initialized():  # totals over every rank
             print0(f"step {step}: data.phases phase {k + 1}, "
                    f"{all_reduce_sum(len(self.shard), self.device)} questions "
                    f"({all_reduce_sum(self.carried, self.device)} carried over)")
         return True
 
-    def note_unsolved(self, rollouts: list[Rollout]) -> None:
-        """With data.retrospective, remember the questions of this phase that no response solved
-        (Eq. 6 as scored: the rule, or the vote)."""
-        if self.retrospective:
-            unsolved = {self.index[r.cluster.id] for r in rollouts
-                        if r.status == "ok" and r.rules and not any(r.solved)}
-            self.hard = sorted(set(self.hard) | unsolved)
+    def note_accuracy(self, rollouts: list[Rollout]) -> None:
+        """With data.retrospective, add up each question's solve rate over the phase (Eq. 6 as
+        scored: the rule, or the vote)."""
+        for r in rollouts if self.retrospective else []:
+            if r.status == "ok" and r.rules:
+                i = self.index[r.cluster.id]
+                self.accuracy[i] = self.accuracy.get(i, 0.0) + float(np.mean(r.solved))
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("shard", "order", "pos", "epoch", "phase", "hard",
-                                              "carried")}
+        return {k: getattr(self, k) for k in ("shard", "order", "pos", "epoch", "phase",
+                                              "accuracy", "carried")}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
@@ -1947,7 +1992,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     group, groups = engine_groups(cfg, rank, world)  # one vLLM engine per tensor-parallel group
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
-    rng = np.random.default_rng([cfg.train.seed, group])  # per engine, as all that it samples
+    rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng)
@@ -1955,7 +2000,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
         step, t0, phase_s = step + 1, time.perf_counter(), defaultdict(float)
-        sampler.enter_phase(step)  # QwenLong-L1's context phases (data.phases)
+        sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
         # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch is full
         rollouts: list[Rollout] = []
         for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
@@ -1963,11 +2008,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       key=(cfg.train.seed, step, group, rnd), seconds=phase_s)
             if batch_is_full(rollouts, cfg, reports, device):
                 break
-        sampler.note_unsolved(rollouts)  # retrospective sampling (data.retrospective)
+        sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
         t1 = time.perf_counter()
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
         summaries = gather_summaries(rollouts, cfg, reports)
-        items, counts = select_batch(summaries, cfg, np.random.default_rng([cfg.train.seed, step]))
+        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step))
         share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
@@ -2017,10 +2062,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-
-
 
 
 # ---- models: the tokenizer, this rank's vLLM engine, the FSDP2 policy
@@ -2180,8 +2221,6 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     model.completion_logprobs = types.MethodType(completion_logprobs, model)
     register_fsdp_forward_method(model, "completion_logprobs")
     return model
-
-
 
 
 # ---- weight sync: the trainer's weights into vLLM, in place, every step
@@ -2364,38 +2403,9 @@ def load_data(cfg: Config) -> list[Cluster]:
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
-    """Read and validate a JSON Lines corpus: {"id", "task" (optional), "documents": [str, ...]}."""
-    path = Path(path)
-    if not path.is_file():
-        raise CorpusError(f"{path}: corpus file not found")
-    clusters, seen = [], {}
-    for lineno, where, obj in jsonl_records(path, CorpusError):
-        if not isinstance(obj, dict):
-            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        cid = obj.get("id", f"line{lineno}")
-        if not isinstance(cid, str) or not cid:
-            raise CorpusError(f"{where}: field 'id' must be a non-empty string")
-        if cid in seen:
-            raise CorpusError(f"{where}: field 'id' {cid!r} repeats line {seen[cid]}")
-        docs = obj.get("documents")
-        if docs is None:
-            raise CorpusError(f"{where}: missing field 'documents'")
-        if not isinstance(docs, list) or not docs:
-            raise CorpusError(f"{where}: field 'documents' must be a non-empty list of strings")
-        for i, d in enumerate(docs):
-            if not isinstance(d, str) or not d.strip():
-                raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
-        task = obj.get("task")
-        if task is not None and task not in TASKS:
-            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
-                              f"{', '.join(TASKS)}")
-        seen[cid] = lineno
-        clusters.append(Cluster(cid, task or "", docs))
-    if not clusters:
-        raise CorpusError(f"{path}: the corpus is empty")
-    return clusters
-
-
+    """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
+    each line checked by infra.corpus_records (errors name the file, line and field)."""
+    return [Cluster(cid, task, docs) for cid, task, docs in corpus_records(Path(path), TASKS)]
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export
@@ -2445,7 +2455,8 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
                   "optim": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=str(folder))
         torch.save(rank_state, folder / f"rank{rank}.pt")
 
-    meta = {"step": step, "world": world, "config": config_to_dict(cfg)}
+    meta = {"step": step, "world": world, "config": config_to_dict(cfg),
+            "fingerprint": run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
     path = save_atomically(checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
     print0(f"checkpoint: {path}")
     return path
@@ -2463,9 +2474,11 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     check_checkpoint(path, world, ranks=())
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
+    rank_state = load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
     try:
+        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
+        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
         dcp.load(state, checkpoint_id=str(path))
-        rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -2473,18 +2486,6 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     set_model_state_dict(policy, state["model"])
     set_optimizer_state_dict(policy, optimizer, state["optim"])
     return rank_state
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ def quiet_opts(tmp_path, **kw):
 # 1. Filter
 # ---------------------------------------------------------------------------------------------
 
-
 def test_filter_length_bounds_and_quality():
     opts = bc.Options(quiet=True, quality_field="score", min_quality=1.0)
     docs = [doc("short", "x" * 99, score=1.0), doc("edge_lo", "x" * 100, score=1.0),
@@ -58,7 +57,6 @@ def test_filter_length_bounds_and_quality():
 # ---------------------------------------------------------------------------------------------
 # 2. Dedup
 # ---------------------------------------------------------------------------------------------
-
 
 def test_dedup_removes_near_duplicates_and_keeps_distinct_texts():
     base = random_words(400, seed=1)
@@ -121,7 +119,6 @@ def test_dedup_keeps_first_of_exact_duplicates():
 # ---------------------------------------------------------------------------------------------
 # 3. Decontamination
 # ---------------------------------------------------------------------------------------------
-
 
 def test_window_sketch_equals_direct_minhash_of_the_span():
     """Fast path (element-wise min over block sketches) against the slow one (hash the span)."""
@@ -212,7 +209,6 @@ def test_eval_file_of_unknown_layout_names_file_and_line(tmp_path):
 # 4. Clustering
 # ---------------------------------------------------------------------------------------------
 
-
 def blobs(n_blobs, per_blob, dim=16, seed=0):
     """Unit vectors around n_blobs well-separated centres; returns (x, blob label)."""
     rng = np.random.default_rng(seed)
@@ -256,7 +252,6 @@ def test_token_budget_drops_single_oversized_texts(tmp_path, monkeypatch):
 # 5. Task assignment
 # ---------------------------------------------------------------------------------------------
 
-
 @pytest.mark.parametrize("n_fin,n_gen,expected",
                          [(7, 20, (7, 14)), (12, 9, (4, 8)), (0, 9, (0, 8)), (3, 1, (3, 1)),
                           (0, 1, (0, 1))])
@@ -281,7 +276,6 @@ def test_assign_balances_the_three_tasks():
 # ---------------------------------------------------------------------------------------------
 # Corpus format, bad input, atomic writes
 # ---------------------------------------------------------------------------------------------
-
 
 def test_validator_rejects_malformed_records(tmp_path):
     good = {"id": "c1", "task": "doc_qa", "documents": ["text"]}
@@ -346,7 +340,6 @@ def test_failed_check_leaves_no_file(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The demo's chunking and financial rule
 # ---------------------------------------------------------------------------------------------
-
 
 def test_chunks_are_paragraph_aligned_and_sized():
     rng = random.Random(0)

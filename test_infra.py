@@ -3,10 +3,13 @@ embedded model's export, bucketed weight sync, tensor-parallel helpers, rebalanc
 integrity. Tolerances follow from the arithmetic (see test_spell.py's docstring).
 """
 
+import contextlib
 import copy
 import json
 import os
 import re
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -43,8 +46,6 @@ def test_tuples_from_the_command_line(tmp_path, text):
 
 @pytest.mark.parametrize("text", ["fin_math:2,doc_mc:0.5", "{fin_math = 2, doc_mc = 0.5}",
                                   "fin_math=2, doc_mc=0.5"])
-
-
 def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     """A table key (data.task_weights) takes named values; the names it leaves out keep theirs, in
     TOML files as on the command line, so stacked files override key by key."""
@@ -64,8 +65,6 @@ def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     (["--reward.questioner_floor=2"], "did you mean bootstrap.questioner_floor?"),
     (["--reward.verifier_reply_prefix=x"], "did you mean bootstrap.verifier_reply_prefix?"),
 ])
-
-
 def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
     with pytest.raises(spell.ConfigError, match=re.escape(message)):
         spell.load_config(None, argv)
@@ -75,9 +74,16 @@ def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
     (None, "c.toml: cannot read the config file (No such file or directory)"),
     (b"[train]\nlr = 1e-6  # d\xe9faut\n", "c.toml: not UTF-8 text (byte 22)"),
     (b"[train]\nlr = [1e-6\n", "c.toml: not valid TOML"),
+    (b"[train]\nsteps = " + b"9" * 5000 + b"\n",
+     "c.toml: not valid TOML: Exceeds the limit (4300 digits) for integer string conversion: "
+     "value has 5000 digits"),
+    (b"[train]\nsteps = " + b"9" * 4000 + b"\n",
+     "train.steps must have at most 18 digits, got " + "9" * 60 + "... (4000 characters)"),
+    (b"[train]\nsteps = " + b"9" * 19 + b"\n",
+     "train.steps must have at most 18 digits, got 9999999999999999999"),
+    (b"[train]\nsteps = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+     "c.toml: not valid TOML: nested deeper than Python's recursion limit"),
 ])
-
-
 def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content, message):
     config = tmp_path / "c.toml"
     if content is not None:
@@ -85,6 +91,21 @@ def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content,
     with pytest.raises(spell.ConfigError, match=re.escape(message)):
         spell.main(["--config", str(config), f"--log.out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the policy's text: control tokens
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, tokens", [
+    ("a<|x|>b<|x|>", ("<|x|>",)),
+    ("<a><", ("<a>", "a><")),                    # two tokens overlapping
+    ("<<|x|>|x|>>", ("<|x|>",)),                 # nested
+    ("<aaa>", ("<aa", "aa>", "aaa")),
+])
+def test_defused_text_holds_no_control_token(text, tokens):
+    out = infra.defuse_control_tokens(text, tokens)
+    assert not any(t in out for t in tokens) and out.replace(infra._WORD_JOINER, "") == text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,10 +475,10 @@ def test_plan_rebalance():
 # Checkpoint integrity
 # ------------------------------------------------------------------------------------------------
 
-def tiny_checkpoint(out_dir: Path, step: int = 1) -> Path:
+def tiny_checkpoint(out_dir: Path, step: int = 1, cfg: spell.Config | None = None) -> Path:
     """A real one-rank checkpoint (DCP shard, .metadata, rank0.pt, meta.json)
-    of a Linear and its AdamW moments."""
-    cfg = spell.Config()
+    of a Linear and its AdamW moments, saved by a run of `cfg` (default: the defaults)."""
+    cfg = cfg or spell.Config()
     cfg.log.out_dir = str(out_dir)
     model = torch.nn.Linear(64, 32)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -494,8 +515,6 @@ def flip_middle_byte(p: Path) -> None:
     (lambda step: (step / "__0_0.distcp").unlink(),
      "not a complete checkpoint (missing __0_0.distcp)"),
 ])
-
-
 def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypatch, damage,
                                                               message):
     """The checkpoint's own record catches a flipped byte, a cut file, a lost file: before the
@@ -540,15 +559,169 @@ def test_each_rank_checksums_the_files_it_wrote(tmp_path):
         infra.check_checkpoint(step, world=2, ranks=[0])
 
 
-def test_checkpoint_without_checksums_is_resumed_with_a_warning(tmp_path, capsys):
+def test_checkpoint_without_checksums_is_refused(tmp_path):
+    """Without meta.json's sizes and checksums (an older spell.py's, or the key deleted) nothing
+    can be verified, so nothing is resumed; nor with a file of the checkpoint left out of them."""
     step = tmp_path / "step_000001"
     step.mkdir()
     for name in (".metadata", "__0_0.distcp", "rank0.pt"):
         (step / name).write_bytes(b"x")
+    files = infra.seal_files(step, rank=0)
     # what spell.py wrote before sizes and checksums
     (step / "meta.json").write_text('{"step": 1, "world": 1}')
+    with pytest.raises(spell.CheckpointError,
+                       match=re.escape(f"{step}: meta.json records no file sizes or checksums")):
+        infra.check_checkpoint(step, world=1)
+    for name in files:
+        (step / "meta.json").write_text(json.dumps(
+            {"step": 1, "world": 1, "files": {n: r for n, r in files.items() if n != name}}))
+        with pytest.raises(spell.CheckpointError,
+                           match=re.escape(f"meta.json records no size or checksum of {name}")):
+            infra.check_checkpoint(step, world=1)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail, instead of hanging, when the block runs for longer than `seconds`."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s: it would never end")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def set_files(step: Path, **files: dict) -> None:
+    """Change the files that step's meta.json records."""
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"].update(files)
+    (step / "meta.json").write_text(json.dumps(meta))
+
+
+def test_meta_json_names_only_files_of_the_checkpoint(tmp_path):
+    """meta.json's file names are plain names inside the folder. "/dev/zero" made --resume hang
+    (checksummed for ever), "../" read outside the run; both are now refused, at once."""
+    step = tiny_checkpoint(tmp_path / "run")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the run's")
+    record = infra.seal_files(tmp_path, rank=0)["outside.bin"]
+    for name, rec in [("/dev/zero", {"size": 0, "crc32": "00000000"}),
+                      ("../../outside.bin", record), ("sub/rank0.pt", record), ("..", record)]:
+        set_files(step, **{name: rec})
+        with deadline(10), pytest.raises(spell.CheckpointError) as e:
+            infra.check_checkpoint(step, world=1)
+        assert str(e.value) == (f"{step}: meta.json names {name!r}, "
+                                "not a file of the checkpoint folder"), e.value
+        meta = json.loads((step / "meta.json").read_text())
+        del meta["files"][name]
+        (step / "meta.json").write_text(json.dumps(meta))
     assert infra.check_checkpoint(step, world=1)["step"] == 1
-    assert "meta.json records no file sizes or checksums" in capsys.readouterr().out
+
+
+def test_checkpoint_files_that_are_links_or_devices_are_refused(tmp_path):
+    """A checkpoint's files are plain files: a link to /dev/zero in rank0.pt's place (its size
+    recorded as 0) or in meta.json's, or a FIFO that never delivers, is refused without reading."""
+    step = tiny_checkpoint(tmp_path / "run")
+    (step / "rank0.pt").unlink()
+    (step / "rank0.pt").symlink_to("/dev/zero")
+    set_files(step, **{"rank0.pt": {"size": 0, "crc32": "00000000"}})
+    with deadline(10), pytest.raises(spell.CheckpointError,
+                                     match=re.escape(f"{step}: rank0.pt is not a plain file")):
+        infra.check_checkpoint(step, world=1)
+    (step / "meta.json").unlink()
+    (step / "meta.json").symlink_to("/dev/zero")
+    with deadline(10), pytest.raises(spell.CheckpointError, match=re.escape(
+            f"{step}: not a complete checkpoint (meta.json: a symbolic link, not a plain file)")):
+        infra.check_checkpoint(step, world=1)
+    (step / "meta.json").unlink()
+    os.mkfifo(step / "meta.json")
+    with deadline(10), pytest.raises(spell.CheckpointError, match=re.escape(
+            f"{step}: not a complete checkpoint (meta.json: not a plain file)")):
+        infra.check_checkpoint(step, world=1)
+
+
+@pytest.mark.parametrize("latest", ["../../elsewhere/checkpoints/step_000001",
+                                    "{tmp}/elsewhere/checkpoints/step_000001",
+                                    "step_000001/../../../elsewhere/checkpoints/step_000001",
+                                    "step_1", "link:/dev/zero", "link:step_000002"])
+def test_latest_names_only_a_step_folder_of_the_run(tmp_path, latest):
+    """`latest` names a step_NNNNNN folder of checkpoints/, no path, and is a plain file; the folder
+    it names is no link. Each of these pointed --resume at a (valid) checkpoint of another run, or
+    read /dev/zero."""
+    cfg = spell.load_config(None, [f"--log.out_dir={tmp_path / 'run'}"])
+    tiny_checkpoint(tmp_path / "run")
+    elsewhere = tiny_checkpoint(tmp_path / "elsewhere")
+    pointer = tmp_path / "run" / "checkpoints" / "latest"
+    pointer.unlink()
+    kind, _, target = latest.partition(":")
+    if kind == "link" and target == "/dev/zero":
+        pointer.symlink_to(target)
+        message = f"{pointer}: cannot be read (a symbolic link, not a plain file)"
+    elif kind == "link":  # a step folder that is a link to another run's checkpoint
+        (pointer.parent / target).symlink_to(elsewhere)
+        pointer.write_text(target)
+        message = f"{pointer.parent / target}: a symbolic link, not a checkpoint folder of the run"
+    else:
+        pointer.write_text(latest.format(tmp=tmp_path))
+        message = (f"{pointer}: names {infra.shown(latest.format(tmp=tmp_path))}, not a "
+                   f"step_NNNNNN folder of {pointer.parent}")
+    with deadline(10), pytest.raises(spell.CheckpointError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert str(e.value) == message, e.value
+
+
+def test_write_atomic_does_not_follow_a_planted_link(tmp_path):
+    """A link planted where write_atomic puts its temporary file wrote through it, to the file it
+    named; now the temporary is made anew, and the link's target is left alone."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json.tmp").symlink_to(victim)
+    infra.write_atomic(run / "config.json", "new")
+    assert victim.read_text() == "precious"
+    assert (run / "config.json").read_text() == "new" and not (run / "config.json").is_symlink()
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+
+
+def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch):
+    """meta.json holds the run's fingerprint: the keys that change what it samples or trains and
+    its data's size and CRC-32. A changed corpus, group size or model resumed silently; now
+    --resume names each key that differs, before anything starts. The keys of
+    infra.RESUMABLE_KEYS, [log] and [eval] may change, and the corpus may move."""
+    corpus, moved = tmp_path / "corpus.jsonl", tmp_path / "moved.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    shutil.copy(corpus, moved)
+    out_dir = tmp_path / "run"
+    demo, run = str(REPO / "demo.toml"), f"--log.out_dir={out_dir}"
+    config = lambda *extra: spell.load_config(  # noqa: E731
+        demo, [run, f"--data.corpus={corpus}", *extra])
+    step = tiny_checkpoint(out_dir, cfg=config())
+    resume = lambda *extra: infra.resume_checkpoint(config(*extra), True, 0, 1)  # noqa: E731
+    assert resume("--train.steps=5000", "--log.sample_every=0", "--eval.n=2",
+                  "--rollout.gpu_memory_utilization=0.3", "--train.micro_batch_tokens=1024",
+                  "--rollout.max_rounds=3", "--train.logprob_impl=triton") == step
+    assert resume(f"--data.corpus={moved}") == step
+    for extra, change in [
+            (["--rollout.group_size=3"], "rollout.group_size (saved 4, now 3)"),
+            (["--model.path=other/model"], "model.path (saved 'embedded', now 'other/model')"),
+            (["--reward.format_penalty=-0.5"], "reward.format_penalty (saved -1.0, now -0.5)"),
+            (["--train.seed=1", "--train.lr=0.5"],
+             "train.lr (saved 1e-05, now 0.5); train.seed (saved 42, now 1)")]:
+        with pytest.raises(spell.CheckpointError) as e:
+            resume(*extra)
+        assert str(e.value).startswith(f"{step}: saved by a run with another {change}. Resume "
+                                       "with its values"), e.value
+    saved = json.loads((step / "meta.json").read_text())["fingerprint"]["data.corpus"]
+    corpus.write_text(json.dumps({**GOOD_CLUSTER, "id": "edited"}) + "\n")
+    now = infra.data_fingerprint(str(corpus))
+    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
+    with pytest.raises(spell.CheckpointError, match=re.escape(
+            f"another data.corpus (saved {saved!r}, now {now!r}). Resume")):
+        spell.main(["--config", demo, run, f"--data.corpus={corpus}", "--resume"])
 
 
 def test_checkpoint_is_fsynced_before_the_rename(tmp_path, monkeypatch):

@@ -174,7 +174,6 @@ def test_no_grad_logp_is_bitwise_the_grad_pass(dtype):
 # The launcher's checks
 # ----------------------------------------------------------------------------------------------
 
-
 def _bad_inputs():
     x, w, y = make_inputs(torch.float32)
     c = torch.zeros(T, device=DEVICE)
@@ -278,7 +277,6 @@ def test_fused_loss_without_grad_is_forward_only():
 # The torch twins
 # ----------------------------------------------------------------------------------------------
 
-
 def test_chunked_twin_equals_reference_in_fp64():
     """Same maths in float64: chunking (7 chunks here) changes nothing beyond fp64 rounding."""
     tau, u = 0.7, 2.0 ** -53                                 # u: fp64 unit roundoff
@@ -327,7 +325,6 @@ def test_auto_backend_uses_the_twin_on_cpu():
 # Plumbing: FSDP2-style weight views, workspace sizing, empty batches
 # ----------------------------------------------------------------------------------------------
 
-
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_weight_may_be_a_nonleaf_view(backend):
     """FSDP2 hands over the unsharded weight as a view of a flat buffer; dW must reach it."""
@@ -374,7 +371,6 @@ def test_empty_batch(backend):
 # ----------------------------------------------------------------------------------------------
 # GPU only: bf16 tensor-core dots, bigger irregular shapes
 # ----------------------------------------------------------------------------------------------
-
 
 @needs_cuda
 @needs_triton

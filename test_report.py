@@ -1,14 +1,18 @@
-"""Tests of report.py: the paired bootstrap of `compare`, and the curves of `plot` and `side`."""
+"""Tests of report.py: the paired bootstrap of `compare`, the curves of `plot` and `side`, and
+hostile input files, each of which ends in one line naming the file, the line and the field (a
+ReportError, which main turns into a one-line exit), or in a correct table or plot; never in a
+traceback, a hang, or a table of nan or 500 %."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import report
-from conftest import (logged_metrics)
+from conftest import logged_metrics
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,3 +196,240 @@ def test_side_by_side_draws_the_keys_any_run_logs(tmp_path):
     with pytest.raises(report.ReportError, match="none of the keys"):
         report.plot_side_by_side(runs, out, ("nothing/logged",))
 
+
+# ------------------------------------------------------------------------------------------------
+# Hostile input files (#20 item 21)
+# ------------------------------------------------------------------------------------------------
+
+DEEP = "[" * 100_000          # json.loads raises RecursionError
+DIGITS = "1" * 5000           # json.loads raises ValueError: past Python's 4300-digit int limit
+BIG = "1" * 4000              # parses, but float() of it raises OverflowError
+MEGA = "x" * 10_000_000       # a 10 MB string
+
+
+def sample(qid="q0", **fields) -> str:
+    """A line of eval_samples.jsonl as spell.write_eval_results writes it, some fields replaced."""
+    return json.dumps({"id": qid, "benchmark": "hotpotqa", "sample": 0, "rule": 1.0, "judge": None,
+                       "score": 1.0, **fields})
+
+
+def eval_dir(folder: Path, *lines: bytes | str) -> Path:
+    """A `spell.py eval` output folder whose eval_samples.jsonl holds these lines."""
+    folder.mkdir()
+    data = b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines)
+    (folder / "eval_samples.jsonl").write_bytes(data)
+    return folder
+
+
+def one_line_exit(argv: list[str], *names: str) -> str:
+    """The message main exits with; it must be one short line naming each of `names`."""
+    with pytest.raises(SystemExit) as exit:
+        report.main(argv)
+    message = exit.value.code
+    assert isinstance(message, str) and message.startswith("report.py: ")
+    assert "\n" not in message and len(message) < 300 + sum(map(len, names)), message[:300]
+    assert all(name in message for name in names), message
+    return message
+
+
+# ------------------------------------------------------------------------------------------------
+# compare: every line of eval_samples.jsonl is a sample with a score in [0, 1]
+# ------------------------------------------------------------------------------------------------
+
+# the second line of a base eval (the first is a good sample q0) -> what the error says after
+# "eval_samples.jsonl, line 2"
+BAD_SAMPLES = {
+    "not UTF-8": (b'{"id": "q1", "benchmark": "hotpot\xffqa", "rule": 1}', r": not UTF-8"),
+    "nested 100000 deep": (DEEP, r": JSON nested too deeply"),
+    "nested in a field": ('{"id": "q1", "benchmark": "hotpotqa", "rule": ' + DEEP,
+                          r": JSON nested too deeply"),
+    "5000-digit integer": ('{"id": "q1", "benchmark": "hotpotqa", "rule": ' + DIGITS + "}",
+                           r": an integer of over 4300 digits"),
+    "4000-digit integer": ('{"id": "q1", "benchmark": "hotpotqa", "rule": ' + BIG + "}",
+                           r", field 'rule': 1111111111.*\.\.\. is not a score"),
+    "NaN": (sample("q1", rule=math.nan), r", field 'rule': NaN is not a score"),
+    "Infinity": (sample("q1", rule=math.inf), r", field 'rule': Infinity is not a score"),
+    "-Infinity": (sample("q1", rule=-math.inf), r", field 'rule': -Infinity is not a score"),
+    "5": (sample("q1", rule=5), r", field 'rule': 5 is not a score"),
+    "-1": (sample("q1", rule=-1), r", field 'rule': -1 is not a score"),
+    "true": (sample("q1", rule=True), r", field 'rule': true is not a score"),
+    "false": (sample("q1", rule=False), r", field 'rule': false is not a score"),
+    "a numeric string": (sample("q1", rule="0.5"), r", field 'rule': \"0\.5\" is not a score"),
+    "the string nan": (sample("q1", rule="nan"), r", field 'rule': \"nan\" is not a score"),
+    "null": (sample("q1", rule=None), r", field 'rule': null is not a score"),
+    "a 10 MB string": (sample("q1", rule=MEGA), r", field 'rule': \"xxxx.*\.\.\. is not a score"),
+    "a list score": (sample("q1", rule=[1]), r", field 'rule': an array is not a score"),
+    "no rule": (json.dumps({"id": "q1", "benchmark": "hotpotqa"}), r": no 'rule' field"),
+    "a list line": ("[1, 2]", r": an array, not a sample"),
+    "a number line": ("1", r": 1, not a sample"),
+    "id a list": (sample([1, 2]), r", field 'id': an array is not a string or an integer"),
+    "id nested 500 deep": ('{"id": ' + "[" * 500 + "]" * 500 + ', "benchmark": "b", "rule": 1}',
+                           r", field 'id': an array is not a string or an integer"),
+    "benchmark null": (sample("q1", benchmark=None), r", field 'benchmark': null is not a string"),
+}
+
+
+@pytest.mark.parametrize("line, says", BAD_SAMPLES.values(), ids=list(BAD_SAMPLES))
+def test_a_bad_eval_sample_is_one_line_naming_file_line_and_field(tmp_path, line, says):
+    bad = eval_dir(tmp_path / "bad", sample("q0"), line)
+    good = eval_dir(tmp_path / "good", sample("q0"), sample("q1"))
+    where = f"{bad / 'eval_samples.jsonl'}, line 2"
+    with pytest.raises(report.ReportError, match=re.escape(where) + says) as error:
+        report.read_eval_samples(bad)
+    assert len(str(error.value)) < 200 + len(where)  # a 10 MB value is cut, not copied
+    for argv in (["compare", str(bad), str(good)], ["compare", str(good), str(bad)]):
+        one_line_exit(argv + ["--boot", "10"], where)
+
+
+def test_metric_score_checks_the_score_field_and_rule_reads_rule(tmp_path, capsys):
+    base = eval_dir(tmp_path / "base", sample("q0", score=1.5), sample("q1", rule=0.0))
+    where = f"{base / 'eval_samples.jsonl'}, line 1"
+    with pytest.raises(report.ReportError, match=re.escape(where) + ", field 'score': 1.5 is not"):
+        report.read_eval_samples(base, "score")
+    one_line_exit(["compare", str(base), str(base), "--metric", "score"], where)
+    report.main(["compare", str(base), str(base), "--boot", "10"])  # the rule is fine: a table
+    assert "| base: " in capsys.readouterr().out
+
+
+def test_a_huge_question_id_is_cut_in_the_different_questions_error(tmp_path):
+    base = eval_dir(tmp_path / "base", sample("q0" + MEGA))
+    trained = eval_dir(tmp_path / "trained", sample("q0"))
+    message = one_line_exit(["compare", str(base), str(trained)])
+    assert "cover different questions: 1 only in base (e.g. [('hotpotqa', 'q0xxx" in message
+
+
+def test_an_eval_file_that_is_a_directory_is_a_report_error(tmp_path):
+    (tmp_path / "eval" / "eval_samples.jsonl").mkdir(parents=True)
+    file = str(tmp_path / "eval" / "eval_samples.jsonl")
+    with pytest.raises(report.ReportError, match=re.escape(file) + r": cannot read it"):
+        report.read_eval_samples(tmp_path / "eval")
+    good = eval_dir(tmp_path / "good", sample("q0"))
+    one_line_exit(["compare", str(good), str(tmp_path / "eval")], file)
+
+
+# ------------------------------------------------------------------------------------------------
+# plot and side: a line that is not a step is skipped, a value no curve can draw is left out
+# ------------------------------------------------------------------------------------------------
+
+def metrics_run(folder: Path, line: bytes | str) -> Path:
+    """A run folder whose metrics.jsonl has good steps 1, 2 and 4 around `line` as line 3."""
+    folder.mkdir()
+    good = [json.dumps({"step": s, "res/groups": 2, "res/solve_rate": 0.25}) for s in (1, 2, 4)]
+    lines = [*good[:2], line, good[2]]
+    data = b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines)
+    (folder / "metrics.jsonl").write_bytes(data)
+    return folder
+
+
+# line 3 of metrics.jsonl, which is not a step: skipped, with a note naming it
+BAD_STEPS = {
+    "not UTF-8": b'{"step": 3, "res/solve_rate": "\xff"}',
+    "nested 100000 deep": DEEP,
+    "nested in a field": '{"step": 3, "res/solve_rate": ' + DEEP,
+    "5000-digit integer": '{"step": 3, "res/solve_rate": ' + DIGITS + "}",
+    "4000-digit step": '{"step": ' + BIG + ', "res/solve_rate": 0.5}',
+    "step 2**53": json.dumps({"step": 2**53, "res/solve_rate": 0.5}),
+    "step -1": json.dumps({"step": -1, "res/solve_rate": 0.5}),
+    "step true": json.dumps({"step": True, "res/solve_rate": 0.5}),
+    "step NaN": json.dumps({"step": math.nan, "res/solve_rate": 0.5}),
+    "step a string": json.dumps({"step": "3", "res/solve_rate": 0.5}),
+    "step a float": json.dumps({"step": 3.0, "res/solve_rate": 0.5}),
+    "a list line": "[1, 2]",
+}
+
+
+@pytest.mark.parametrize("line", BAD_STEPS.values(), ids=list(BAD_STEPS))
+def test_a_metrics_line_that_is_not_a_step_is_skipped_with_a_note(tmp_path, capsys, line):
+    run = metrics_run(tmp_path / "run", line)
+    rows = report.read_metrics(run / "metrics.jsonl")
+    assert [type(s) for s in rows] == [int] * 3 and list(rows) == [1, 2, 4]
+    assert all(row["res/solve_rate"] == 0.25 for row in rows.values())
+    note = capsys.readouterr().err
+    assert re.fullmatch(re.escape(f"{run / 'metrics.jsonl'}: skipped 1 line(s)") + r".*line 3.*\n",
+                        note), note[:300]
+
+
+# line 3 is step 3; this value of res/solve_rate is left out of it (a gap), with a note naming it
+BAD_VALUES = {
+    "NaN": "NaN", "Infinity": "Infinity", "-Infinity": "-Infinity", "1e308": "1e308",
+    "4000-digit integer": BIG, "true": "true", "a string": '"0.5"', "null": "null",
+    "a list": "[1]", "an object": '{"a": 1}', "a 10 MB string": json.dumps(MEGA),
+}
+
+
+@pytest.mark.parametrize("value", BAD_VALUES.values(), ids=list(BAD_VALUES))
+def test_a_metric_value_no_curve_can_draw_is_left_out_with_a_note(tmp_path, capsys, value):
+    line = '{"step": 3, "res/groups": 2, "res/solve_rate": ' + value + "}"
+    run = metrics_run(tmp_path / "run", line)
+    rows = report.read_metrics(run / "metrics.jsonl")
+    assert list(rows) == [1, 2, 3, 4] and rows[3]["res/groups"] == 2
+    assert "res/solve_rate" not in rows[3] and "que/difficulty" not in rows[3]
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and len(note) < 300 + len(str(run)), note[:300]
+    assert note.startswith(f"{run / 'metrics.jsonl'}: left out 1 value(s)"), note[:300]
+    assert 'line 3, "res/solve_rate": ' in note, note[:300]
+
+
+# a key that no panel title can hold: left out of step 3, with a note naming it
+BAD_KEYS = {"a 10 MB key": MEGA, "a lone surrogate": "res/\ud800", "201 characters": "x" * 201,
+            "a newline": "res/a\nb"}
+
+
+@pytest.mark.parametrize("key", BAD_KEYS.values(), ids=list(BAD_KEYS))
+def test_a_metric_key_no_panel_can_show_is_left_out_with_a_note(tmp_path, capsys, key):
+    run = metrics_run(tmp_path / "run", json.dumps({"step": 3, key: 1, "res/solve_rate": 0.5}))
+    rows = report.read_metrics(run / "metrics.jsonl")
+    assert rows[3] == {"step": 3, "res/solve_rate": 0.5}
+    note = capsys.readouterr().err
+    assert "left out 1 value(s)" in note and "line 3, " in note and len(note) < 300 + len(str(run))
+
+
+def test_plot_and_side_draw_a_file_of_every_bad_line_and_value(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="report.py plot needs matplotlib")
+    lines = [*BAD_STEPS.values(), *('{"step": 3, "res/solve_rate": ' + v + "}"
+                                    for v in BAD_VALUES.values()),
+             json.dumps({"step": 3, "res/x": 1e300}), json.dumps({"step": 5, "res/x": -1e300}),
+             json.dumps({"step": 2**53 - 1, "res/\ud800": 1, MEGA: 1})]
+    run = metrics_run(tmp_path / "run", b"\n".join(x if isinstance(x, bytes) else x.encode()
+                                                   for x in lines))
+    report.main(["plot", str(run)])
+    out, err = capsys.readouterr()
+    assert out.split() == [str(run / "plots" / f"{n}.png") for n in ("questioner", "responder")]
+    file = run / "metrics.jsonl"
+    assert err.startswith(f"{file}: skipped {len(BAD_STEPS)} line(s)") and err.count("\n") == 2
+    assert f"\n{file}: left out {len(BAD_VALUES) + 2} value(s)" in err
+    side = tmp_path / "side.png"
+    report.main(["side", str(run), str(run), "--out", str(side), "--keys", "res/x,res/solve_rate"])
+    assert side.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_of_many_keys_draws_the_first_panels_with_a_note(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib", reason="report.py plot needs matplotlib")
+    monkeypatch.setattr(report, "MAX_PANELS", 3)  # the cap's value does not matter; 32 take 4 s
+    run = metrics_run(tmp_path / "run", json.dumps({"step": 3, **{f"x/{i:03}": i for i in
+                                                                  range(200)}}))
+    written = report.plot_run(run)
+    assert [p.name for p in written] == ["questioner.png", "responder.png", "other.png"]
+    assert f"other.png: drew the first {report.MAX_PANELS} of 200 panels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\n", DEEP.encode()],
+                         ids=["a directory", "only not UTF-8", "only nested too deep"])
+def test_a_metrics_file_with_no_step_to_read_is_one_line_naming_it(tmp_path, content):
+    run = tmp_path / "run"
+    run.mkdir()
+    file = run / "metrics.jsonl"
+    if content is None:
+        file.mkdir()
+    else:
+        file.write_bytes(content)
+    with pytest.raises(report.ReportError, match=re.escape(str(file))):
+        report.read_metrics(file)
+    one_line_exit(["plot", str(run)], str(file))
+    one_line_exit(["side", str(run), "--out", str(tmp_path / "side.png")], str(file))
+
+
+def test_rolling_mean_window_longer_than_the_run_is_the_mean_so_far():
+    values = np.array([1.0, 3.0, math.nan, 8.0])
+    for window in (4, 5, 10**30):  # --smooth 10**30 once overflowed numpy's int64
+        assert report.rolling_mean(values, window).tolist() == [1.0, 2.0, 2.0, 4.0]

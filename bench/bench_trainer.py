@@ -137,10 +137,10 @@ def model_flops(config: Qwen2Config, seqs: list[tuple]) -> float:
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     decoder = L * infra.parameter_counts(config)["layer"]  # embedding lookups and the head excluded
-    total = sum(len(p) + len(c) for p, c, _, _ in seqs)
-    completion = sum(len(c) for _, c, _, _ in seqs)  # the LM head runs on completion positions only
+    total = sum(len(p) + len(c) for p, c, *_ in seqs)
+    completion = sum(len(c) for _, c, *_ in seqs)  # the LM head runs on completion positions only
     # causal: half of 12 L q n^2
-    attention = 6 * L * q * sum((len(p) + len(c)) ** 2 for p, c, _, _ in seqs)
+    attention = 6 * L * q * sum((len(p) + len(c)) ** 2 for p, c, *_ in seqs)
     return 6 * decoder * total + 6 * H * V * completion + attention
 
 
@@ -253,7 +253,7 @@ def bench(args) -> None:
                                       weight_decay=cfg.train.weight_decay)
         for T in tokens:
             seqs = update_batch(T, args.micro_batches, config.vocab_size, cfg, seed=T)
-            n_tokens, flops = sum(len(p) + len(c) for p, c, _, _ in seqs), model_flops(config, seqs)
+            n_tokens, flops = sum(len(p) + len(c) for p, c, *_ in seqs), model_flops(config, seqs)
             for impl in impls:
                 cfg.train.micro_batch_tokens, cfg.train.logprob_impl = T, impl
                 try:
