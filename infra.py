@@ -829,22 +829,25 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
     """The HF attention for packed rows: one that keeps sequences apart
     without a (T, T) mask on GPU.
 
-    All three read the sequence boundaries from position_ids (pack_sequences restarts them at 0):
-      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed.
-      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids;
-                         O(T) memory plus (T/128)^2 block indices, compiled by torch.compile. GPU
-                         without flash-attn. Runs on CPU for inference only (torch 2.13 has no
-                         CPU backward).
-      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and
-                         simple, the CPU default, and the reference the other two are pinned to
-                         (test_spell.py on CPU, bench/bench_attention.py on a GPU).
+    Unshared rows: all three read the sequence boundaries from position_ids (pack_sequences
+    restarts them at 0). Shared-prefix rows (train.shared_prefix) carry spell.tree_attention_mask.
+      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed and
+                         train.shared_prefix is off (it cannot take the tree mask).
+      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids
+                         (or the tree rule); O(T) memory plus (T/128)^2 block indices, compiled by
+                         torch.compile. GPU otherwise. Runs on CPU for inference only (torch 2.13
+                         has no CPU backward).
+      sdpa               torch SDPA with a dense (T, T) mask (block-diagonal causal, or the tree):
+                         exact and simple, the CPU default, and the reference the other two are
+                         pinned to (test_spell.py on CPU, bench/bench_attention.py on a GPU).
     """
     if cfg.model.attn_implementation != "auto":
         return cfg.model.attn_implementation
     if not on_gpu:
         return "sdpa"
+    # shared-prefix rows need a tree mask, which flash-attn's varlen kernel cannot take
     return ("flash_attention_2" if importlib.util.find_spec("flash_attn") is not None
-            else "flex_attention")
+            and not cfg.train.shared_prefix else "flex_attention")
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
@@ -943,8 +946,8 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     AdamW's two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or
     train.fsdp_shard_size for HSDP); bf16 parameters gathered for compute: the root group
     (embeddings and LM head) all step, plus the current and the prefetched decoder layer, and their
-    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
-    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per
+    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for T
+    tokens in bf16 (the micro-batch budget, or the longest sequence if longer): with gradient checkpointing one hidden state per
     layer boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per
     token its two norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k)
     and four MLP tensors (4 I); its backward is counted as twice that (saved tensors plus as much
@@ -959,8 +962,11 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     p = parameter_counts(mc)
-    H, I, L, T = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
-                  cfg.train.micro_batch_tokens)
+    # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
+    # shared group over the budget splits down to its prompt and one answer): sharing changes how
+    # many tokens a step trains, not the longest micro-batch
+    T = max(cfg.train.micro_batch_tokens, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
@@ -1073,6 +1079,14 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if len(corpus) < groups:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
+    attn = attention_implementation(cfg, torch.cuda.is_available())
+    if cfg.train.shared_prefix and attn not in ("sdpa", "flex_attention"):
+        if rank == 0:
+            print(f"train.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
+                  "answer from another (an answer's keys, its prompt then itself, are not one "
+                  "contiguous run of the row), so each answer is packed with its own copy of "
+                  "the prompt", flush=True)
+        cfg.train.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
 
 
@@ -1367,26 +1381,31 @@ def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
     return moves
 
 
-def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], list]:
+def balance_sequences(seqs: list[tuple], behaviour: list,
+                      units: list[list[int]]) -> tuple[list[tuple], list]:
     """This rank's share of the update after plan_rebalance: what it keeps plus what it is sent.
 
     Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
     by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
     gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less.
-    Only the lengths and the moved sequences travel.
+    A unit (indices into seqs: one sequence, or a group packed with its prompt once) moves whole,
+    weighed by its tokens so packed; its sequences stay together. Only the lengths and the moved
+    units travel.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seqs, behaviour
     rank = dist.get_rank()
-    moves = plan_rebalance(all_gather_objects([len(s[0]) + len(s[1]) for s in seqs]))
-    given = {i for src, i, _ in moves if src == rank}
-    sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
+    tokens = [len(seqs[u[0]][0]) + sum(len(seqs[k][1]) for k in u) for u in units]
+    moves = plan_rebalance(all_gather_objects(tokens))
+    given = {j for src, j, _ in moves if src == rank}
+    sent = all_gather_objects([[(seqs[k], behaviour[k]) for k in units[j]]
+                               for src, j, _ in moves if src == rank])
     received, taken = [], [0] * len(sent)
     for src, _, dst in moves:  # each rank's sent list is in plan order
         if dst == rank:
-            received.append(sent[src][taken[src]])
+            received += sent[src][taken[src]]
         taken[src] += 1
-    keep = [k for k in range(len(seqs)) if k not in given]
+    keep = [k for j, u in enumerate(units) if j not in given for k in u]
     return ([seqs[k] for k in keep] + [x for x, _ in received],
             [behaviour[k] for k in keep] + [b for _, b in received])
 
@@ -1406,7 +1425,7 @@ RESUMABLE_KEYS = frozenset((
     "train.steps",  # a run continued for longer
     # the same model computed another way: attention kernel, recomputation, the log-prob kernel
     "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
-    "train.logprob_impl",
+    "train.logprob_impl", "train.shared_prefix",
     # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
     # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
     "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
@@ -1852,13 +1871,19 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
         "train/sequences": counts["sequences"],
     }
-    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens")
+    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
+            "rollout_outside_cap")
     m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
-    # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+    # per token sampled by vLLM (update_policy): mean |log pi_trainer - log pi_vLLM|, the mean
+    # truncated ratio min(rho, C) and the share outside [1/C, C] (train.rollout_correction: what the
+    # correction does, or would do)
     if train.get("rollout_logp_tokens"):
-        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / train["rollout_logp_tokens"]
+        n = train["rollout_logp_tokens"]
+        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
+        m["train/rollout_is_weight"] = train.get("rollout_is_weight_sum", n) / n
+        m["train/rollout_outside_cap"] = train.get("rollout_outside_cap", 0.0) / n
     m.update({f"perf/{k}": v for k, v in times.items()})
     generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
                  "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}

@@ -141,9 +141,12 @@ FIGURES = {
         ("gradient norm (before clipping)", ["train/grad_norm"]),
         ("entropy (nats per token)", ["train/entropy"]),
         ("clip fraction", ["train/clipfrac"]),
-        ("sequences / micro-batches", ["train/sequences", "train/micro_batches"]),
+        ("sequences / micro-batches / groups split over micro-batches",
+         ["train/sequences", "train/micro_batches", "train/split_groups"]),
         ("tokens", ["train/tokens"]),
         ("mean |log-prob trainer - vLLM| per token", ["train/rollout_logp_gap"]),
+        ("rollout correction: mean min(ratio, C) / share outside [1/C, C]",
+         ["train/rollout_is_weight", "train/rollout_outside_cap"]),
     ]),
     "throughput": ("Throughput", "perf/", [
         ("seconds per step, by phase",
