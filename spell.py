@@ -1842,10 +1842,10 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
                 (loss * world).backward()
                 stats["loss"] += loss.item() / cfg.train.ppo_epochs
                 stats["clipped"] += s["clipped"]
-                stats["active"] += s["active"] if mb else 0
-                if epoch == 0:
+                stats["active"] += s["active"] if mb else 0  # a dummy's token counts nowhere
+                if epoch == 0 and mb:
                     stats["entropy_sum"] += s["entropy_sum"]
-                    stats["tokens"] += s["tokens"] if mb else 0
+                    stats["tokens"] += s["tokens"]
                     for i, logp in zip(mb, per_seq):
                         if behaviour is not None and behaviour[i] is not None:
                             sampled = torch.tensor(behaviour[i], device=logp.device)
