@@ -37,7 +37,8 @@ The paper in this file, top to bottom:
                                            select_verifier
   Eq. 8, Eq. 9: advantages ............... group_advantages, ADVANTAGES
   Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS
-  line 26, Eq. 10: the unified update .... update_policy
+  line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
+                                           vLLM vs trainer: rollout_correction)
   Algorithm 1: the loop .................. main
   Eq. 11, App. C.2: evaluation ........... evaluation.py
 
@@ -132,11 +133,14 @@ from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError,
                    checkpoint_dir, config_to_dict, control_tokens, corpus_records,
                    defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
                    json_candidates, load_rank_state, loads_lenient, normalize_text,
-                   number_is_negative, parse_args, phase_plan, policy_mesh, print0,
+                   number_is_negative, pack_shared_prefix, packing_units, parse_args, phase_plan,
+                   plan_micro_batches, policy_mesh, print0,
                    rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
+                   rollout_gap_stats,
                    rng_state, rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
                    seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
-                   step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   step_times, train_mode_without_dropout, tree_attention_mask, unit_tokens,
+                   vllm_platform_kwargs, world_of_one_env,
                    write_run_config)
 
 ROOT = Path(__file__).resolve().parent
@@ -1761,7 +1765,7 @@ class Seq(NamedTuple):
 def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int,
                        cfg: Config) -> tuple[list[Seq], list[list[float] | None], list[list[int]]]:
     """This rank's kept items as Seqs, beside each the log-probs vLLM sampled it with (None where
-    not recorded), and the units they pack in (packing_units), which balance_sequences moves whole."""
+    not recorded), and the units they pack in (infra.packing_units), which move whole."""
     seqs, behaviour = [], []
     for it in items:
         if it.rank != rank:
@@ -1778,47 +1782,6 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: in
         behaviour.append(completion.logprobs)
     t = cfg.train
     return seqs, behaviour, packing_units(seqs, t.shared_prefix, t.micro_batch_tokens)[0]
-
-
-def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedy first-fit of packing units (longest first) into micro-batches of at most `budget`
-    tokens.
-
-    A unit longer than the budget gets a micro-batch of its own. The loss weights are global, so
-    the gradient is the same however sequences are grouped here.
-    """
-    bins: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, (used, members) in enumerate(bins):
-            if used + lengths[i] <= budget:
-                bins[b] = (used + lengths[i], members + [i])
-                break
-        else:
-            bins.append((lengths[i], [i]))
-    return [members for _, members in bins]
-
-
-def packing_units(seqs: Sequence[Seq], shared: bool, budget: int) -> tuple[list[list[int]], int]:
-    """The sequences that pack as one row segment, each unit counted as packed: alone, prompt +
-    completion; shared (train.shared_prefix), a group's prompt once plus its completions. A group
-    longer than `budget` is split into parts that fit, each encoding the prompt again (still exact).
-    Returns the units and how many groups were split."""
-    units, split = [], 0
-    for run in prompt_runs([s.prompt for s in seqs], shared):
-        parts, used = [[]], len(seqs[run[0]].prompt)
-        for k in run:
-            if parts[-1] and used + len(seqs[k].completion) > budget:
-                parts.append([])
-                used = len(seqs[k].prompt)
-            parts[-1].append(k)
-            used += len(seqs[k].completion)
-        units += parts
-        split += len(parts) > 1
-    return units, split
-
-
-def unit_tokens(seqs: Sequence[Seq], unit: list[int]) -> int:
-    return len(seqs[unit[0]].prompt) + sum(len(seqs[k].completion) for k in unit)
 
 
 def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None,
@@ -1838,23 +1801,15 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | No
     seq_ids = per_token(list(range(len(seqs)))).long()
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
     old = logp.detach() if old_logps is None else torch.cat(old_logps)
-    sampled = [torch.tensor(b, device=device) if b is not None else o
-               for b, o in zip(behaviour, old.split(lengths))]
-    sampled = torch.cat(sampled)  # (T,)
+    sampled = torch.cat([torch.tensor(b, device=device) if b is not None else o
+                         for b, o in zip(behaviour, old.split(lengths))])  # (T,) vLLM's log-probs
     weight = weight * rollout_correction(old, sampled, t.rollout_correction,
                                          t.rollout_correction_cap)
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, adv, weight, seq_ids,
                                                t.clip_low, t.clip_high)
-    # the gap to vLLM's log-probs (0 where none were recorded), and what the correction does or
-    # would do: its truncated weight and the tokens outside [1/C, C]
-    rho = torch.exp(old - sampled)
     recorded = per_token([float(b is not None) for b in behaviour]) > 0
     stats.update(entropy_sum=float(entropy.sum()), tokens=len(logp),
-                 rollout_logp_gap_sum=float((old - sampled).abs().sum()),
-                 rollout_logp_tokens=int(recorded.sum()),
-                 rollout_is_weight_sum=float(rho.clamp(max=t.rollout_correction_cap)[recorded].sum()),
-                 rollout_outside_cap=int(((rho < 1.0 / t.rollout_correction_cap)
-                                          | (rho > t.rollout_correction_cap))[recorded].sum()))
+                 **rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap))
     return loss, list(logp.detach().split(lengths)), stats
 
 
@@ -1863,8 +1818,10 @@ def dummy_sequence() -> Seq:
     return Seq([0], [0], 0.0, 0.0)
 
 
-STAT_SUMS = ("loss", "clipped", "active", "entropy_sum", "tokens", "rollout_logp_gap_sum",
-             "rollout_logp_tokens", "rollout_is_weight_sum", "rollout_outside_cap", "split_groups")
+# what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
+TOKEN_SUMS = ("entropy_sum", "tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
+              "rollout_is_weight_sum", "rollout_outside_cap")
+STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
 
 def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, device: torch.device,
@@ -1875,11 +1832,9 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
     Every rank runs the same number of micro-batches (padded with dummies), because each FSDP
     forward and backward is a collective. Past the first step the behaviour policy's log-probs,
     taken before it, make the ratio. behaviour[i], if given, holds the log-probs vLLM sampled
-    seqs[i] with: their distance to the trainer's is logged (rollout_logp_gap_sum over
-    rollout_logp_tokens), the drift between the two policies' numerics (bf16 rollouts against
-    fp32 masters; with top_p < 1, vLLM's renormalisation over the nucleus), and
-    train.rollout_correction corrects for it. The returned stats are the whole batch's, summed over
-    the ranks.
+    seqs[i] with: their gap to the trainer's (bf16 rollouts against fp32 masters; with top_p < 1,
+    vLLM's renormalisation over the nucleus) is logged and train.rollout_correction corrects for
+    it. The returned stats are the whole batch's, summed over the ranks.
     """
     t = cfg.train
     behaviour = behaviour if behaviour is not None else [None] * len(seqs)
@@ -1914,11 +1869,8 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
                 stats["loss"] += loss.item() / t.ppo_epochs
                 stats["clipped"] += s["clipped"]
                 stats["active"] += s["active"] if real else 0
-                if epoch == 0 and real:
-                    for key in ("entropy_sum", "tokens", "rollout_logp_gap_sum",
-                                "rollout_logp_tokens", "rollout_is_weight_sum",
-                                "rollout_outside_cap"):
-                        stats[key] += s[key]
+                for key in TOKEN_SUMS if epoch == 0 and real else ():
+                    stats[key] += s[key]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
             # the mean over the optimiser steps (a mini-batch may be all dummies on every rank)
             stats["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
@@ -2381,128 +2333,40 @@ def sync_weights(llm, named_tensors) -> float:
 
 
 def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False) -> dict:
-    """Pack (prompt_ids, completion_ids) pairs into one padding-free row for the trainer.
-
-    Unshared, each pair is its own sequence [x, y], positions from 0: that restart is what tells
-    HF attention where sequences begin (block-diagonal causal mask, BlockMask or flash-attn varlen).
-    Shared (train.shared_prefix), a run of consecutive pairs with the same prompt is one group
-    [x, y_1, ..., y_G]: x once, each y_i at the positions it has in its own sequence (from len(x)),
-    and tree_attention_mask lets y_i see x and its own earlier tokens, never another y_j. Every
-    completion token then gets the log-prob and the gradient it gets unshared
-    (test_shared_prefix_*), for a prompt encoded once instead of G times.
-
-    x's last position predicts every y_i[0], so the LM head reads a list of row positions
-    (`index`) instead of a shifted row; its backward adds up the G gradients at that position.
-    Returns
-      input_ids    (1, T) long: per group the prompt, then its completions
-      position_ids (1, T) long: 0..P-1 on a prompt, P..P+C_i-1 on its i-th completion
-      group_ids    (T,) long: the group of each token (unshared: its sequence)
-      segment_ids  (T,) long: 0 on a prompt, i on its group's i-th completion
-      index        (N,) long: the row position whose hidden state predicts each completion token
-      targets      (N,) long: that completion token (N = all completion tokens, pairs in order)
-      spans        list of (start, end) into the (N,) values, one per pair, in input order
-      shared       bool: some group holds two or more completions (the row needs the tree mask)
-    """
-    input_ids, position_ids, group_ids, segment_ids, index, targets, spans = ([] for _ in range(7))
-    runs = prompt_runs([p for p, _ in seqs], shared)
-    for g, run in enumerate(runs):
-        prompt = seqs[run[0]][0]
+    """Pack (prompt_ids, completion_ids) pairs into one padding-free row, each pair a sequence from
+    position 0: that restart tells HF attention where sequences begin. With `shared`
+    (train.shared_prefix), pairs in a row with one prompt share it: infra.pack_shared_prefix, exact.
+    Returns input_ids and position_ids (1, T); group_ids (the sequence, or group) and segment_ids
+    (0 on a prompt, i on a group's i-th completion), (T,); index, the row position predicting
+    each completion token, and targets, that token, (N,); spans, (start, end) into the (N,)
+    values per pair; shared, whether the row needs infra.tree_attention_mask."""
+    if shared:
+        return pack_shared_prefix(seqs)
+    input_ids, position_ids, group_ids, index, spans = [], [], [], [], []
+    for k, (prompt, completion) in enumerate(seqs):
         assert len(prompt) >= 1, "a prompt token must predict the completion's first token"
-        last = len(input_ids) + len(prompt) - 1  # predicts each completion's first token
-        input_ids += prompt
-        position_ids += range(len(prompt))
-        group_ids += [g] * len(prompt)
-        segment_ids += [0] * len(prompt)
-        for i, k in enumerate(run, start=1):
-            completion, start = seqs[k][1], len(input_ids)
-            input_ids += completion
-            position_ids += range(len(prompt), len(prompt) + len(completion))
-            group_ids += [g] * len(completion)
-            segment_ids += [i] * len(completion)
-            # y[0] at the prompt's last position, y[j] at y[j - 1]'s
-            index += [last, *range(start, start + len(completion) - 1)][:len(completion)]
-            targets += completion
-    for run in runs:  # runs are consecutive, so the values come out in the pairs' order
-        for k in run:
-            end = (spans[-1][1] if spans else 0) + len(seqs[k][1])
-            spans.append((end - len(seqs[k][1]), end))
+        start = len(input_ids) + len(prompt) - 1  # predicts the completion's first token
+        input_ids += prompt + completion
+        position_ids += range(len(prompt) + len(completion))
+        group_ids += [k] * (len(prompt) + len(completion))
+        index += range(start, start + len(completion))
+        spans.append((len(index) - len(completion), len(index)))
+    segment_ids = [int(p >= len(seqs[k][0])) for k, p in zip(group_ids, position_ids)]
     tensor = functools.partial(torch.tensor, dtype=torch.long)
     return {"input_ids": tensor(input_ids)[None], "position_ids": tensor(position_ids)[None],
             "group_ids": tensor(group_ids), "segment_ids": tensor(segment_ids),
-            "index": tensor(index), "targets": tensor(targets), "spans": spans,
-            "shared": any(len(run) > 1 for run in runs)}
-
-
-def prompt_runs(prompts: Sequence[list[int]], shared: bool) -> list[list[int]]:
-    """Indices of the pairs packed as one group: with `shared`, each run of consecutive equal
-    prompts (a responder group's G answers, a response's verifier votes: select_batch lists them
-    together); else each pair alone."""
-    runs: list[list[int]] = []
-    for k, prompt in enumerate(prompts):
-        if shared and runs and prompts[runs[-1][0]] == prompt:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
-    return runs
-
-
-def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
-    """The tree rule, elementwise: may the query token see the key token? Positions are row
-    indices. One rule for the dense mask and FlexAttention's mask_mod, so they cannot drift."""
-    return (q_group == k_group) & (q_pos >= k_pos) & ((k_segment == 0) | (q_segment == k_segment))
-
-
-_compiled_block_mask = None  # torch.compile(create_block_mask), built once on GPU
-
-
-def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: torch.dtype):
-    """The attention_mask that makes HF attention `impl` apply the tree rule to a shared row; None
-    for a row without shared prompts (HF then reads the boundaries from position_ids).
-
-    sdpa: a dense additive (1, 1, T, T) mask in the compute dtype, 0 where visible and -inf
-    elsewhere; HF passes any 4-D mask on as is. Additive, not boolean: SDPA would turn a boolean
-    mask into such a tensor in every layer and keep each copy for the backward. O(T^2): CPU.
-    flex_attention: a BlockMask from the (group, segment) ids; blocks nobody sees (y_i against y_j)
-    are skipped and no (T, T) tensor exists on GPU, where create_block_mask is compiled (eager, it
-    evaluates every pair at once). flash-attn's varlen kernel cannot express the rule (y_2's keys,
-    x then y_2, are not contiguous): infra.check_launch turns sharing off for it.
-    """
-    global _compiled_block_mask
-    if not packed["shared"]:
-        return None
-    group, segment = packed["group_ids"].to(device), packed["segment_ids"].to(device)
-    pos = torch.arange(len(group), device=device)  # (T,)
-    if impl == "sdpa":
-        visible = tree_visible(group[:, None], segment[:, None], pos[:, None],
-                               group[None], segment[None], pos[None])  # (T, T)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~visible, float("-inf"))[None, None]  # (1, 1, T, T)
-    if impl == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, k):
-            return tree_visible(group[q], segment[q], q, group[k], segment[k], k)
-
-        build = create_block_mask
-        if device.type == "cuda":
-            _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
-            build = _compiled_block_mask
-        return build(mask_mod, 1, None, len(group), len(group), device=device)
-    raise ValueError(f"train.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
+            "index": tensor(index), "targets": tensor([t for _, c in seqs for t in c]),
+            "spans": spans, "shared": False}
 
 
 def completion_logprobs(model, input_ids, position_ids, attention_mask, index, targets,
-                        temperature: float, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoder forward on a packed row, then the LM head only at the `index` positions: (N,), (N,)
-    fp32.
-
-    A method of the FSDP2 root after shard_policy (so its parameters, the LM head included, are
-    gathered while it runs); callable on a plain HF model as is. The LM head runs only where a
-    completion token is predicted: in long-context RL the prompts are most of the tokens.
+                        temperature: float, impl: str = "torch"):
+    """Decoder forward on a packed row, then the LM head only at the `index` positions: log-probs
+    and entropies, (N,), (N,) fp32. A method of the FSDP2 root after shard_policy (so its
+    parameters, the LM head included, are gathered while it runs); callable on a plain HF model.
     """
     # No KV cache. attention_mask None: HF finds the sequence boundaries in position_ids. A 4-D mask
-    # or a BlockMask (shared rows) is used as given and position_ids only feed RoPE: without it
-    # y_2..y_G would start new sequences at their positions and lose the prompt.
+    # or a BlockMask (shared rows) is used as given, position_ids then only feed RoPE.
     hidden = model.model(input_ids=input_ids, position_ids=position_ids,
                          attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden = hidden[0].index_select(0, index)  # (N, H)

@@ -143,11 +143,11 @@ def test_memory_estimate_qwen25_7b():
     from transformers import Qwen2Config
 
     cfg = spell.load_config(str(spell.ROOT / "config.toml"))
-    P, layer, root, T, H, L, I = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28, 18944
+    P, layer, root, T, H, L = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28
     est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
     GiB = 2**30
-    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values
-    # a token for backward
+    # a layer keeps 4 H + 2 q + 2 k + 4 I (I = 18944) = 14336 + 7168 + 1024 + 75776 = 98304 bf16
+    # values a token for backward
     hand = {
         # 3.546, 3.546, 7.093
         "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,
