@@ -338,7 +338,7 @@ def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dic
     counts = batch_counts(que_pos=1, que_neg=1, res_groups=1, ver_groups=1, ver_candidates=3,
                           sequences=9)
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
-             "grad_norm": 1.0, "micro_batches": 2, "split_groups": 0.0,
+             "grad_norm": 1.0, "micro_batches": 2, "split_groups": 0.0, "row_tokens": 400,
              "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100,
              "rollout_is_weight_sum": 99.0, "rollout_outside_cap": 1.0}
     times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1,

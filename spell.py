@@ -1808,7 +1808,8 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | No
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, adv, weight, seq_ids,
                                                t.clip_low, t.clip_high)
     recorded = per_token([float(b is not None) for b in behaviour]) > 0
-    stats.update(entropy_sum=float(entropy.sum()), tokens=len(logp),
+    stats.update(entropy_sum=float(entropy.sum()), tokens=len(logp),  # trained; and encoded:
+                 row_tokens=packed["input_ids"].shape[1],
                  **rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap))
     return loss, list(logp.detach().split(lengths)), stats
 
@@ -1819,7 +1820,7 @@ def dummy_sequence() -> Seq:
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
-TOKEN_SUMS = ("entropy_sum", "tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
+TOKEN_SUMS = ("entropy_sum", "tokens", "row_tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
               "rollout_is_weight_sum", "rollout_outside_cap")
 STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
