@@ -157,18 +157,20 @@ def tiny_dir(embedded_dir, tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), tokenizer_dir=embedded_dir, seed=0)
 
 
-def tiny_llama(seed: int = 0, attn: str = "sdpa"):
-    """A tiny Llama in memory (vocabulary 1000, head_dim 64, tied embeddings), fp32,
-    with HF attention `attn`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(seed: int = 0, attn: str = "sdpa", arch: str = "llama"):
+    """A tiny Llama (or Qwen2: q/k/v biases) in memory (vocabulary 1000, head_dim 64, tied
+    embeddings), fp32, with HF attention `attn`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
-                         attn_implementation=attn)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_class(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
+                          attn_implementation=attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LlamaForCausalLM(config).float()
+        return model_class(config).float()
 
 
 SPEAKER_QUESTION = {"question": "Which colour was the north gate painted?", "answer": "blue"}
@@ -336,8 +338,9 @@ def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dic
     counts = batch_counts(que_pos=1, que_neg=1, res_groups=1, ver_groups=1, ver_candidates=3,
                           sequences=9)
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
-             "grad_norm": 1.0, "micro_batches": 2, "rollout_logp_gap_sum": 1.0,
-             "rollout_logp_tokens": 100}
+             "grad_norm": 1.0, "micro_batches": 2, "split_groups": 0.0, "row_tokens": 400,
+             "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100,
+             "rollout_is_weight_sum": 99.0, "rollout_outside_cap": 1.0}
     times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1,
              "rollout_s": 2.0, "update_s": 1.0, "sync_s": 0.1, "step_s": 3.1,
              "train_tokens_per_s": 100.0}

@@ -677,6 +677,18 @@ def all_reduce_stats(stats: dict[str, float], keys: Sequence[str],
     return {**stats, **dict(zip(keys, t.tolist()))}
 
 
+def rollout_gap_stats(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                      recorded: torch.Tensor, cap: float) -> dict[str, float]:
+    """Sums for the log over the tokens vLLM recorded log-probs for: |log pi_trainer - log pi_vLLM|,
+    and what spell.rollout_correction does or would do with rho = pi_trainer / pi_vLLM: min(rho, C)
+    and the tokens outside [1/C, C]. All (T,)."""
+    rho = torch.exp(trainer_logp - rollout_logp)[recorded]
+    return {"rollout_logp_gap_sum": float((trainer_logp - rollout_logp)[recorded].abs().sum()),
+            "rollout_logp_tokens": int(recorded.sum()),
+            "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
+            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum())}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -829,22 +841,25 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
     """The HF attention for packed rows: one that keeps sequences apart
     without a (T, T) mask on GPU.
 
-    All three read the sequence boundaries from position_ids (pack_sequences restarts them at 0):
-      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed.
-      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids;
-                         O(T) memory plus (T/128)^2 block indices, compiled by torch.compile. GPU
-                         without flash-attn. Runs on CPU for inference only (torch 2.13 has no
-                         CPU backward).
-      sdpa               torch SDPA with a dense (T, T) block-diagonal causal mask: exact and
-                         simple, the CPU default, and the reference the other two are pinned to
-                         (test_spell.py on CPU, bench/bench_attention.py on a GPU).
+    Unshared rows: all three read the sequence boundaries from position_ids (pack_sequences
+    restarts them at 0). Shared-prefix rows (train.shared_prefix) carry spell.tree_attention_mask.
+      flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed and
+                         train.shared_prefix is off (it cannot take the tree mask).
+      flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids
+                         (or the tree rule); O(T) memory plus (T/128)^2 block indices, compiled by
+                         torch.compile. GPU otherwise. Runs on CPU for inference only (torch 2.13
+                         has no CPU backward).
+      sdpa               torch SDPA with a dense (T, T) mask (block-diagonal causal, or the tree):
+                         exact and simple, the CPU default, and the reference the other two are
+                         pinned to (test_spell.py on CPU, bench/bench_attention.py on a GPU).
     """
     if cfg.model.attn_implementation != "auto":
         return cfg.model.attn_implementation
     if not on_gpu:
         return "sdpa"
+    # shared-prefix rows need a tree mask, which flash-attn's varlen kernel cannot take
     return ("flash_attention_2" if importlib.util.find_spec("flash_attn") is not None
-            else "flex_attention")
+            and not cfg.train.shared_prefix else "flex_attention")
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
@@ -943,9 +958,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     AdamW's two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or
     train.fsdp_shard_size for HSDP); bf16 parameters gathered for compute: the root group
     (embeddings and LM head) all step, plus the current and the prefetched decoder layer, and their
-    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for
-    `train.micro_batch_tokens` T tokens in bf16: with gradient checkpointing one hidden state per
-    layer boundary (T H L) plus one layer's recompute; without it every layer's. A layer saves per
+    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for T
+    tokens in bf16 (the micro-batch budget, or the longest sequence if longer): with gradient
+    checkpointing one hidden state per layer boundary (T H L) plus one layer's recompute; without
+    it every layer's. A layer saves per
     token its two norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k)
     and four MLP tensors (4 I); its backward is counted as twice that (saved tensors plus as much
     for their gradients, an upper bound). The LM head holds a bounded scratch, never [T, V] logits
@@ -959,8 +975,12 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     p = parameter_counts(mc)
-    H, I, L, T = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
-                  cfg.train.micro_batch_tokens)
+    # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
+    # shared group over the budget splits down to its prompt and one answer): sharing changes how
+    # many tokens a step trains, not the longest micro-batch
+    r = cfg.rollout
+    T = max(cfg.train.micro_batch_tokens, r.max_prompt_tokens + r.max_new_tokens)
+    H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
@@ -1073,6 +1093,14 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if len(corpus) < groups:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
+    attn = attention_implementation(cfg, torch.cuda.is_available())
+    if cfg.train.shared_prefix and attn not in ("sdpa", "flex_attention"):
+        if rank == 0:
+            print(f"train.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
+                  "answer from another (an answer's keys, its prompt then itself, are not one "
+                  "contiguous run of the row), so each answer is packed with its own copy of "
+                  "the prompt", flush=True)
+        cfg.train.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
 
 
@@ -1339,6 +1367,145 @@ def share_within_groups(items: list, k: int) -> None:
 
 
 # ==================================================================================================
+# Shared-prefix packing (train.shared_prefix), the fast twin of spell.pack_sequences: which pairs
+# share a prompt, and the tree mask that keeps their answers apart
+# ==================================================================================================
+
+def prompt_runs(prompts: Sequence[list[int]], shared: bool) -> list[list[int]]:
+    """Indices of the pairs packed as one group: with `shared`, each run of consecutive equal
+    prompts (a responder group's G answers, a response's verifier votes: select_batch lists them
+    together); else each pair alone."""
+    runs: list[list[int]] = []
+    for k, prompt in enumerate(prompts):
+        if shared and runs and prompts[runs[-1][0]] == prompt:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
+
+
+def pack_shared_prefix(seqs: list[tuple[list[int], list[int]]]) -> dict:
+    """spell.pack_sequences with each run of consecutive pairs that share a prompt packed as one
+    group [x, y_1, ..., y_G]: x once, each y_i at the positions it has in its own sequence (from
+    len(x)), and tree_attention_mask lets y_i see x and its own earlier tokens, never another y_j.
+    Every completion token gets the log-prob and the gradient it gets unshared, for a prompt
+    encoded once instead of G times. x's last position predicts every y_i[0], so the LM head reads
+    a list of row positions (`index`), and its backward adds up the G gradients at that position.
+    Same keys as pack_sequences; segment_ids number a group's completions 1..G."""
+    input_ids, position_ids, group_ids, segment_ids, index, spans = ([] for _ in range(6))
+    runs = prompt_runs([p for p, _ in seqs], shared=True)
+    for g, run in enumerate(runs):
+        prompt = seqs[run[0]][0]
+        assert len(prompt) >= 1, "a prompt token must predict the completion's first token"
+        last = len(input_ids) + len(prompt) - 1  # predicts each completion's first token
+        input_ids += prompt
+        position_ids += range(len(prompt))
+        group_ids += [g] * len(prompt)
+        segment_ids += [0] * len(prompt)
+        for i, k in enumerate(run, start=1):
+            completion, start = seqs[k][1], len(input_ids)
+            input_ids += completion
+            position_ids += range(len(prompt), len(prompt) + len(completion))
+            group_ids += [g] * len(completion)
+            segment_ids += [i] * len(completion)
+            # y[0] at the prompt's last position, y[j] at y[j - 1]'s
+            index += [last, *range(start, start + len(completion) - 1)][:len(completion)]
+            spans.append((len(index) - len(completion), len(index)))
+    tensor = functools.partial(torch.tensor, dtype=torch.long)
+    return {"input_ids": tensor(input_ids)[None], "position_ids": tensor(position_ids)[None],
+            "group_ids": tensor(group_ids), "segment_ids": tensor(segment_ids),
+            "index": tensor(index), "targets": tensor([t for _, c in seqs for t in c]),
+            "spans": spans, "shared": any(len(run) > 1 for run in runs)}
+
+
+def packing_units(seqs: Sequence, shared: bool, budget: int) -> tuple[list[list[int]], int]:
+    """The sequences that pack as one row segment, each unit counted as packed: alone, prompt +
+    completion; shared (train.shared_prefix), a group's prompt once plus its completions. A group
+    longer than `budget` is split into parts that fit, each encoding the prompt again (still exact).
+    Returns the units and how many groups were split."""
+    units, split = [], 0
+    for run in prompt_runs([s.prompt for s in seqs], shared):
+        parts, used = [[]], len(seqs[run[0]].prompt)
+        for k in run:
+            if parts[-1] and used + len(seqs[k].completion) > budget:
+                parts.append([])
+                used = len(seqs[k].prompt)
+            parts[-1].append(k)
+            used += len(seqs[k].completion)
+        units += parts
+        split += len(parts) > 1
+    return units, split
+
+
+def unit_tokens(seqs: Sequence, unit: list[int]) -> int:
+    """A unit's tokens in the row: its prompt once, and its completions."""
+    return len(seqs[unit[0]].prompt) + sum(len(seqs[k].completion) for k in unit)
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy first-fit of packing units (longest first) into micro-batches of at most `budget`
+    tokens.
+
+    A unit longer than the budget gets a micro-batch of its own. The loss weights are global, so
+    the gradient is the same however sequences are grouped here.
+    """
+    bins: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, (used, members) in enumerate(bins):
+            if used + lengths[i] <= budget:
+                bins[b] = (used + lengths[i], members + [i])
+                break
+        else:
+            bins.append((lengths[i], [i]))
+    return [members for _, members in bins]
+
+
+def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
+    """The tree rule, elementwise: may the query token see the key token? Positions are row
+    indices. One rule for the dense mask and FlexAttention's mask_mod, so they cannot drift."""
+    return (q_group == k_group) & (q_pos >= k_pos) & ((k_segment == 0) | (q_segment == k_segment))
+
+
+_compiled_block_mask = None  # torch.compile(create_block_mask), built once on GPU
+
+
+def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: torch.dtype):
+    """The attention_mask that makes HF attention `impl` apply the tree rule to a shared row; None
+    for a row without shared prompts (HF then reads the boundaries from position_ids).
+
+    sdpa: a dense additive (1, 1, T, T) mask in the compute dtype, 0 where visible and -inf
+    elsewhere; HF passes any 4-D mask on as is. Additive, not boolean: SDPA would turn a boolean
+    mask into such a tensor in every layer and keep each copy for the backward. O(T^2): CPU.
+    flex_attention: a BlockMask from the (group, segment) ids; blocks nobody sees (y_i against y_j)
+    are skipped and no (T, T) tensor exists on GPU, where create_block_mask is compiled (eager, it
+    evaluates every pair at once). flash-attn's varlen kernel cannot express the rule (y_2's keys,
+    x then y_2, are not contiguous): check_launch turns sharing off for it.
+    """
+    global _compiled_block_mask
+    if not packed["shared"]:
+        return None
+    group, segment = packed["group_ids"].to(device), packed["segment_ids"].to(device)
+    pos = torch.arange(len(group), device=device)  # (T,)
+    if impl == "sdpa":
+        visible = tree_visible(group[:, None], segment[:, None], pos[:, None],
+                               group[None], segment[None], pos[None])  # (T, T)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~visible, float("-inf"))[None, None]  # (1, 1, T, T)
+    if impl == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, k):
+            return tree_visible(group[q], segment[q], q, group[k], segment[k], k)
+
+        build = create_block_mask
+        if device.type == "cuda":
+            _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
+            build = _compiled_block_mask
+        return build(mask_mod, 1, None, len(group), len(group), device=device)
+    raise ValueError(f"train.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
+
+
+# ==================================================================================================
 # Rebalancing: spread the kept sequences evenly over the ranks before the update
 # ==================================================================================================
 
@@ -1367,26 +1534,31 @@ def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
     return moves
 
 
-def balance_sequences(seqs: list[tuple], behaviour: list) -> tuple[list[tuple], list]:
+def balance_sequences(seqs: list[tuple], behaviour: list,
+                      units: list[list[int]]) -> tuple[list[tuple], list]:
     """This rank's share of the update after plan_rebalance: what it keeps plus what it is sent.
 
     Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
     by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
     gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less.
-    Only the lengths and the moved sequences travel.
+    A unit (indices into seqs: one sequence, or a group packed with its prompt once) moves whole,
+    weighed by its tokens so packed; its sequences stay together. Only the lengths and the moved
+    units travel.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seqs, behaviour
     rank = dist.get_rank()
-    moves = plan_rebalance(all_gather_objects([len(s[0]) + len(s[1]) for s in seqs]))
-    given = {i for src, i, _ in moves if src == rank}
-    sent = all_gather_objects([(seqs[i], behaviour[i]) for src, i, _ in moves if src == rank])
+    tokens = [len(seqs[u[0]][0]) + sum(len(seqs[k][1]) for k in u) for u in units]
+    moves = plan_rebalance(all_gather_objects(tokens))
+    given = {j for src, j, _ in moves if src == rank}
+    sent = all_gather_objects([[(seqs[k], behaviour[k]) for k in units[j]]
+                               for src, j, _ in moves if src == rank])
     received, taken = [], [0] * len(sent)
     for src, _, dst in moves:  # each rank's sent list is in plan order
         if dst == rank:
-            received.append(sent[src][taken[src]])
+            received += sent[src][taken[src]]
         taken[src] += 1
-    keep = [k for k in range(len(seqs)) if k not in given]
+    keep = [k for j, u in enumerate(units) if j not in given for k in u]
     return ([seqs[k] for k in keep] + [x for x, _ in received],
             [behaviour[k] for k in keep] + [b for _, b in received])
 
@@ -1406,7 +1578,7 @@ RESUMABLE_KEYS = frozenset((
     "train.steps",  # a run continued for longer
     # the same model computed another way: attention kernel, recomputation, the log-prob kernel
     "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
-    "train.logprob_impl",
+    "train.logprob_impl", "train.shared_prefix",
     # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
     # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
     "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
@@ -1852,13 +2024,19 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
         "train/sequences": counts["sequences"],
     }
-    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens")
+    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
+            "rollout_outside_cap")
     m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
-    # mean |log pi_trainer - log pi_vLLM| per token (update_policy)
+    # per token sampled by vLLM (update_policy): mean |log pi_trainer - log pi_vLLM|, the mean
+    # truncated ratio min(rho, C) and the share outside [1/C, C] (train.rollout_correction: what the
+    # correction does, or would do)
     if train.get("rollout_logp_tokens"):
-        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / train["rollout_logp_tokens"]
+        n = train["rollout_logp_tokens"]
+        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
+        m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
+        m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
     m.update({f"perf/{k}": v for k, v in times.items()})
     generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
                  "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}

@@ -37,7 +37,8 @@ The paper in this file, top to bottom:
                                            select_verifier
   Eq. 8, Eq. 9: advantages ............... group_advantages, ADVANTAGES
   Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS
-  line 26, Eq. 10: the unified update .... update_policy
+  line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
+                                           vLLM vs trainer: rollout_correction)
   Algorithm 1: the loop .................. main
   Eq. 11, App. C.2: evaluation ........... evaluation.py
 
@@ -132,11 +133,14 @@ from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError,
                    checkpoint_dir, config_to_dict, control_tokens, corpus_records,
                    defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
                    json_candidates, load_rank_state, loads_lenient, normalize_text,
-                   number_is_negative, parse_args, phase_plan, policy_mesh, print0,
+                   number_is_negative, pack_shared_prefix, packing_units, parse_args, phase_plan,
+                   plan_micro_batches, policy_mesh, print0,
                    rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
+                   rollout_gap_stats,
                    rng_state, rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
                    seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
-                   step_times, train_mode_without_dropout, vllm_platform_kwargs, world_of_one_env,
+                   step_times, train_mode_without_dropout, tree_attention_mask, unit_tokens,
+                   vllm_platform_kwargs, world_of_one_env,
                    write_run_config)
 
 ROOT = Path(__file__).resolve().parent
@@ -258,6 +262,14 @@ class TrainConfig:
     loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
     advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
+    # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
+    # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
+    shared_prefix: bool = True
+    # vLLM samples (bf16 on GPU) vs the trainer's fp32 log-probs: none (the paper's on-policy loss)
+    # | tis (each token's weight times min(pi/pi_vLLM, C)) | mask (tokens outside [1/C, C] leave
+    # the loss); C = rollout_correction_cap (rollout_correction)
+    rollout_correction: Literal["none", "tis", "mask"] = "none"
+    rollout_correction_cap: float = 2.0
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
@@ -368,6 +380,8 @@ def check_config(cfg: Config) -> None:
          or "documents" in template_fields(f"{r.responder_template}_{next(iter(TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
+        ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
+         ">= 1 (tokens are kept or weighed up to C, masked outside [1/C, C])"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -1653,10 +1667,10 @@ LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
 
 
 # The policy objective per token, negated and summed with the weights above. Each takes flat (T,)
-# tensors over a packed micro-batch: log-probs now and under the behaviour policy, advantages and
-# weights broadcast to every token of their sequence (0 off the completions), and the sequence id
-# of each token (-1 off the completions). With train.ppo_epochs = 1 and no rollout correction the
-# behaviour policy is the current one, the ratio is exactly 1, and all three give the same gradient
+# tensors over the completion tokens of a packed micro-batch: log-probs now and under the behaviour
+# policy, advantages and weights broadcast to every token of their sequence, and the sequence id of
+# each token (-1 for a token outside every sequence). With train.ppo_epochs = 1 the behaviour
+# policy is the current one, the ratio is exactly 1, and all three give the same gradient
 # -sum_t w_t A_t grad log pi(y_t): they differ only off-policy.
 
 
@@ -1718,6 +1732,22 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
     "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
+def rollout_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, kind: str,
+                       cap: float) -> torch.Tensor:
+    """A factor on each token's weight for the gap between the policy vLLM sampled with (bf16 on
+    GPU, its own kernels) and the one trained (fp32 masters): rho_t = pi_train(y_t) / pi_vLLM(y_t),
+    both before the update. none: 1, the paper's on-policy loss. tis: min(rho_t, C), truncated
+    importance sampling. mask: 1 where 1/C <= rho_t <= C, else 0, the token leaves the loss.
+    (T,), (T,) -> (T,), no gradient (train.rollout_correction, train.rollout_correction_cap = C).
+    """
+    rho = torch.exp(trainer_logp.detach() - rollout_logp)
+    if kind == "tis":
+        return rho.clamp(max=cap)
+    if kind == "mask":
+        return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
+    return torch.ones_like(rho)
+
+
 # ==================================================================================================
 # 8. The update: one token-level GRPO step on the FSDP2-sharded policy (Eq. 10, 12)     [algorithm]
 # ==================================================================================================
@@ -1732,10 +1762,10 @@ class Seq(NamedTuple):
     mini_batch: int = 0  # which optimiser step of the batch it trains in (train.mini_batches)
 
 
-def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
-                       rank: int) -> tuple[list[Seq], list[list[float] | None]]:
-    """This rank's kept items as Seqs, and beside each the log-probs vLLM sampled it with (None
-    where not recorded)."""
+def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int,
+                       cfg: Config) -> tuple[list[Seq], list[list[float] | None], list[list[int]]]:
+    """This rank's kept items as Seqs, beside each the log-probs vLLM sampled it with (None where
+    not recorded), and the units they pack in (infra.packing_units), which move whole."""
     seqs, behaviour = [], []
     for it in items:
         if it.rank != rank:
@@ -1750,55 +1780,49 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout],
         assert len(completion.token_ids) == it.length, "summary and rollout disagree on a length"
         seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight, it.mini_batch))
         behaviour.append(completion.logprobs)
-    return seqs, behaviour
+    t = cfg.train
+    return seqs, behaviour, packing_units(seqs, t.shared_prefix, t.micro_batch_tokens)[0]
 
 
-def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedy first-fit of sequences (longest first) into micro-batches of at most `budget` tokens.
-
-    A sequence longer than the budget gets a micro-batch of its own. The loss weights are global, so
-    the gradient is the same however sequences are grouped here.
-    """
-    bins: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, (used, members) in enumerate(bins):
-            if used + lengths[i] <= budget:
-                bins[b] = (used + lengths[i], members + [i])
-                break
-        else:
-            bins.append((lengths[i], [i]))
-    return [members for _, members in bins]
-
-
-def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None, cfg: Config,
+def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None,
+                     behaviour: Sequence[list[float] | None], cfg: Config,
                      device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
-    """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES).
+    """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
+    correction. behaviour[k]: the log-probs vLLM sampled seqs[k] with, or None.
     Returns (loss, per-sequence log-probs, stats)."""
-    packed = pack_sequences([(s.prompt, s.completion) for s in seqs])
+    t = cfg.train
+    packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
     logp, entropy = packed_logprobs(policy, packed, cfg.rollout.temperature,
-                                    cfg.train.logprob_impl)  # (T,), (T,)
-    adv, weight = torch.zeros_like(logp), torch.zeros_like(logp)
-    seq_ids = torch.full_like(logp, -1, dtype=torch.long)  # (T,)
-    per_seq = []
-    for k, ((start, end), s) in enumerate(zip(packed["spans"], seqs)):
-        adv[start:end], weight[start:end], seq_ids[start:end] = s.advantage, s.weight, k
-        per_seq.append(logp[start:end].detach())
+                                    t.logprob_impl)  # (T,), (T,) over the completion tokens
+    lengths = [len(s.completion) for s in seqs]
+    per_token = lambda values: torch.tensor(  # noqa: E731
+        values, dtype=torch.float32).repeat_interleave(torch.tensor(lengths)).to(device)  # (T,)
+    adv, weight = per_token([s.advantage for s in seqs]), per_token([s.weight for s in seqs])
+    seq_ids = per_token(list(range(len(seqs)))).long()
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
-    old = logp.detach() if old_logps is None else torch.zeros_like(logp)
-    if old_logps is not None:
-        for (start, end), o in zip(packed["spans"], old_logps):
-            old[start:end] = o
-    loss, stats = POLICY_LOSSES[cfg.train.policy_loss](logp, old, adv, weight, seq_ids,
-                                                       cfg.train.clip_low, cfg.train.clip_high)
-    mask = packed["loss_mask"].to(device)
-    stats["entropy_sum"] = float(entropy[mask].sum())
-    stats["tokens"] = int(mask.sum())
-    return loss, per_seq, stats
+    old = logp.detach() if old_logps is None else torch.cat(old_logps)
+    sampled = torch.cat([torch.tensor(b, device=device) if b is not None else o
+                         for b, o in zip(behaviour, old.split(lengths))])  # (T,) vLLM's log-probs
+    weight = weight * rollout_correction(old, sampled, t.rollout_correction,
+                                         t.rollout_correction_cap)
+    loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, adv, weight, seq_ids,
+                                               t.clip_low, t.clip_high)
+    recorded = per_token([float(b is not None) for b in behaviour]) > 0
+    stats.update(entropy_sum=float(entropy.sum()), tokens=len(logp),  # trained; and encoded:
+                 row_tokens=packed["input_ids"].shape[1],
+                 **rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap))
+    return loss, list(logp.detach().split(lengths)), stats
 
 
 def dummy_sequence() -> Seq:
     """A 2-token sequence of weight 0: a rank with less (or no) data joins FSDP's collectives."""
     return Seq([0], [0], 0.0, 0.0)
+
+
+# what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
+TOKEN_SUMS = ("entropy_sum", "tokens", "row_tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
+              "rollout_is_weight_sum", "rollout_outside_cap")
+STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
 
 def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, device: torch.device,
@@ -1809,30 +1833,33 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
     Every rank runs the same number of micro-batches (padded with dummies), because each FSDP
     forward and backward is a collective. Past the first step the behaviour policy's log-probs,
     taken before it, make the ratio. behaviour[i], if given, holds the log-probs vLLM sampled
-    seqs[i] with; their distance to the trainer's is logged (rollout_logp_gap_sum over
-    rollout_logp_tokens), the drift between the two policies' numerics: bf16 rollouts against
-    fp32 masters, and, when top_p < 1, vLLM's renormalisation over the nucleus. The returned
-    stats are the whole batch's, summed over the ranks.
+    seqs[i] with: their gap to the trainer's (bf16 rollouts against fp32 masters; with top_p < 1,
+    vLLM's renormalisation over the nucleus) is logged and train.rollout_correction corrects for
+    it. The returned stats are the whole batch's, summed over the ranks.
     """
-    plans = []  # per mini-batch: micro-batches of indices into seqs, as many on every rank
-    for b in range(cfg.train.mini_batches):
+    t = cfg.train
+    behaviour = behaviour if behaviour is not None else [None] * len(seqs)
+    plans, stats = [], defaultdict(float)  # per mini-batch: micro-batches of indices into seqs
+    for b in range(t.mini_batches):
         mine = [i for i, s in enumerate(seqs) if s.mini_batch == b]
-        plan = [[mine[j] for j in mb] for mb in plan_micro_batches(
-            [len(seqs[i].prompt) + len(seqs[i].completion) for i in mine],
-            cfg.train.micro_batch_tokens)]
+        units, split = packing_units([seqs[i] for i in mine], t.shared_prefix, t.micro_batch_tokens)
+        stats["split_groups"] += split
+        plan = [[mine[k] for u in mb for k in units[u]] for mb in plan_micro_batches(
+            [unit_tokens([seqs[i] for i in mine], u) for u in units], t.micro_batch_tokens)]
         plans.append(plan + [[]] * (all_reduce_max(len(plan), device) - len(plan)))
+    batches = [[([seqs[i] for i in mb], [behaviour[i] for i in mb]) if mb
+                else ([dummy_sequence()], [None]) for mb in plan] for plan in plans]
     old = None
-    if cfg.train.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
+    if t.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
         with torch.no_grad():
-            old = [[micro_batch_loss(policy, [seqs[i] for i in mb] or [dummy_sequence()], None,
-                                     cfg, device)[1] for mb in plan] for plan in plans]
-    stats = defaultdict(float)
-    for epoch in range(cfg.train.ppo_epochs):
-        for b, plan in enumerate(plans):
-            for m, mb in enumerate(plan):
-                batch = [seqs[i] for i in mb] or [dummy_sequence()]
-                before = None if old is None else old[b][m]
-                loss, per_seq, s = micro_batch_loss(policy, batch, before, cfg, device)
+            old = [[micro_batch_loss(policy, mb, None, sampled, cfg, device)[1]
+                    for mb, sampled in plan] for plan in batches]
+    for epoch in range(t.ppo_epochs):
+        for b, plan in enumerate(batches):
+            for m, (mb, sampled) in enumerate(plan):
+                real = bool(plans[b][m])  # a dummy's token counts nowhere
+                loss, _, s = micro_batch_loss(policy, mb, None if old is None else old[b][m],
+                                              sampled, cfg, device)
                 assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
                 # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of
                 # the batch is the sum of every rank's micro-batch losses. FSDP averages gradients
@@ -1840,24 +1867,22 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
                 # the gradient is the same for any micro-batch size and any number of ranks
                 # (departure 8).
                 (loss * world).backward()
-                stats["loss"] += loss.item() / cfg.train.ppo_epochs
+                stats["loss"] += loss.item() / t.ppo_epochs
                 stats["clipped"] += s["clipped"]
-                stats["active"] += s["active"] if mb else 0  # a dummy's token counts nowhere
-                if epoch == 0 and mb:
-                    stats["entropy_sum"] += s["entropy_sum"]
-                    stats["tokens"] += s["tokens"]
-                    for i, logp in zip(mb, per_seq):
-                        if behaviour is not None and behaviour[i] is not None:
-                            sampled = torch.tensor(behaviour[i], device=logp.device)
-                            stats["rollout_logp_gap_sum"] += float((logp - sampled).abs().sum())
-                            stats["rollout_logp_tokens"] += len(behaviour[i])
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
-            stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                       else grad_norm)
+                stats["active"] += s["active"] if real else 0
+                for key in TOKEN_SUMS if epoch == 0 and real else ():
+                    stats[key] += s[key]
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
+            # the mean over the optimiser steps (a mini-batch may be all dummies on every rank)
+            stats["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                                        else grad_norm) / (t.ppo_epochs * len(plans))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    stats = all_reduce_stats(stats, ("loss", "clipped", "active", "entropy_sum", "tokens",
-                                     "rollout_logp_gap_sum", "rollout_logp_tokens"), device)
+    stats = all_reduce_stats(stats, STAT_SUMS, device)
+    if stats["split_groups"]:
+        print0(f"train.micro_batch_tokens = {t.micro_batch_tokens}: {int(stats['split_groups'])} "
+               "groups did not fit one micro-batch and were split, each part encoding its prompt "
+               "again (exact, but slower); raise the budget to keep them whole")
     stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
     stats["micro_batches"] = sum(map(len, plans))
     return stats
@@ -2016,7 +2041,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
-        seqs, behaviour = balance_sequences(*training_sequences(items, rollouts, rank))
+        seqs, behaviour = balance_sequences(*training_sequences(items, rollouts, rank, cfg))
         train = update_policy(policy, optimizer, seqs, cfg, world, device, behaviour) \
             if items else {}  # no batch anywhere: no update
         t2 = time.perf_counter()
@@ -2308,86 +2333,66 @@ def sync_weights(llm, named_tensors) -> float:
 # ---- packing: several sequences in one padding-free row, and their log-probs
 
 
-def pack_sequences(seqs: list[tuple[list[int], list[int]]]) -> dict:
-    """Pack (prompt_ids, completion_ids) pairs into one padding-free row for the trainer.
-
-    Returns
-      input_ids    (1, T) long: prompt + completion of each sequence, concatenated
-      position_ids (1, T) long: restart at 0 for each sequence, which is what tells the attention
-                   where sequences begin (block-diagonal causal mask / flash-attn varlen)
-      targets      (T,) long: the next token in the row (position t predicts input_ids[t + 1]);
-                   0 at the end
-      loss_mask    (T,) bool: True exactly where the target is a completion token of the same
-                   sequence; prompt targets and the last position of each sequence (whose "next
-                   token" is the next sequence's first) are False
-      spans        list of (start, end): completion i's per-token values are values[start:end],
-                   aligned with completion_ids[i] (end - start == len(completion_ids[i]))
-      cu_seqlens   (S + 1,) int32: sequence boundaries, the flash-attn varlen convention
-    """
-    input_ids, position_ids, loss_mask, spans, cu_seqlens = [], [], [], [], [0]
-    for prompt, completion in seqs:
+def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False) -> dict:
+    """Pack (prompt_ids, completion_ids) pairs into one padding-free row, each pair a sequence from
+    position 0: that restart tells HF attention where sequences begin. With `shared`
+    (train.shared_prefix), pairs in a row with one prompt share it: infra.pack_shared_prefix, exact.
+    Returns input_ids and position_ids (1, T); group_ids (the sequence, or group) and segment_ids
+    (0 on a prompt, i on a group's i-th completion), (T,); index, the row position predicting
+    each completion token, and targets, that token, (N,); spans, (start, end) into the (N,)
+    values per pair; shared, whether the row needs infra.tree_attention_mask."""
+    if shared:
+        return pack_shared_prefix(seqs)
+    input_ids, position_ids, group_ids, index, spans = [], [], [], [], []
+    for k, (prompt, completion) in enumerate(seqs):
         assert len(prompt) >= 1, "a prompt token must predict the completion's first token"
-        start = len(input_ids)
-        input_ids += list(prompt) + list(completion)
+        start = len(input_ids) + len(prompt) - 1  # predicts the completion's first token
+        input_ids += prompt + completion
         position_ids += range(len(prompt) + len(completion))
-        # position start+P-1 predicts the first completion token, start+P+C-2 the last one
-        first = start + len(prompt) - 1
-        loss_mask += [False] * (len(prompt) - 1) + [True] * len(completion) + [False]
-        spans.append((first, first + len(completion)))
-        cu_seqlens.append(len(input_ids))
-    ids = torch.tensor(input_ids, dtype=torch.long)
-    targets = torch.cat([ids[1:], ids.new_zeros(1)])  # (T,)
-    return {
-        "input_ids": ids[None],  # (1, T)
-        "position_ids": torch.tensor(position_ids, dtype=torch.long)[None],  # (1, T)
-        "targets": targets,
-        "loss_mask": torch.tensor(loss_mask, dtype=torch.bool),
-        "spans": spans,
-        "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32),
-    }
+        group_ids += [k] * (len(prompt) + len(completion))
+        index += range(start, start + len(completion))
+        spans.append((len(index) - len(completion), len(index)))
+    segment_ids = [int(p >= len(seqs[k][0])) for k, p in zip(group_ids, position_ids)]
+    tensor = functools.partial(torch.tensor, dtype=torch.long)
+    return {"input_ids": tensor(input_ids)[None], "position_ids": tensor(position_ids)[None],
+            "group_ids": tensor(group_ids), "segment_ids": tensor(segment_ids),
+            "index": tensor(index), "targets": tensor([t for _, c in seqs for t in c]),
+            "spans": spans, "shared": False}
 
 
-def completion_logprobs(model, input_ids, position_ids, targets, loss_mask, temperature: float,
-                        impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoder forward on a packed row, then the LM head only where the loss mask is on: (N,), (N,)
-    fp32.
-
-    A method of the FSDP2 root after shard_policy (so its parameters, the LM head included, are
-    gathered while it runs); callable on a plain HF model as is. The LM head runs only on completion
-    positions: in long-context RL the prompts are most of the tokens.
+def completion_logprobs(model, input_ids, position_ids, attention_mask, index, targets,
+                        temperature: float, impl: str = "torch"):
+    """Decoder forward on a packed row, then the LM head only at the `index` positions: log-probs
+    and entropies, (N,), (N,) fp32. A method of the FSDP2 root after shard_policy (so its
+    parameters, the LM head included, are gathered while it runs); callable on a plain HF model.
     """
-    # No attention_mask and no KV cache: HF then finds the sequence boundaries in position_ids and
-    # builds a dense block-diagonal causal mask (SDPA), a BlockMask (FlexAttention) or cu_seqlens
-    # (flash-attn varlen). Pass a mask or a cache and packing is silently ignored: sequences would
-    # attend across.
+    # No KV cache. attention_mask None: HF finds the sequence boundaries in position_ids. A 4-D mask
+    # or a BlockMask (shared rows) is used as given, position_ids then only feed RoPE.
     hidden = model.model(input_ids=input_ids, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
-    hidden = hidden[0][loss_mask]  # (N, H)
+                         attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = hidden[0].index_select(0, index)  # (N, H)
     # the LM head: kernels.fused_logprob never materialises [N, V] logits ("triton"), its chunked
     # torch twin bounds them ("torch"); test_kernels.py pins both to a float64 reference
     weight = model.lm_head.weight
-    return kernels.fused_logprob(hidden.to(weight.dtype).contiguous(), weight, targets[loss_mask],
+    return kernels.fused_logprob(hidden.to(weight.dtype).contiguous(), weight, targets,
                                  temperature, backend=impl)
 
 
 def packed_logprobs(model, packed: dict, temperature: float,
                     impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(target) and entropy at every position of a packed row: (T,), (T,) fp32, zero where
-    `loss_mask` is off. Differentiable; split per completion with `packed["spans"]`. Works on a
-    plain HF model and on one sharded by shard_policy (then every rank must call it, as any FSDP
-    forward).
+    """log pi(target) and entropy of every completion token of a packed row: (N,), (N,) fp32, the
+    entropy detached. Split per completion with `packed["spans"]`. Works on a plain HF model and on
+    one sharded by shard_policy (then every rank must call it, as any FSDP forward).
     """
-    device = model.lm_head.weight.device
-    input_ids = packed["input_ids"].to(device)
-    position_ids = packed["position_ids"].to(device)
-    targets = packed["targets"].to(device)
-    mask = packed["loss_mask"].to(device)
+    weight = model.lm_head.weight
+    device = weight.device
+    mask = tree_attention_mask(packed, model.config._attn_implementation, device, weight.dtype)
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))
-    lp, ent = forward(input_ids, position_ids, targets, mask, temperature, impl)  # (N,), (N,)
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (T,)
-    return out.masked_scatter(mask, lp), torch.zeros_like(out).masked_scatter(mask, ent.detach())
+    lp, ent = forward(packed["input_ids"].to(device), packed["position_ids"].to(device), mask,
+                      packed["index"].to(device), packed["targets"].to(device), temperature, impl)
+    return lp, ent.detach()
 
 
 # ---- data: the corpus of clusters, or RLVR's QA set

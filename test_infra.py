@@ -143,11 +143,11 @@ def test_memory_estimate_qwen25_7b():
     from transformers import Qwen2Config
 
     cfg = spell.load_config(str(spell.ROOT / "config.toml"))
-    P, layer, root, T, H, L, I = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28, 18944
+    P, layer, root, T, H, L = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28
     est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
     GiB = 2**30
-    # a layer keeps 4 H + 2 q + 2 k + 4 I = 14336 + 7168 + 1024 + 75776 = 98304 bf16 values
-    # a token for backward
+    # a layer keeps 4 H + 2 q + 2 k + 4 I (I = 18944) = 14336 + 7168 + 1024 + 75776 = 98304 bf16
+    # values a token for backward
     hand = {
         # 3.546, 3.546, 7.093
         "weights": 4 * P / 8 / GiB, "grads": 4 * P / 8 / GiB, "adamw": 8 * P / 8 / GiB,
@@ -233,11 +233,12 @@ def test_memory_estimate_with_tensor_parallel_rollouts():
     assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
     # 30.5 + 2.5 GiB: fits
     infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0), 80.0, 16)
-    # the README's and the preset's figure for this launch with vLLM at half the GPU
+    # the README's and the preset's figure for this launch with vLLM at half the GPU; the update's
+    # activations are those of one 20480-token sequence, above the 16384-token micro-batch budget
     half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2",
                                      "--rollout.gpu_memory_utilization=0.5"])
     assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0), 80.0).startswith(
-        "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 58.8")
+        "memory: estimate 63.5 of 80.0 GiB per GPU (rollouts 62.9, update 63.5")
 
 
 def test_hsdp_mesh_and_memory():

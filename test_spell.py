@@ -1823,6 +1823,46 @@ def test_policy_losses_each_on_a_worked_batch(name):
     assert grad.tolist() == pytest.approx([-0.25] * 4, abs=1e-12)
 
 
+def test_rollout_correction_on_worked_ratios():
+    """rho = pi_train / pi_vLLM = 1, 2, 0.5, 1.25 at C = 1.5: tis truncates above C only, mask
+    keeps [1/C, C] = [0.667, 1.5]; none is the paper's on-policy 1."""
+    trainer = torch.tensor([0.5, 0.5, 0.5, 0.5], dtype=torch.float64).log()
+    rollout = torch.tensor([0.5, 0.25, 1.0, 0.4], dtype=torch.float64).log()
+    factor = lambda kind: spell.rollout_correction(trainer, rollout, kind, 1.5).tolist()  # noqa
+    assert factor("none") == [1.0] * 4
+    assert factor("tis") == pytest.approx([1.0, 1.5, 0.5, 1.25])
+    assert factor("mask") == [1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["none", "tis", "mask"])
+def test_micro_batch_loss_applies_the_rollout_correction(kind):
+    """One 5-token answer whose vLLM log-prob at token 2 is 1 nat above the trainer's (rho = 1/e,
+    below 1/C = 1/2), the others equal. On-policy the loss is -w A sum_t factor_t: 5 terms (none),
+    4 + 1/e (tis), 4 (mask); the logged gap is 1 nat over 5 tokens whatever the kind."""
+    cfg = spell.Config()
+    cfg.train.rollout_correction, cfg.train.rollout_correction_cap = kind, 2.0
+    seq = spell.Seq(list(range(3, 10)), [11, 12, 13, 14, 15], advantage=0.5, weight=0.1)
+    model = tiny_llama()
+    with torch.no_grad():
+        exact = spell.packed_logprobs(model, spell.pack_sequences([(seq.prompt, seq.completion)]),
+                                      cfg.rollout.temperature)[0]
+    sampled = exact.clone()
+    sampled[2] += 1.0
+    loss, _, stats = spell.micro_batch_loss(model, [seq], None, [sampled.tolist()], cfg,
+                                            torch.device("cpu"))
+    terms = {"none": 5.0, "tis": 4.0 + math.exp(-1.0), "mask": 4.0}[kind]
+    # fp32 sums of 5 terms of O(0.05): rel 1e-5 is ~100x their rounding; the gap is read back
+    # through exp and log of log-probs near -7 (a few ulps of 7, 1e-6)
+    assert loss.item() == pytest.approx(-0.1 * 0.5 * terms, rel=1e-5)
+    assert stats["rollout_logp_gap_sum"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["rollout_logp_tokens"] == 5 and stats["rollout_outside_cap"] == 1
+    assert stats["rollout_is_weight_sum"] == pytest.approx(4.0 + math.exp(-1.0), rel=1e-5)
+    # a sequence vLLM recorded nothing for: factor 1, and not counted
+    loss, _, stats = spell.micro_batch_loss(model, [seq], None, [None], cfg, torch.device("cpu"))
+    assert loss.item() == pytest.approx(-0.1 * 0.5 * 5, rel=1e-5)
+    assert stats["rollout_logp_tokens"] == 0
+
+
 def test_loss_norm_group_sums_to_one_per_group():
     w = spell.group_norm([3, 5, 2], ["a", "a", "b"], None, 0)
     assert w[0] == w[1] == pytest.approx(1 / (8 * 2)) and w[2] == pytest.approx(1 / (2 * 2))
@@ -1894,29 +1934,40 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
 
 def update_batch() -> list[spell.Seq]:
     """12 sequences of a global batch (vocabulary 1000): (prompt, completion, advantage, weight),
-    with the Eq. 12 weights of three responder groups, two questioner samples
-    and a verifier group."""
+    with the Eq. 12 weights of three responder groups, two questioner samples and a verifier
+    group. The sequences of a group share their prompt and stand together, as select_batch lists
+    them."""
     g = torch.Generator().manual_seed(3)
     groups = ([("res", 0)] * 3 + [("res", 1)] * 3 + [("res", 2)] * 2 + [("que", 0), ("que", 1)]
               + [("ver", 0)] * 2)
-    lens = [(int(torch.randint(2, 24, (1,), generator=g)),
-             int(torch.randint(1, 16, (1,), generator=g)))
-            for _ in groups]
-    weights = spell.group_norm([c for _, c in lens], groups, None, 0)
+    prompts = {group: torch.randint(0, 1000, (int(torch.randint(2, 24, (1,), generator=g)),),
+                                    generator=g).tolist() for group in dict.fromkeys(groups)}
+    lens = [int(torch.randint(1, 16, (1,), generator=g)) for _ in groups]
+    weights = spell.group_norm(lens, groups, None, 0)
     advantages = torch.randn(len(groups), generator=g).tolist()
-    return [spell.Seq(torch.randint(0, 1000, (p,), generator=g).tolist(),
-                      torch.randint(0, 1000, (c,), generator=g).tolist(), a, w)
-            for (p, c), a, w in zip(lens, advantages, weights)]
+    return [spell.Seq(prompts[group], torch.randint(0, 1000, (c,), generator=g).tolist(), a, w)
+            for group, c, a, w in zip(groups, lens, advantages, weights)]
 
 
-# (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing)
-UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False),
-                   ("sgd_all_in_one", 4096, "torch", "sgd", False),
-                   ("sgd_triton", 64, "triton", "sgd", False),
-                   ("sgd_checkpointed", 64, "torch", "sgd", True),
-                   ("adamw_clipped", 64, "torch", "adamw", False),
+def rank_share(batch: list[spell.Seq], rank: int, world: int) -> list[spell.Seq]:
+    """Whole groups dealt to the ranks in turn (a group's samples stay on the rank that drew
+    them)."""
+    runs = infra.prompt_runs([s.prompt for s in batch], shared=True)
+    return [batch[k] for run in runs[rank::world] for k in run]
+
+
+# (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing,
+# train.shared_prefix). Shared: a group's prompt once in the row; a budget of 1 splits every group
+# into one answer per micro-batch, 64 some of them
+UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, True),
+                   ("sgd_all_in_one", 4096, "torch", "sgd", False, True),
+                   ("sgd_triton", 64, "triton", "sgd", False, True),
+                   ("sgd_checkpointed", 64, "torch", "sgd", True, True),
+                   ("sgd_unshared", 64, "torch", "sgd", False, False),
+                   ("sgd_unshared_triton_checkpointed", 64, "triton", "sgd", True, False),
+                   ("adamw_clipped", 64, "torch", "adamw", False, True),
                    # the whole batch generated on rank 0, then spread by balance_sequences
-                   ("sgd_rebalanced", 64, "torch", "sgd", False)]
+                   ("sgd_rebalanced", 64, "torch", "sgd", False, True)]
 
 
 @pytest.mark.stack
@@ -1941,12 +1992,13 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     want = {n: -p.grad for n, p in model.named_parameters()}
     scale = max(t.abs().max().item() for t in want.values())
     assert scale > 1e-3  # far above the tolerance below, so a wrong step cannot pass as rounding
-    # fp32: the variants sum the gradient in other orders (ranks, micro-batches, the Triton kernel);
-    # its longest sums are the LM head's V = 1000 terms, typically sqrt(V) u32 x scale = 1.5e-7 here
-    # (scale 0.08), and the SGD step's result theta - g rounds to u32 |theta| <= 6e-8 (norm weights
-    # are 1). 1e-5 is ~50x that, and 1e-4 x the scale.
+    # fp32: the variants sum the gradient in other orders (ranks, micro-batches, the Triton kernel,
+    # a shared prompt's G answers added at its positions rather than in G rows); its longest sums
+    # are the LM head's V = 1000 terms, typically sqrt(V) u32 x scale = 4e-7 here (scale 0.21), and
+    # the SGD step's result theta - g rounds to u32 |theta| <= 6e-8 (norm weights are 1). 1e-5 is
+    # ~20x that, and 5e-5 x the scale (measured: at most 1.1e-7).
     for nproc, res in results.items():
-        for name, budget, _, opt, _ in UPDATE_VARIANTS:
+        for name, budget, _, opt, _, _ in UPDATE_VARIANTS:
             if opt != "sgd":
                 continue
             diff = max((res[name][n] - want[n]).abs().max().item() for n in want)
@@ -2120,16 +2172,24 @@ def test_table2_ablations_compose_end_to_end(speaker, corpus_file, tmp_path):
     its unit test above
     (test_grounding_filter_off_..., test_single_vote_..., test_consistency_...)."""
     out_dir = tmp_path / "run"
+    # and rollout correction against vLLM's top_p renormalisation: with top_p < 1 vLLM's
+    # log-prob of a token is log(p / Z), Z the nucleus' mass <= 1, so rho = pi / pi_vLLM = Z <= 1.
+    # The speaker is sure of most tokens (measured: mean rho 0.99982); C = 1.00005 masks every
+    # token whose nucleus leaves out more than 5e-5 of the mass
     torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2",
                            "--rollout.grounding_filter=false", "--reward.verifier_decision=single",
                            "--reward.consistency_filter=false", "--rollout.history_size=0",
-                           "--reward.format_penalty=0"))
+                           "--reward.format_penalty=0", "--rollout.top_p=0.9",
+                           "--train.rollout_correction=mask",
+                           "--train.rollout_correction_cap=1.00005"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert m["que/ungrounded"] == 0 and "perf/ground_s" not in m, m
         assert (m["res/kept_groups"] >= 1 and m["que/pos"] >= 1
                 and m["train/sequences"] == role_sequences(m)), m
+        # rho <= 1 up to the two sides' rounding; a mean below 1/C means some token is below it
+        assert m["train/rollout_is_weight"] < 1 / 1.00005 and m["train/rollout_outside_cap"] > 0, m
     assert sum(m["ver/kept_groups"] for m in steps) >= 1
 
 
@@ -2289,6 +2349,42 @@ def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
     result = torchrun(1, __file__, "export-vllm", str(export))
     print("\n".join(line for line in result.stdout.splitlines() if line.startswith("METRIC")))
     assert "METRIC export_question_ok=1" in result.stdout
+
+
+@pytest.mark.stack
+def test_shared_prefix_run_matches_the_unshared_run(demo_run, speaker, corpus_file, tmp_path):
+    """The demo run (train.shared_prefix on, the default) against the same 2 steps unshared, on 2
+    ranks with the Triton log-prob: the same rollouts, the same loss, entropy and gradient norm in
+    each step, and the same trained weights.
+
+    Tolerances. The loss and the entropy are fp32 sums of per-token values that each carry the
+    log-prob's rounding (test_shared_prefix_logprobs_match_unshared: bound 5e-5 of a log-prob, 1e-5
+    relative); rel 1e-4 is 10x that. The weights: both runs' gradients agree to ~1e-6 of their
+    scale, and AdamW turns a gradient g into the step lr g / (|g| + eps), which does not move
+    with g's rounding except where g is within rounding of 0, and there by at most 2 lr. So the
+    weights agree to a few ulps except at such elements: their distance is asserted to stay under
+    1 % of the two steps' size (measured: printed). A planted bug moves the loss of step 1 itself.
+    """
+    from safetensors.torch import load_file
+
+    out_dir, _ = demo_run
+    other = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, other, "--log.save_every=2",
+                           "--train.shared_prefix=false"))
+    shared, unshared = read_metrics(out_dir), read_metrics(other)
+    assert json.loads((out_dir / "config.json").read_text())["train"]["shared_prefix"] is True
+    for a, b in zip(shared, unshared, strict=True):
+        same = [k for k in a if k.startswith(("que/", "res/", "ver/")) or k == "train/sequences"]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
+        for key in ("train/loss", "train/entropy", "train/grad_norm", "train/tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (a["step"], key)
+    start = load_file(str(Path(speaker) / "model.safetensors"))
+    x, y = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(
+        str(other / "hf" / "model.safetensors"))
+    step = math.sqrt(sum(float((x[n] - start[n]).double().pow(2).sum()) for n in start))
+    gap = math.sqrt(sum(float((x[n] - y[n]).double().pow(2).sum()) for n in start))
+    print(f"METRIC shared_vs_unshared_weights: |gap| {gap:.3g}, |two steps| {step:.3g}")
+    assert step > 0 and gap <= 0.01 * step
 
 
 @pytest.mark.stack
@@ -2550,13 +2646,56 @@ def test_pack_sequences_layout():
     packed = spell.pack_sequences([([5, 6], [7, 8, 9]), ([10], [11])])
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
-    assert packed["targets"].tolist() == [6, 7, 8, 9, 10, 11, 0]
-    # position 4 (token 9) would "predict" 10, the next sequence's prompt: masked
-    assert packed["loss_mask"].tolist() == [False, True, True, True, False, True, False]
-    assert packed["spans"] == [(1, 4), (5, 6)]
-    assert packed["cu_seqlens"].tolist() == [0, 5, 7]
-    targets = packed["targets"]
-    assert [targets[s:e].tolist() for s, e in packed["spans"]] == [[7, 8, 9], [11]]
+    # position 1 (token 6) predicts 7, the first completion token; position 4 (token 9) predicts
+    # nothing: its successor is the next sequence's prompt
+    assert packed["index"].tolist() == [1, 2, 3, 5]
+    assert packed["targets"].tolist() == [7, 8, 9, 11]
+    assert packed["spans"] == [(0, 3), (3, 4)]
+    assert packed["group_ids"].tolist() == [0, 0, 0, 0, 0, 1, 1]
+    assert not packed["shared"]
+    # shared: consecutive pairs with one prompt make a group, the prompt once; each answer at its
+    # own positions, its first token scored at the prompt's last position; an empty answer is an
+    # empty span
+    packed = spell.pack_sequences([([5, 6], [7, 8]), ([5, 6], [9]), ([10], [11, 12, 13]),
+                                   ([10], []), ([5, 6], [14])], shared=True)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 14]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 0, 1, 2]]
+    assert packed["group_ids"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert packed["segment_ids"].tolist() == [0, 0, 1, 1, 2, 0, 1, 1, 1, 0, 0, 1]
+    assert packed["index"].tolist() == [1, 2, 1, 5, 6, 7, 10]
+    assert packed["targets"].tolist() == [7, 8, 9, 11, 12, 13, 14]
+    assert packed["spans"] == [(0, 2), (2, 3), (3, 6), (6, 6), (6, 7)] and packed["shared"]
+
+
+def test_tree_mask_is_each_answers_own_sequence():
+    """In a shared row each answer token sees exactly its group's prompt and its own earlier
+    tokens, prompt tokens their prompt causally; FlexAttention's BlockMask has the same pattern."""
+    groups = shared_groups()
+    packed = spell.pack_sequences(flat_pairs(groups), shared=True)
+    mask = infra.tree_attention_mask(packed, "sdpa", torch.device("cpu"), torch.float32)[0, 0]
+    visible = mask == 0  # (T, T)
+    row = 0  # rebuild the layout on its own: where each prompt and answer begins
+    for prompt, answers in groups:
+        prompt_rows = list(range(row, row + len(prompt)))
+        for q in prompt_rows:
+            assert visible[q].nonzero()[:, 0].tolist() == prompt_rows[:q - row + 1]
+        row += len(prompt)
+        for y in answers:
+            for j in range(len(y)):
+                assert visible[row + j].nonzero()[:, 0].tolist() == prompt_rows + list(
+                    range(row, row + j + 1))
+            row += len(y)
+    assert row == visible.shape[0] and (mask[~visible] == float("-inf")).all()
+    block_mask = infra.tree_attention_mask(packed, "flex_attention", torch.device("cpu"),
+                                           torch.float32)
+    assert block_mask.shape == (1, 1, row, row)
+    from torch.nn.attention.flex_attention import create_mask
+    dense = create_mask(block_mask.mask_mod, 1, 1, row, row, device="cpu")[0, 0]
+    assert torch.equal(dense, visible)
+    assert infra.tree_attention_mask(spell.pack_sequences(flat_pairs(groups)), "sdpa",
+                                     torch.device("cpu"), torch.float32) is None
+    with pytest.raises(ValueError, match="shared_prefix needs sdpa or flex_attention"):
+        infra.tree_attention_mask(packed, "flash_attention_2", torch.device("cpu"), torch.float32)
 
 
 def test_packed_logprobs_match_unpacked():
@@ -2569,8 +2708,7 @@ def test_packed_logprobs_match_unpacked():
     packed = spell.pack_sequences(seqs)
     with torch.no_grad():
         lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
-        assert lp.shape == (sum(len(p) + len(c) for p, c in seqs),) and lp.dtype == torch.float32
-        assert (lp[~packed["loss_mask"]] == 0).all()
+        assert lp.shape == (sum(len(c) for _, c in seqs),) and lp.dtype == torch.float32
         for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
             # reference: the sequence alone through the ordinary HF forward
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]  # (P+C, V)
@@ -2611,6 +2749,9 @@ def test_attention_implementation_choices(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no flash-attn
     assert infra.attention_implementation(cfg, on_gpu=True) == "flex_attention"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # flash-attn installed
+    # it cannot take shared-prefix rows' tree mask: FlexAttention can
+    assert infra.attention_implementation(cfg, on_gpu=True) == "flex_attention"
+    cfg.train.shared_prefix = False
     assert infra.attention_implementation(cfg, on_gpu=True) == "flash_attention_2"
     cfg.model.attn_implementation = "sdpa"
     assert infra.attention_implementation(cfg, on_gpu=True) == "sdpa"
@@ -2646,16 +2787,15 @@ def test_packed_attention_matches_sdpa(impl):
     sdpa, other = tiny_llama(attn="sdpa").to(device), tiny_llama(attn=impl).to(device)
     assert other.config._attn_implementation == impl
     with torch.no_grad():  # FlexAttention has a CPU forward but no CPU backward in torch 2.13
-        ref = spell.packed_logprobs(sdpa, packed, TEMPERATURE)[0]  # (T,)
-        lp = spell.packed_logprobs(other, packed, TEMPERATURE)[0]  # (T,)
+        ref = spell.packed_logprobs(sdpa, packed, TEMPERATURE)[0]  # (N,)
+        lp = spell.packed_logprobs(other, packed, TEMPERATURE)[0]  # (N,)
         torch.testing.assert_close(lp, ref, atol=PACKED_ATTENTION_ATOL, rtol=0)
         for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
             # the sequence alone: a row with nothing else in it to attend to
             # (SDPA, plain causal mask)
             alone = spell.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]),
                                           TEMPERATURE)[0]
-            torch.testing.assert_close(lp[s:e], alone[len(prompt) - 1:-1],
-                                       atol=PACKED_ATTENTION_ATOL, rtol=0)
+            torch.testing.assert_close(lp[s:e], alone, atol=PACKED_ATTENTION_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
@@ -2668,7 +2808,7 @@ def test_packed_attention_gradient_matches_sdpa(impl):
                     "needs a GPU")
     packed = spell.pack_sequences(seqs)
     weights = torch.randn(packed["targets"].shape,
-                          generator=torch.Generator().manual_seed(1)).to(device)  # (T,)
+                          generator=torch.Generator().manual_seed(1)).to(device)  # (N,)
     grads = []
     for attn in ("sdpa", impl):
         model = tiny_llama(attn=attn).to(device)
@@ -2679,6 +2819,203 @@ def test_packed_attention_gradient_matches_sdpa(impl):
     # embedding) < 1e-5.
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+# ---- shared-prefix packing (train.shared_prefix): exact against the unshared row
+#
+# Shared and unshared rows evaluate the same real numbers with the same operations; what differs is
+# the order of some sums (attention over a row with other keys masked out, matrix products over
+# rows of other lengths) and, in the backward, where the G answers' gradients at the shared prompt
+# add up (once in the prompt instead of once per row). A k-term sum in another order is off by at
+# most k u sum|terms| (first order), typically sqrt(k) u sum|terms|, u = 2^-24 (fp32) or 2^-53
+# (fp64). Along the longest path from an embedding to a log-prob the sums have, per layer: RMSNorm
+# H, q/k/v H, q.k D, softmax and p.v KEYS each, o_proj HQ, RMSNorm H, gate/up H, down I; then the
+# final norm H, the logit H and the log-sum-exp V: K_FWD terms, on the scale of the log-prob. The
+# backward retraces that path and sums each weight's gradient over the row's tokens: K_BWD, on the
+# gradient's scale. Two evaluations can each be off by that much: the factor 2. fp32 is checked at
+# the typical bound (~5e-5 on log-probs near -7, 1e-5 of a gradient's scale): the worst case (3e-3)
+# would let a small bug through. fp64 at the worst case.
+H, HQ, D, I, LAYERS, V = 128, 128, 64, 256, 2, 1000  # tiny_llama's shapes
+KEYS, ROW = 64, 256  # no query below sees more keys, no row is longer
+K_FWD = LAYERS * (H + H + D + 2 * KEYS + HQ + H + H + I) + H + H + V  # 3432
+K_BWD = 2 * K_FWD + ROW  # 7120
+UNIT = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+
+
+def rounding_bound(k: int, dtype: torch.dtype, scale: float, worst: bool = False) -> float:
+    """The largest gap between two evaluations of a chain of k summed terms on `scale`."""
+    return 2 * (k if worst else math.sqrt(k)) * UNIT[dtype] * scale
+
+
+def shared_groups(shapes=((37, [5, 9, 1]), (1, [7]), (20, [3, 12, 6, 2]), (12, [4, 4])),
+                  seed: int = 0) -> list[tuple[list[int], list[list[int]]]]:
+    """(prompt, answers) groups: prompts and G of several lengths, a group of one, a one-token
+    prompt (its only position is its last) and a one-token answer."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
+    return [(ids(p), [ids(c) for c in cs]) for p, cs in shapes]
+
+
+def flat_pairs(groups) -> list[tuple[list[int], list[int]]]:
+    return [(prompt, y) for prompt, ys in groups for y in ys]
+
+
+def row_logprobs(model, packed) -> torch.Tensor:
+    return spell.packed_logprobs(model, packed, TEMPERATURE)[0]  # (N,)
+
+
+def alone_logprobs(model, pairs) -> torch.Tensor:
+    """Each (prompt, answer) alone through the ordinary HF forward and a log_softmax: (N,)."""
+    out = []
+    for prompt, y in pairs:
+        logits = model(input_ids=torch.tensor([prompt + y])).logits[0]  # (P+C, V)
+        logp = torch.log_softmax(logits / TEMPERATURE, -1)[len(prompt) - 1:-1]  # (C, V)
+        out.append(logp.gather(-1, torch.tensor(y)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def check_logprobs(values, ref, dtype=torch.float32, worst=False) -> float:
+    gap = float((values - ref).abs().max())
+    bound = rounding_bound(K_FWD, dtype, float(ref.abs().max()), worst)
+    assert gap <= bound, f"log-probs differ by {gap:.3g} > {bound:.3g}"
+    return gap
+
+
+def weighted_gradients(model, values, weights) -> dict[str, torch.Tensor]:
+    """Parameter gradients of sum(weights * values(model))."""
+    model.zero_grad(set_to_none=True)
+    (weights * values(model)).sum().backward()
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in model.named_parameters()}
+
+
+def check_gradients(grads, ref, dtype=torch.float32, worst=False) -> float:
+    """Tensor by tensor within the bound on that tensor's scale; the largest gap / scale."""
+    ratio = 0.0
+    for name, r in ref.items():
+        scale, gap = float(r.abs().max()), float((grads[name] - r).abs().max())
+        bound = rounding_bound(K_BWD, dtype, scale, worst)
+        assert gap <= bound, f"{name}: gradients differ by {gap:.3g} > {bound:.3g}"
+        ratio = max(ratio, gap / scale)
+    return ratio
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prefix_logprobs_match_unshared(arch):
+    """fp32: the shared row gives every answer token the log-prob of the unshared row and of the
+    sequence alone. Measured (Llama): 4.8e-7, an ulp of a log-prob near -7; bound 5e-5."""
+    model = tiny_llama(arch=arch)
+    pairs = flat_pairs(shared_groups())
+    with torch.no_grad():
+        shared = row_logprobs(model, spell.pack_sequences(pairs, shared=True))
+        assert shared.shape == (sum(len(y) for _, y in pairs),)
+        gaps = (check_logprobs(shared, row_logprobs(model, spell.pack_sequences(pairs))),
+                check_logprobs(shared, alone_logprobs(model, pairs)))
+    print(f"METRIC {arch}: shared - unshared {gaps[0]:.2e}, shared - alone {gaps[1]:.2e}")
+
+
+def test_shared_prefix_gradients_match_unshared():
+    """fp32: the parameter gradients of a weighted sum of the answers' log-probs are the unshared
+    row's, tensor by tensor. Measured: at most 8e-7 of a tensor's scale; bound 1e-5 of it."""
+    model, pairs = tiny_llama(), flat_pairs(shared_groups())
+    weights = torch.randn(sum(len(y) for _, y in pairs), generator=torch.Generator().manual_seed(1))
+    ratio = check_gradients(
+        weighted_gradients(model, lambda m: row_logprobs(m, spell.pack_sequences(pairs, True)),
+                           weights),
+        weighted_gradients(model, lambda m: row_logprobs(m, spell.pack_sequences(pairs)), weights))
+    print(f"METRIC shared - unshared gradient / tensor scale {ratio:.2e}")
+
+
+def test_shared_prefix_matches_the_sequences_alone_in_fp64(monkeypatch):
+    """fp64, worst-case bound: the same function, log-probs and gradients, to 1e-15. HF's RMSNorm
+    computes in fp32 whatever the model's dtype, so the test swaps in the same formula without
+    the casts (rotary cos/sin stay fp32, the same constants on both sides). Measured: 1.8e-15 and
+    1.3e-15 of a gradient's scale; bounds 6e-12 and 2e-12 of the scale."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                              + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", rms_norm)
+    model, pairs = tiny_llama().double(), flat_pairs(shared_groups())
+    packed = spell.pack_sequences(pairs, shared=True)
+    with torch.no_grad():
+        gap = check_logprobs(row_logprobs(model, packed).double(), alone_logprobs(model, pairs),
+                             torch.float64, worst=True)
+    weights = torch.randn(len(packed["targets"]), generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    ratio = check_gradients(weighted_gradients(model, lambda m: row_logprobs(m, packed), weights),
+                            weighted_gradients(model, lambda m: alone_logprobs(m, pairs), weights),
+                            torch.float64, worst=True)
+    print(f"METRIC fp64: shared - alone {gap:.2e}, gradient gap / scale {ratio:.2e}")
+
+
+def planted_bug(packed: dict, bug: str, monkeypatch) -> dict:
+    """A copy of a shared row with one mistake planted."""
+    packed = dict(packed)
+    answers = packed["segment_ids"] > 0  # (T,)
+    firsts = answers & (torch.diff(packed["segment_ids"], prepend=torch.tensor([-1])) != 0)
+    if bug == "answers_see_each_other":  # every answer token read as shared prompt
+        packed["segment_ids"] = torch.zeros_like(packed["segment_ids"])
+    elif bug == "groups_see_each_other":
+        packed["group_ids"] = torch.zeros_like(packed["group_ids"])
+    elif bug == "positions_restart":  # answers from position 0, as if each were a sequence
+        rows = torch.arange(len(answers))
+        start = torch.cummax(torch.where(firsts, rows, 0), 0).values
+        packed["position_ids"] = torch.where(answers, rows - start, packed["position_ids"][0])[None]
+    elif bug == "first_token_at_itself":  # y[0] scored at its own row, not at the prompt's end
+        packed["index"] = packed["index"].clone()
+        packed["index"][[s for s, e in packed["spans"] if e > s]] = firsts.nonzero()[:, 0]
+    elif bug == "no_mask":  # HF then reads boundaries from position_ids: answers lose the prompt
+        monkeypatch.setattr(spell, "tree_attention_mask", lambda *args: None)
+    return packed
+
+
+@pytest.mark.parametrize("bug", ["answers_see_each_other", "groups_see_each_other",
+                                 "positions_restart", "first_token_at_itself", "no_mask"])
+def test_shared_prefix_planted_bug_is_caught(bug, monkeypatch):
+    """The fp32 check above fails on each planted mistake, by far: the smallest (positions
+    restarting at 0) moves a log-prob by ~1e-2, 200x the bound."""
+    model, pairs = tiny_llama(), flat_pairs(shared_groups())
+    with torch.no_grad():
+        ref = row_logprobs(model, spell.pack_sequences(pairs))
+        buggy = row_logprobs(model, planted_bug(spell.pack_sequences(pairs, True), bug,
+                                                monkeypatch))
+    with pytest.raises(AssertionError, match="log-probs differ"):
+        check_logprobs(buggy, ref)
+
+
+def test_shared_prefix_flex_attention_matches_sdpa():
+    """FlexAttention's BlockMask gives the dense tree mask's log-probs (forward; gradients too on
+    a GPU: torch 2.13 has no FlexAttention backward on CPU)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # torch 2.13's CPU FlexAttention template fails to compile ("cur_qSplitSize8 was not declared")
+    # when a second row length makes dynamo recompile with dynamic shapes, as after
+    # test_packed_attention_matches_sdpa: start from a clean compile cache
+    torch._dynamo.reset()
+    packed = spell.pack_sequences(flat_pairs(shared_groups()), shared=True)
+    sdpa, flex = tiny_llama().to(device), tiny_llama(attn="flex_attention").to(device)
+    with torch.no_grad():
+        gap = check_logprobs(row_logprobs(flex, packed), row_logprobs(sdpa, packed))
+    print(f"METRIC flex - sdpa (shared) {gap:.2e} on {device.type}")
+    if device.type == "cpu":
+        return
+    weights = torch.randn(len(packed["targets"]), generator=torch.Generator().manual_seed(1))
+    check_gradients(weighted_gradients(flex, lambda m: row_logprobs(m, packed), weights.cuda()),
+                    weighted_gradients(sdpa, lambda m: row_logprobs(m, packed), weights.cuda()))
+
+
+def test_packing_units_keep_groups_whole_and_split_those_over_budget():
+    seq = lambda prompt, n: spell.Seq([prompt] * 10, [1] * n, 0.0, 0.0)  # noqa: E731
+    seqs = [seq(1, 5), seq(1, 5), seq(1, 5), seq(2, 3), seq(1, 4)]
+    # a group is its prompt once and its answers: 10 + 15 tokens, then alone 10 + 3, 10 + 4
+    units, split = infra.packing_units(seqs, shared=True, budget=100)
+    assert units == [[0, 1, 2], [3], [4]] and split == 0
+    assert [infra.unit_tokens(seqs, u) for u in units] == [25, 13, 14]
+    # a group over the budget is split into parts that fit, each with the prompt again
+    assert infra.packing_units(seqs, shared=True, budget=21) == ([[0, 1], [2], [3], [4]], 1)
+    assert infra.packing_units(seqs, shared=False, budget=100) == ([[k] for k in range(5)], 0)
 
 
 @pytest.mark.stack
@@ -2819,7 +3156,8 @@ def worker_parity(tiny_dir: str) -> None:
     def max_diff_to_vllm(model, outs) -> float:
         """Largest |trainer log-prob - vLLM log-prob| over every sampled token."""
         pairs = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
-        packed = spell.pack_sequences([(p, c.token_ids) for p, c in pairs])
+        # the n = 2 answers to a prompt share it in the row (train.shared_prefix)
+        packed = spell.pack_sequences([(p, c.token_ids) for p, c in pairs], shared=True)
         with torch.no_grad():
             lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
         return max((lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
@@ -2839,7 +3177,7 @@ def worker_parity(tiny_dir: str) -> None:
     batch = spell.pack_sequences([(torch.randint(3, vocab, (p,), generator=g).tolist(),
                                    torch.randint(3, vocab, (c,), generator=g).tolist())
                                   for p, c in [(6, 9), (13, 4)]])
-    n_tok = batch["loss_mask"].sum()
+    n_tok = len(batch["targets"])
     model.train()
     (-spell.packed_logprobs(model, batch, 1.0)[0].sum() / n_tok).backward()
     (-spell.packed_logprobs(reference, batch, 1.0)[0].sum() / n_tok).backward()
@@ -2909,10 +3247,11 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
     assert mesh.ndim == (2 if int(shard_size) not in (0, world) else 1)
     batch = update_batch()
     results = {"layer_calls": {}}
-    for name, budget, impl, opt, checkpointing in UPDATE_VARIANTS:
+    for name, budget, impl, opt, checkpointing, shared in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
         cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
+        cfg.train.shared_prefix = shared
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -2923,10 +3262,11 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
                                     gradient_checkpointing=checkpointing)
         optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
-        mine = batch[rank::world]
+        mine = rank_share(batch, rank, world)
         if name == "sgd_rebalanced":
+            units = infra.packing_units(batch, shared, budget)[0] if rank == 0 else []
             mine, _ = infra.balance_sequences(batch if rank == 0 else [],
-                                              [None] * len(batch) if rank == 0 else [])
+                                              [None] * len(batch) if rank == 0 else [], units)
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)

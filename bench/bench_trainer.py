@@ -102,7 +102,7 @@ def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed
     """spell.training_sequences' tuples for `micro_batches` packed rows of exactly T tokens each.
 
     Each row holds 3 to 6 sequences of irregular lengths (0.4x to 1.6x their mean); each sequence is
-    prompt_share prompt (+-5 points) and the rest completion. Redrawn until spell.plan_micro_batches
+    prompt_share prompt (+-5 points) and the rest completion. Redrawn until infra.plan_micro_batches
     (first-fit, longest first) packs them back into exactly `micro_batches` full rows.
     """
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +114,7 @@ def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed
             row = (w / w.sum() * T).long().clamp(min=2)
             row[-1] += T - row.sum()  # the rounding goes to the last sequence
             lengths += row.tolist()
-        if len(spell.plan_micro_batches(lengths, T)) == micro_batches and min(lengths) >= 2:
+        if len(infra.plan_micro_batches(lengths, T)) == micro_batches and min(lengths) >= 2:
             break
     else:
         raise RuntimeError(f"no draw of sequences packs into {micro_batches} rows of {T} tokens")
