@@ -285,14 +285,16 @@ def speaker(embedded_dir, tmp_path_factory):
 
 def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
     """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint
-    after each, short prompts, and the Triton log-prob kernel (its interpreter, on CPU) in the
-    update. 16 questions per step: about 70 % of the speaker's questions fail the format or the
-    grounding check, and a step must still keep every role with room to spare."""
+    after each, short prompts and generations (48 tokens, every role), and the Triton log-prob
+    kernel (its interpreter, on CPU) in the update. 16 questions per step: about 70 % of the
+    speaker's questions fail the format or the grounding check, and a step must still keep every
+    role with room to spare."""
     return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
             f"--data.corpus={corpus}", f"--log.out_dir={out_dir}", "--train.steps=2",
             "--log.save_every=1", "--rollout.clusters_per_round=16",
             "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
-            "--train.logprob_impl=triton", *extra]
+            "--rollout.role_max_new_tokens=que:0,res:0,ver:0", "--train.logprob_impl=triton",
+            *extra]
 
 
 @pytest.fixture(scope="session")

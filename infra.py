@@ -333,6 +333,16 @@ def check_every_key(cfg) -> None:
             raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
 
 
+def max_new_tokens(cfg, role: str | None = None) -> int:
+    """The generation budget of a role (que, res, ver; the grounding check answers as a responder):
+    rollout.role_max_new_tokens[role], where 0 means the shared rollout.max_new_tokens. With no
+    role, the largest of the three: what vLLM's context and the memory estimate make room for."""
+    r = cfg.rollout
+    if role is None:
+        return max(max_new_tokens(cfg, name) for name in r.role_max_new_tokens)
+    return r.role_max_new_tokens[role] or r.max_new_tokens
+
+
 def config_changes(cfg) -> list[str]:
     """`section.key=value` for every key that differs from the Config dataclasses' defaults."""
     ours, paper = config_to_dict(cfg), config_to_dict(type(cfg)())
@@ -979,7 +989,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     # shared group over the budget splits down to its prompt and one answer): sharing changes how
     # many tokens a step trains, not the longest micro-batch
     r = cfg.rollout
-    T = max(cfg.train.micro_batch_tokens, r.max_prompt_tokens + r.max_new_tokens)
+    T = max(cfg.train.micro_batch_tokens, r.max_prompt_tokens + max_new_tokens(cfg))
     H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
@@ -1004,10 +1014,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
         "lm_head": head_scratch,
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
-        # allowed length
+        # allowed length (the longest prompt and the largest role's budget)
         "vllm_minimum": (2 * p["total"] / tp
                          + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens
-                                                 + cfg.rollout.max_new_tokens)),
+                                                 + max_new_tokens(cfg))),
     }
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
@@ -1036,8 +1046,8 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
             f"(1/{cfg.rollout.tensor_parallel_size}: rollout.tensor_parallel_size) plus one "
             f"longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
             f"raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, lower "
-            f"rollout.max_prompt_tokens / rollout.max_new_tokens, or use a smaller model "
-            f"(model.path)")
+            f"rollout.max_prompt_tokens / rollout.max_new_tokens (and "
+            f"rollout.role_max_new_tokens), or use a smaller model (model.path)")
     if est["rollout_phase"] > device_gib:
         raise ConfigError(
             f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > "
@@ -2017,7 +2027,7 @@ def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) 
         "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
         # share of verifier votes that carry a verdict tag (the rest abstain)
         "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
-        # share of generations cut at rollout.max_new_tokens, per role
+        # share of generations cut at their role's budget (rollout.role_max_new_tokens), per role
         # (scored as reward.overlong says)
         "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
         "res/truncated": rate([c for s in ok for c in s.res_cut]),

@@ -117,7 +117,7 @@ FIGURES = {
         ("format error / ungrounded rate", ["que/format_error", "que/ungrounded"]),
         ("questions: drawn / skipped (too long) / history entries forgotten to fit",
          ["que/questions", "que/skipped", "que/evicted"]),
-        ("generations cut at max_new_tokens", ["que/truncated"]),
+        ("generations cut at the role's budget (max_new_tokens)", ["que/truncated"]),
     ]),
     "responder": ("Responder (§4.1; reward Eq. 6)", "res/", [
         ("solve rate max(rule, vote) (Eq. 6) / rule pass rate",
@@ -127,14 +127,14 @@ FIGURES = {
                                                             "res/all_solved", "res/none_solved"]),
         ("groups whose rewards vary by length shaping alone (not kept)", ["res/length_only"]),
         ("response length (tokens)", ["res/length"]),
-        ("generations cut at max_new_tokens", ["res/truncated"]),
+        ("generations cut at the role's budget (max_new_tokens)", ["res/truncated"]),
     ]),
     "verifier": ("Verifier (§4.1; majority vote Eq. 4)", "ver/", [
         ("majority rate / majority agrees with the rule",
          ["ver/majority_rate", "ver/agrees_with_rule"]),
         ("votes with a verdict tag (the rest abstain)", ["ver/tagged"]),
         ("kept groups / candidates", ["ver/kept_groups", "ver/candidates"]),
-        ("generations cut at max_new_tokens", ["ver/truncated"]),
+        ("generations cut at the role's budget (max_new_tokens)", ["ver/truncated"]),
     ]),
     "training": ("Policy update (Eq. 10)", "train/", [
         ("loss", ["train/loss"]),

@@ -81,7 +81,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      depend on micro-batches or ranks) and, by default (train.loss_norm "role"), reads Eq. 10 as
      one Eq. 12 objective per role, summed: the questioner never outweighs the responder.
   9. No reference model: beta = 0, as in the paper's runs.
- 10. A generation cut at max_new_tokens is scored as unfinished (reward.overlong).
+ 10. A generation cut at its budget (max_new_tokens) is scored as unfinished (reward.overlong).
  11. Bootstrapping (the [bootstrap] keys, off in config.toml, on in the CPU presets): a model that
      cannot yet write the roles' formats gets no positive, so §4.3 never trains its format (a
      fixed point). questioner_floor lets well-formed questions stand in as positives; the penalties
@@ -132,16 +132,14 @@ from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError,
                    check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
                    checkpoint_dir, config_to_dict, control_tokens, corpus_records,
                    defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
-                   json_candidates, load_rank_state, loads_lenient, normalize_text,
+                   json_candidates, load_rank_state, loads_lenient, max_new_tokens, normalize_text,
                    number_is_negative, pack_shared_prefix, packing_units, parse_args, phase_plan,
-                   plan_micro_batches, policy_mesh, print0,
-                   rank0_progress_bar, read_config, refresh_tied_lm_head_on_cpu, resolve_model,
-                   rollout_gap_stats,
-                   rng_state, rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
+                   plan_micro_batches, policy_mesh, print0, rank0_progress_bar, read_config,
+                   refresh_tied_lm_head_on_cpu, resolve_model, rollout_gap_stats, rng_state,
+                   rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
                    seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
                    step_times, train_mode_without_dropout, tree_attention_mask, unit_tokens,
-                   vllm_platform_kwargs, world_of_one_env,
-                   write_run_config)
+                   vllm_platform_kwargs, world_of_one_env, write_run_config)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -185,7 +183,9 @@ class RolloutConfig:
     temperature: float = 0.7  # sampling and log-prob temperature, all roles (§5.1)
     top_p: float = 0.95
     max_prompt_tokens: int = 16384  # longer prompts are skipped without penalty (§5.1)
-    max_new_tokens: int = 4096  # per role (§5.1; 20K for reasoning models)
+    max_new_tokens: int = 4096  # each role's generation budget (§5.1; 20K for reasoning models)
+    # a role's own budget instead: que, res (and the grounding check), ver; 0 = max_new_tokens
+    role_max_new_tokens: dict[str, int] = field(default_factory=lambda: dict(que=0, res=0, ver=0))
     clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
     max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
     max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
@@ -225,11 +225,11 @@ class RewardConfig:
     consistency_filter: bool = True  # §4.3: a verifier group trains only if its majority = rule
     verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
-    # an output cut at rollout.max_new_tokens: zero (scored as unfinished), mask (that, and left
+    # an output cut at its role's budget: zero (scored as unfinished), mask (that, and left
     # out of the loss: DAPO) or keep (scored as it stands); departure 10
     overlong: Literal["zero", "mask", "keep"] = "zero"
     # DAPO's soft overlong punishment on the responder's training reward: over the last this many
-    # tokens before max_new_tokens it falls linearly to -1. 0 = off
+    # tokens before the responder's budget it falls linearly to -1. 0 = off
     overlong_buffer: int = 0
 
 
@@ -265,9 +265,8 @@ class TrainConfig:
     # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
     # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
     shared_prefix: bool = True
-    # vLLM samples (bf16 on GPU) vs the trainer's fp32 log-probs: none (the paper's on-policy loss)
-    # | tis (each token's weight times min(pi/pi_vLLM, C)) | mask (tokens outside [1/C, C] leave
-    # the loss); C = rollout_correction_cap (rollout_correction)
+    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs (rollout_correction): none, the
+    # paper's on-policy loss | tis | mask; C = rollout_correction_cap
     rollout_correction: Literal["none", "tis", "mask"] = "none"
     rollout_correction_cap: float = 2.0
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
@@ -362,8 +361,10 @@ def check_config(cfg: Config) -> None:
         ("reward.mu", 0 <= w.mu <= 1, "in [0, 1] (a solve rate)"),
         ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
          "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
-        ("reward.overlong_buffer", 0 <= w.overlong_buffer < r.max_new_tokens,
-         "in [0, rollout.max_new_tokens)"),
+        ("rollout.role_max_new_tokens", min(r.role_max_new_tokens.values()) >= 0,
+         ">= 0 for each role (0: rollout.max_new_tokens)"),
+        ("reward.overlong_buffer", 0 <= w.overlong_buffer < max_new_tokens(cfg, "res"),
+         "in [0, the responder's budget) (rollout.role_max_new_tokens.res or max_new_tokens)"),
         ("data.phases", plan is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
          "lengths, the first at step 1, e.g. \"1:4096,21:8192\""),
         ("data.phases", not d.phases or rlvr, "\"\" without data.qa (phases order a QA set)"),
@@ -1103,14 +1104,14 @@ class Rollout:
     evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
 
 
-def sampling(cfg: Config) -> dict:
-    """The rollout sampling settings of every role (§5.1)."""
+def sampling(cfg: Config, role: str) -> dict:
+    """A role's rollout sampling settings (§5.1): one temperature and top-p, its own budget."""
     r = cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
+    return {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": max_new_tokens(cfg, role)}
 
 
 def finished(c: Completion, cfg: Config) -> bool:
-    """Whether a completion is scored as a finished output: not cut at max_new_tokens, unless
+    """Whether a completion is scored as a finished output: not cut at its budget, unless
     reward.overlong = "keep" scores cut text as it stands."""
     return c.finish_reason != "length" or cfg.reward.overlong == "keep"
 
@@ -1154,7 +1155,7 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         rollouts.append(Rollout(cluster, task, doc_ids, ids, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
-                    **sampling(cfg), logprobs=True, desc="questioner")
+                    **sampling(cfg, "que"), logprobs=True, desc="questioner")
     for r, letter, (c,) in zip(rollouts, letters, outs):
         r.que_output = c
         r.question = (parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
@@ -1175,7 +1176,8 @@ def run_grounding(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
     todo = [r for r in rollouts if r.status == "ok"]
     prompts = [chat_ids(tok, responder_prompt(r.task, None, r.question,
                                               cfg.rollout.responder_template)) for r in todo]
-    outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], **sampling(cfg), desc="grounding")
+    outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], **sampling(cfg, "res"),
+                    desc="grounding")
     for r, (c,) in zip(todo, outs):
         if finished(c, cfg) and rule_reward(c.text, r.question["answer"], r.task) == 1.0:
             r.status = "ungrounded"
@@ -1193,8 +1195,8 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
             r.status = "skipped"  # too long for the model: dropped without penalty [code]
         else:
             todo.append(r)
-    outs = generate(llm, [r.res_prompt for r in todo], n=cfg.rollout.group_size,
-                    seeds=seeds[:len(todo)], **sampling(cfg), logprobs=True, desc="responder")
+    outs = generate(llm, [r.res_prompt for r in todo], n=cfg.rollout.group_size, logprobs=True,
+                    seeds=seeds[:len(todo)], **sampling(cfg, "res"), desc="responder")
     for r, cs in zip(todo, outs):
         r.responses = cs
         r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0
@@ -1219,7 +1221,7 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
                 jobs.append((r, i))
     votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
     outs = generate(llm, [r.ver_prompts[i] for r, i in jobs], n=votes,
-                    seeds=seeds[:len(jobs)], **sampling(cfg), logprobs=True, desc="verifier")
+                    seeds=seeds[:len(jobs)], **sampling(cfg, "ver"), logprobs=True, desc="verifier")
     for (r, i), cs in zip(jobs, outs):  # a verdict's text is the reply as read: prefix + sampled
         r.verdicts[i] = [c._replace(text=prefix + c.text) for c in cs] if prefix else cs
 
@@ -1252,7 +1254,7 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         bootstrap_rewards(r, cfg)
         r.selection = list(r.res_rewards)
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, the responder's training reward
-            r.res_rewards = [x + overlong_penalty(len(c.token_ids), cfg.rollout.max_new_tokens,
+            r.res_rewards = [x + overlong_penalty(len(c.token_ids), max_new_tokens(cfg, "res"),
                                                   rc.overlong_buffer)
                              for x, c in zip(r.res_rewards, r.responses)]
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
@@ -1311,7 +1313,7 @@ class Summary:
     status: str
     que_reward: float
     que_len: int
-    que_cut: bool  # the generation hit rollout.max_new_tokens
+    que_cut: bool  # the generation hit the questioner's budget
     evicted: int  # history entries forgotten for the questioner's prompt
     res_rewards: list[float] | None
     rules: list[float]
@@ -1351,7 +1353,7 @@ class TrainItem:
     advantage: float
     group: tuple  # the group its advantage and the loss normaliser are computed in
     length: int
-    cut: bool = False  # the generation hit max_new_tokens
+    cut: bool = False  # the generation hit its role's budget
     weight: float = 0.0  # 1 / the loss normaliser (LOSS_NORMS)
     mini_batch: int = 0  # train.mini_batches: the optimiser step it trains in
 
@@ -1515,7 +1517,7 @@ def select_batch(summaries: list[list[Summary]], cfg: Config,
         items.append(TrainItem(rank, idx, "ver", i, j, a, ("ver", rank, idx, i), s.ver_lens[i][j],
                                s.ver_cut[i][j]))
     # an empty completion has no token to train; with overlong = "mask", an output cut at
-    # max_new_tokens stays out of the loss (DAPO's overlong filtering) though its reward counted
+    # its budget stays out of the loss (DAPO's overlong filtering) though its reward counted
     # in its group's baseline; a frozen role (Table 2 "w/o update") plays but does not learn
     trained = trained_roles(cfg)
     items = [it for it in items if it.length > 0 and it.role in trained
@@ -1654,7 +1656,7 @@ def sequence_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence
 def constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
                   max_len: int) -> list[float]:
     """Dr.GRPO (SPICE §2.4): 1 / (max_len * #sequences), a constant in place of |y_i|, so that no
-    length bias enters; max_len is rollout.max_new_tokens."""
+    length bias enters; max_len is rollout.max_new_tokens for every role, whatever its budget."""
     if max_len < 1:
         raise ValueError("constant_norm needs max_len >= 1")
     return [1.0 / (max_len * len(lengths))] * len(lengths)
@@ -1880,9 +1882,8 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
             optimizer.zero_grad(set_to_none=True)
     stats = all_reduce_stats(stats, STAT_SUMS, device)
     if stats["split_groups"]:
-        print0(f"train.micro_batch_tokens = {t.micro_batch_tokens}: {int(stats['split_groups'])} "
-               "groups did not fit one micro-batch and were split, each part encoding its prompt "
-               "again (exact, but slower); raise the budget to keep them whole")
+        print0(f"{int(stats['split_groups'])} groups split over micro-batches, each part encoding "
+               f"its prompt again: raise train.micro_batch_tokens ({t.micro_batch_tokens})")
     stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
     stats["micro_batches"] = sum(map(len, plans))
     return stats
@@ -2118,10 +2119,9 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     set_vllm_log_level(cfg.log.vllm_log_level)
     r = cfg.rollout
-    llm = start_vllm(model_dir, max_model_len=r.max_prompt_tokens + r.max_new_tokens,
-                     seed=cfg.train.seed + group,
+    llm = start_vllm(model_dir, max_model_len=r.max_prompt_tokens + max_new_tokens(cfg),
                      dtype=rollout_dtype(r.dtype, device.type == "cuda"),
-                     gpu_memory_utilization=r.gpu_memory_utilization,
+                     gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
                      tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started

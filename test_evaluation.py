@@ -1029,7 +1029,8 @@ def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     out = tmp_path / "sets" / "qa.jsonl"
     args = ["spell.py", "synth", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
             f"--data.corpus={corpus_file}", "--out", str(out), "--passes", "2",
-            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48"]
+            "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
+            "--rollout.role_max_new_tokens=que:0"]  # the questioner too: 48 tokens
     result = torchrun(1, *args)
     [(kept, drawn)] = re.findall(r"^synth: (\d+) questions of (\d+) drawn", result.stdout,
                                  flags=re.M)

@@ -177,6 +177,22 @@ def test_memory_estimate_qwen25_7b():
                            "(rollouts 50.6, update 38.7") and "\n" not in line
 
 
+def test_memory_estimate_counts_the_largest_role_budget():
+    """vLLM's minimum holds one sequence of the longest prompt plus the largest role's budget: a
+    questioner budget of 8192 above config.toml's shared 4096 adds the KV cache of 4096 tokens
+    (Qwen2.5-7B: K and V, 28 layers, 4 KV heads of 128, bf16); a verifier budget below it adds
+    nothing."""
+    from transformers import Qwen2Config
+
+    mc, path = Qwen2Config(**QWEN25_7B), str(spell.ROOT / "config.toml")
+    minimum = lambda *argv: infra.memory_estimate(  # noqa: E731
+        spell.load_config(path, list(argv)), mc, world=8, device_gib=80.0)["vllm_minimum"]
+    shared = minimum()
+    assert minimum("--rollout.role_max_new_tokens=ver:64") == shared
+    assert minimum("--rollout.role_max_new_tokens=que:8192,ver:64") == pytest.approx(
+        shared + 2 * 2 * 28 * 512 * 4096 / 2**30, rel=1e-12)
+
+
 def test_check_memory_refusals():
     """A run that cannot fit stops with the keys to change, per phase."""
     from transformers import Qwen2Config

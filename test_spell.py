@@ -164,6 +164,50 @@ def test_recipe_keys_are_validated():
                              "--rollout.grounding_filter=false"])
 
 
+def test_role_budgets_default_to_the_shared_budget_and_merge(tmp_path):
+    """rollout.role_max_new_tokens: a role without its own budget (0) has rollout.max_new_tokens; a
+    TOML table and the command line's `name:value` merge into it, as data.task_weights does; with no
+    role, infra.max_new_tokens is the largest (what vLLM's context makes room for)."""
+    budgets = lambda cfg: {role: infra.max_new_tokens(cfg, role)  # noqa: E731
+                           for role in ("que", "res", "ver")}
+    cfg = spell.load_config(None, ["--rollout.max_new_tokens=100"])
+    assert budgets(cfg) == {"que": 100, "res": 100, "ver": 100} and infra.max_new_tokens(cfg) == 100
+    p = tmp_path / "c.toml"
+    p.write_text("[rollout]\nmax_new_tokens = 100\nrole_max_new_tokens = { que = 384, ver = 48 }\n")
+    cfg = spell.load_config(str(p))
+    assert budgets(cfg) == {"que": 384, "res": 100, "ver": 48} and infra.max_new_tokens(cfg) == 384
+    cfg = spell.load_config(str(p), ["--rollout.role_max_new_tokens=res:200,que:0"])
+    assert budgets(cfg) == {"que": 100, "res": 200, "ver": 48} and infra.max_new_tokens(cfg) == 200
+    cfg = spell.load_config(str(p), ["--rollout.max_new_tokens=500"])  # que now below the shared
+    assert budgets(cfg) == {"que": 384, "res": 500, "ver": 48} and infra.max_new_tokens(cfg) == 500
+
+
+@pytest.mark.parametrize("toml, argv, message", [
+    ("", ["--rollout.role_max_new_tokens=grounding:64"],
+     "command line: rollout.role_max_new_tokens: unknown name 'grounding' (known: que, res, ver)"),
+    ("[rollout]\nrole_max_new_tokens = { questioner = 384 }\n", [],
+     "rollout.role_max_new_tokens: unknown name 'questioner' (known: que, res, ver)"),
+    ("", ["--rollout.role_max_new_tokens=que:-1"],
+     "rollout.role_max_new_tokens must be >= 0 for each role (0: rollout.max_new_tokens), got "
+     "{'que': -1, 'res': 0, 'ver': 0}"),
+    ("", ["--rollout.role_max_new_tokens=ver:1.5"],
+     "command line: rollout.role_max_new_tokens.ver: expected int like 0, got '1.5'"),
+    ("[rollout]\nrole_max_new_tokens = 384\n", [],
+     "rollout.role_max_new_tokens: expected a table like {que:0, res:0, ver:0}, got 384"),
+    # the soft overlong buffer counts back from the responder's budget, not the shared one
+    ("", ["--rollout.max_new_tokens=64", "--rollout.role_max_new_tokens=res:32",
+          "--reward.overlong_buffer=32"],
+     "reward.overlong_buffer must be in [0, the responder's budget) "
+     "(rollout.role_max_new_tokens.res or max_new_tokens), got 32"),
+])
+def test_role_budgets_are_checked_at_load(tmp_path, toml, argv, message):
+    p = tmp_path / "c.toml"
+    p.write_text(toml)
+    with pytest.raises(spell.ConfigError) as e:
+        spell.load_config(str(p), argv)
+    assert str(e.value).endswith(message) if toml else str(e.value) == message, e.value
+
+
 def test_stacked_presets_name_the_key_in_conflict():
     """config.toml's history memory (L = 3) with spice.toml's Challenger, which has no history
     prompts, in either order: the key to change is rollout.history_size, not the template."""
@@ -1357,6 +1401,53 @@ def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
     assert r.res_rewards == pytest.approx([0.75, -0.5, 0.25, -1.0])  # shaped: the advantage's
     items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 1
+
+
+class BudgetRecorder(ScriptedRollouts):
+    """ScriptedRollouts that also records the max_tokens each phase was called with."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.budgets = {}
+
+    def __call__(self, llm, prompts, *, max_tokens, desc="", **kw):
+        self.budgets[desc] = max_tokens
+        return super().__call__(llm, prompts, max_tokens=max_tokens, desc=desc, **kw)
+
+
+@pytest.mark.parametrize("roles, expected", [
+    ("", (100, 100, 100, 100)),  # no role budget: every phase has the shared one
+    ("que:300,ver:20", (300, 100, 100, 20)),
+    ("res:50", (100, 50, 50, 100)),  # the grounding check answers as the responder does
+])
+def test_each_phase_samples_with_its_roles_budget(monkeypatch, roles, expected):
+    argv = ["--rollout.max_new_tokens=100", "--rollout.group_size=4"]
+    cfg = spell.load_config(None, argv + ([f"--rollout.role_max_new_tokens={roles}"] * bool(roles)))
+    engine = BudgetRecorder(dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")]))
+    monkeypatch.setattr(spell, "generate", engine)
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.status == "ok" and r.verdicts[0]  # every phase ran
+    assert engine.budgets == dict(zip(("questioner", "grounding", "responder", "verifier"),
+                                      expected))
+
+
+def test_overlong_shaping_counts_back_from_the_responders_budget(monkeypatch):
+    """DAPO's soft punishment ends at the responder's budget: 6 tokens under a shared 100 shapes the
+    four answers of 3 to 6 tokens as in the test above; 100 under a shared 6 leaves them alone."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.overlong_buffer, cfg.reward.judge = 4, 4, "rule"
+    right = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
+                 responder=[("The correct answer is blue.", "stop")])
+    for shared, res, rewards in [(100, 6, [0.75, 0.5, 0.25, 0.0]), (6, 100, [1.0] * 4)]:
+        cfg.rollout.max_new_tokens, cfg.rollout.role_max_new_tokens["res"] = shared, res
+        monkeypatch.setattr(spell, "generate", ScriptedRollouts(right))
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                                  np.random.default_rng(0), key=(0, 1, 0, 0))
+        assert r.res_rewards == pytest.approx(rewards)
+    # and the check at load: a buffer past the shared budget, within the responder's, loads
+    spell.load_config(None, ["--rollout.max_new_tokens=16", "--rollout.role_max_new_tokens=res:64",
+                             "--reward.overlong_buffer=32"])
 
 
 def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(monkeypatch):
@@ -2755,6 +2846,26 @@ def test_attention_implementation_choices(monkeypatch):
     assert infra.attention_implementation(cfg, on_gpu=True) == "flash_attention_2"
     cfg.model.attn_implementation = "sdpa"
     assert infra.attention_implementation(cfg, on_gpu=True) == "sdpa"
+
+
+def test_engine_makes_room_for_the_largest_role_budget(monkeypatch):
+    """start_engine sizes vLLM's context for the longest prompt plus the largest role's budget (the
+    model, tokenizer and vLLM stubbed; only the arguments are read)."""
+    import transformers
+
+    started = []
+    monkeypatch.setattr(spell, "resolve_model", lambda cfg, rank: "model-dir")
+    monkeypatch.setattr(spell, "engine_groups", lambda *a: (0, 1))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: CharTokenizer())
+    monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(kw["max_model_len"]))
+    monkeypatch.setattr(spell, "set_vllm_log_level", lambda level: None)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # start_engine sets it; restored after
+    for roles, longest in [("", 192), ("que:384,ver:48", 384), ("ver:32", 192), ("res:200", 200)]:
+        argv = ["--rollout.max_prompt_tokens=3072", "--rollout.max_new_tokens=192"]
+        argv += [f"--rollout.role_max_new_tokens={roles}"] * bool(roles)
+        spell.start_engine(spell.load_config(None, argv), 0, 1, torch.device("cpu"), 0,
+                           training=False)
+        assert started.pop() == 3072 + longest, roles
 
 
 def packed_attention_case(impl: str):
