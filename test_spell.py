@@ -129,7 +129,7 @@ def test_frozen_roles_rejects_other_names():
 def test_presets_stack_on_the_scale_presets(preset, base):
     paths, argv = [str(REPO / base), str(REPO / "presets" / preset)], []
     if (base, preset) == ("learn.toml", "qwenlong_l1.toml"):
-        # learn.toml's 12 steps never reach phase II at step 501: the README's line shortens it
+        # learn.toml's 8 steps never reach phase II at step 501: the README's line shortens it
         with pytest.raises(spell.ConfigError, match=r"^data\.phases must be phases that start by "
                                                     r"train\.steps, got '1:20480,501:61440'$"):
             spell.load_config(paths)
