@@ -143,6 +143,40 @@ def metrics(output: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^METRIC (\S+)=(\S+)$", output, flags=re.M)}
 
 
+# the benchmark files' layouts, one small file each (infra.load_eval_data)
+FIXTURES = Path(__file__).resolve().parent / "tests" / "fixtures" / "eval"
+
+
+FIXTURE_FILES = {  # file -> (benchmark, number of items)
+    "longbench_v2.json": ("longbench_v2", 4),
+    "hotpotqa.jsonl": ("hotpotqa", 4),
+    "2wikimqa.jsonl": ("2wikimqa", 3),
+    "musique.jsonl": ("musique", 3),
+    "frames.jsonl": ("frames", 3),
+    "simpshort_testmini.json": ("docmath", 3),
+}
+
+
+def all_fixture_items() -> list[infra.EvalItem]:
+    """Every item of the benchmark fixtures (tests/fixtures/eval)."""
+    return infra.load_eval_data([str(FIXTURES / name) for name in FIXTURE_FILES])
+
+
+def mutated_fixture(tmp_path: Path, name: str, index: int, mutate) -> str:
+    """A copy of a fixture (same file name) whose record `index` went through `mutate`."""
+    src = FIXTURES / name
+    if name.endswith(".jsonl"):
+        recs = [json.loads(line) for line in src.read_text().splitlines()]
+        mutate(recs[index])
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+    else:
+        recs = json.loads(src.read_text())
+        mutate(recs[index])
+        text = json.dumps(recs)
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     if importlib.util.find_spec(infra.SMOLLM2_PACKAGE) is None:
@@ -322,17 +356,17 @@ def role_sequences(m: dict) -> int:
             + 4 * m["ver/kept_groups"])
 
 
-def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dict]:
+def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
     """What main() hands the run log in a step: the summaries of two questions, one valid, one
     malformed, the batch counts, update_policy's stats and the step's times."""
-    ok = spell.Summary(task="doc_qa", status="ok", que_reward=0.5, que_len=30, que_cut=False,
+    ok = spell.Summary(rank=0, idx=0, task="doc_qa", status="ok", que_reward=0.5, que_len=30, que_cut=False,
                        evicted=1, res_rewards=[1.0, 0.0, 0.0, 0.0], rules=[1.0, 0.0, 0.0, 0.0],
                        majorities=[1, None, 0, 0], solved=[1.0, 0.0, 0.0, 0.0],
                        selection=[1.0, 0.0, 0.0, 0.0],
                        agreements=[1.0, 0.0, 0.75, 0.75], ver_rewards=[None] * 4,
                        res_lens=[10, 20, 30, 40], res_cut=[False] * 4, abstained=[1, 0, 0, 0],
                        ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4)
-    bad = spell.Summary(task="doc_qa", status="format", que_reward=-1.0, que_len=50, que_cut=False,
+    bad = spell.Summary(rank=0, idx=1, task="doc_qa", status="format", que_reward=-1.0, que_len=50, que_cut=False,
                         evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
                         selection=[], agreements=[],
                         ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
@@ -346,12 +380,12 @@ def logged_inputs(step: int) -> tuple[list[list[spell.Summary]], dict, dict, dic
     times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1,
              "rollout_s": 2.0, "update_s": 1.0, "sync_s": 0.1, "step_s": 3.1,
              "train_tokens_per_s": 100.0}
-    return [[ok, bad]], counts, train, times
+    return [ok, bad], counts, train, times
 
 
 def logged_metrics(step: int) -> dict:
-    """A metrics.jsonl row as main() writes it: infra.step_metrics of logged_inputs(step)."""
-    return {"step": step, **infra.step_metrics(*logged_inputs(step))}
+    """A metrics.jsonl row as main() writes it: spell.step_metrics of logged_inputs(step)."""
+    return {"step": step, **spell.step_metrics(*logged_inputs(step))}
 
 
 def worker_mesh(shard_size: str, world: int):

@@ -12,14 +12,11 @@ a forker of the algorithm rarely needs to read this file.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -27,14 +24,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from infra import (ConfigError, CorpusError, InputError, SURROGATE_NOTE, all_gather_objects,
-                   check_head_split, context_bound, engine_groups, is_utf8, jsonl_records,
-                   parse_args, resolve_model, rollout_dtype, set_vllm_log_level, unreadable,
-                   write_atomic)
-from spell import (Cluster, ClusterSampler, HistoryMemory, LETTERS, TASKS, _validate_question,
-                   chat_ids, extract_answer, generate, generator, init_distributed, load_config,
-                   load_corpus, parse_verdict, render_prompt, request_seeds, rule_reward,
-                   run_grounding, run_questioner, start_engine, start_vllm, strip_verdict_tags)
+import infra
+import spell
 
 
 def main(argv: Sequence[str]) -> None:
@@ -55,19 +46,6 @@ def main(argv: Sequence[str]) -> None:
 #     report  pass@1 (the paper's headline "average over eight runs") and pass@k,
 #             per benchmark + mean
 #
-# Benchmarks and native layouts, read from local .jsonl / .json / .parquet files (no hub). A file is
-# given as PATH or BENCHMARK:PATH; without a name, a keyword of the file name (not its folder) names
-# the benchmark (FILENAME_KEYWORDS: "hotpot", "2wiki", "musique", "frames", "longbench_v2",
-# "docmath" or a DocMath subset such as "simpshort"), and failing that, the first record's field
-# names do. The layouts:
-#     longbench_v2                   (doc_mc)   _id, question, choice_A..choice_D, answer (letter),
-#                                               context, ...
-#     hotpotqa / 2wikimqa / musique  (doc_qa)   LongBench v1: _id, input, context,
-#                                               answers (list), ...
-#     frames                         (doc_qa)   Prompt, Answer, wiki_items [{title, text}]
-#     docmath                        (fin_math) question_id, question, paragraphs (list),
-#                                               ground_truth (number)
-#
 # Departures from the paper and from the authors' eval code (Qwen-Doc/SPELL/eval):
 #  1. pass@k is the unbiased estimator of Eq. 11; the released code reports a bootstrap best@k
 #     (k draws with replacement), which is biased low.
@@ -85,310 +63,31 @@ def main(argv: Sequence[str]) -> None:
 #     the authors decoded the cut ids to text and let vLLM re-tokenize it.
 #  7. The LongBench subsets are the standard `hotpotqa`, `2wikimqa`, `musique` (200 items each);
 #     the released loader asked for LongBench-E names that do not load.
-BENCHMARKS = {  # benchmark -> task type; also the order of rows in the results table
-    "longbench_v2": "doc_mc",
-    "hotpotqa": "doc_qa",
-    "2wikimqa": "doc_qa",
-    "musique": "doc_qa",
-    "frames": "doc_qa",
-    "docmath": "fin_math",
-}
-# Keywords of a (lower-cased, '-' → '_') file name that name its benchmark. The DocMath testmini
-# files are called <subset>_testmini.json, hence the four subset names.
-FILENAME_KEYWORDS = {
-    "longbench_v2": "longbench_v2", "longbenchv2": "longbench_v2",
-    "hotpot": "hotpotqa", "2wiki": "2wikimqa", "musique": "musique", "frames": "frames",
-    "docmath": "docmath", "simpshort": "docmath", "simplong": "docmath",
-    "compshort": "docmath", "complong": "docmath",
-}
+# The benchmark files' native layouts are read by infra.load_eval_data.
 PASS_KS = (1, 2, 4, 8)         # the k of pass@k reported (those ≤ n), Figure 3
-NO_ANSWER = "(no final answer)"  # what the judge sees when extract_answer found nothing
-
-
-class EvalDataError(InputError):
-    """A benchmark file that does not have the expected layout; the message names file,
-    position, field."""
-
-
-@dataclass(frozen=True)
-class EvalItem:
-    """One benchmark question, in the fields the responder prompts take (Appendix C.2)."""
-
-    benchmark: str
-    id: str
-    task: str                    # doc_qa | fin_math | doc_mc
-    context: str                 # the documents, as one string
-    question: str
-    answers: tuple[str, ...]     # gold answers; answers[0] is the judge's reference
-    choices: tuple[str, ...] = ()  # the four options A-D (doc_mc only)
-
-
-# ---- reading files
-
-
-def _utf8_text(path: str) -> str:
-    """The whole file as text; decoded at once, so an encoding error knows its byte and line."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise EvalDataError(f"{path}, line {line}: not UTF-8 text "
-                            f"(byte {e.start} is {data[e.start]:#04x})") from None
-
-
-def read_records(path: str) -> list[tuple[str, object]]:
-    """Raw records of a .jsonl / .json (list) / .parquet / .tsv file,
-    each with its position for errors."""
-    p = Path(path)
-    if not p.is_file():
-        raise EvalDataError(f"{path}: no such file")
-    suffix = p.suffix.lower()
-    if suffix == ".json":
-        text = _utf8_text(path)
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            # "Extra data" = several top-level values, i.e. JSONL named .json
-            if e.msg != "Extra data":
-                raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
-        except (ValueError, RecursionError) as e:  # an integer of 5000 digits, "[[[[..."
-            raise EvalDataError(f"{path}: not valid JSON ({unreadable(e)})") from None
-        else:
-            if not isinstance(data, list):
-                raise EvalDataError(f"{path}: expected a JSON list of records, "
-                                    f"got a {type(data).__name__}")
-            return [(f"{path}, item {i}", rec) for i, rec in enumerate(data)]
-        suffix = ".jsonl"
-    if suffix == ".jsonl":
-        records = []
-        # newlines as open() reads them
-        for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path}, line {lineno}", json.loads(line)))
-            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({unreadable(e)})") \
-                    from None
-        return records
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq  # optional: only parquet files need it
-        except ImportError:
-            raise EvalDataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
-                                "or convert the file to JSONL") from None
-        return [(f"{path}, row {i}", rec) for i, rec in enumerate(pq.read_table(p).to_pylist())]
-    # the raw google/frames-benchmark file; the Frames loader explains what it lacks
-    if suffix == ".tsv":
-        rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
-        records = []
-        try:
-            for rec in rows:
-                records.append((f"{path}, row {len(records)}", rec))
-        except csv.Error as e:  # e.g. a cell over csv's field limit of 131,072 characters
-            raise EvalDataError(f"{path}, row {len(records)}: not a TSV row ({e})") from None
-        return records
-    raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
-                        "expected .jsonl, .json, .parquet or .tsv")
-
-
-def infer_benchmark(path: str, first: object) -> str:
-    """Which benchmark a file holds: a keyword of its file name, else the fields of
-    its first record."""
-    name = Path(path).name.lower().replace("-", "_")
-    found = {b for key, b in FILENAME_KEYWORDS.items() if key in name}
-    if len(found) == 1:
-        return found.pop()
-    # No keyword, or several (e.g. "hotpotqa_vs_musique.jsonl"): look at the native field names.
-    if isinstance(first, dict):
-        if "choice_A" in first:
-            return "longbench_v2"
-        if "wiki_items" in first or "Prompt" in first:
-            return "frames"
-        if "paragraphs" in first:
-            return "docmath"
-        # LongBench-E names its subsets *_e
-        dataset = str(first.get("dataset", "")).removesuffix("_e")
-        if dataset in BENCHMARKS:
-            return dataset
-    raise EvalDataError(f"{path}: cannot tell which benchmark this file holds; "
-                        "name it explicitly as BENCHMARK:PATH with BENCHMARK one of "
-                        f"{', '.join(BENCHMARKS)}")
-
-
-def _bad(where: str, rec: dict, key: str, expected: str) -> EvalDataError:
-    """The error for a missing or ill-typed field, naming file, position and field."""
-    got = ("it is missing" if key not in rec
-           else f"got {type(rec[key]).__name__} {str(rec[key])[:40]!r}")
-    return EvalDataError(f"{where}, field {key!r}: expected {expected}, {got}")
-
-
-def _text(rec: dict, key: str, where: str) -> str:
-    """rec[key] as a non-empty string."""
-    value = rec.get(key)
-    if not isinstance(value, str) or not value.strip():
-        raise _bad(where, rec, key, "a non-empty string")
-    return _tokenizable(value, where, key)
-
-
-def _texts(rec: dict, key: str, where: str) -> list[str]:
-    """rec[key] as a non-empty list of non-empty strings."""
-    value = rec.get(key)
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(v, str) and v.strip() for v in value)):
-        raise _bad(where, rec, key, "a non-empty list of non-empty strings")
-    for i, v in enumerate(value):
-        _tokenizable(v, where, f"{key}[{i}]")
-    return value
-
-
-def _ident(rec: dict, key: str, where: str) -> str:
-    """rec[key] as an id (a string, or an integer written as one)."""
-    value = rec.get(key)
-    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
-        raise _bad(where, rec, key, "an id (string or integer)")
-    return _tokenizable(str(value), where, key)
-
-
-def _tokenizable(value: str, where: str, key: str) -> str:
-    """value, refused at load when it holds a lone surrogate (JSON "\\ud800"): chat_ids would raise
-    on it in the middle of the run."""
-    if not is_utf8(value):
-        raise EvalDataError(f"{where}, field {key!r}: expected text without a lone surrogate "
-                            "(a JSON \\ud800-\\udfff escape, which no tokenizer can encode)")
-    return value
-
-
-# ---- the four native layouts
-
-
-def longbench_v2_item(rec: dict, where: str, index: int) -> EvalItem:
-    """A LongBench-V2 record as a multiple-choice item (Appendix C.2)."""
-    answer = _text(rec, "answer", where).strip()
-    if answer not in ("A", "B", "C", "D"):
-        raise _bad(where, rec, "answer", "one of the letters A, B, C, D")
-    choices = tuple(_text(rec, f"choice_{x}", where) for x in "ABCD")
-    return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc",
-                    _text(rec, "context", where), _text(rec, "question", where), (answer,), choices)
-
-
-def longbench_item(rec: dict, where: str, index: int, benchmark: str) -> EvalItem:
-    """A LongBench v1 HotpotQA / 2WikiMQA / MuSiQue record as a document-QA item (Appendix C.2)."""
-    return EvalItem(benchmark, _ident(rec, "_id", where), "doc_qa", _text(rec, "context", where),
-                    _text(rec, "input", where), tuple(_texts(rec, "answers", where)))
-
-
-def frames_item(rec: dict, where: str, index: int) -> EvalItem:
-    """A Frames record with its fetched Wikipedia articles as a document-QA item (Appendix C.2)."""
-    articles = rec.get("wiki_items")
-    if articles is None:
-        raise _bad(where, rec, "wiki_items",
-                   "the article texts as a list of {title, text} (the Tongyi-Zhiwen/frames layout; "
-                   "the raw google/frames-benchmark TSV only links to Wikipedia, "
-                   "which this offline loader cannot fetch)")
-    if not isinstance(articles, list) or not articles:
-        raise _bad(where, rec, "wiki_items", "a non-empty list of {title, text}")
-    parts = []
-    for i, article in enumerate(articles):
-        if not isinstance(article, dict):
-            raise _bad(where, rec, "wiki_items",
-                       f"a list of {{title, text}} objects (entry {i} is not one)")
-        parts.append(f"{_text(article, 'title', f'{where}, wiki_items[{i}]')}\n"
-                     f"{_text(article, 'text', f'{where}, wiki_items[{i}]')}")
-    # Frames has no id field: the id is the record's position in its file.
-    return EvalItem("frames", str(index), "doc_qa", "\n".join(parts), _text(rec, "Prompt", where),
-                    (_text(rec, "Answer", where).strip(),))
-
-
-def _number_text(value: object) -> str | None:
-    """A numeric ground truth as text ("25" for 25.0); None if it is not a number."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value.replace(",", ""))
-        except ValueError:
-            return None
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float) and math.isfinite(value):
-        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
-    return None
-
-
-def docmath_item(rec: dict, where: str, index: int) -> EvalItem:
-    """A DocMath-Eval record as a financial-math item (Appendix C.2)."""
-    answer = _number_text(rec.get("ground_truth"))
-    if answer is None:
-        raise _bad(where, rec, "ground_truth",
-                   "a number (the DocMath test split hides it; use testmini)")
-    # The paragraphs of one filing, tables included as pipe rows;
-    # joined by newlines like the authors' eval.
-    return EvalItem("docmath", _ident(rec, "question_id", where), "fin_math",
-                    "\n".join(_texts(rec, "paragraphs", where)), _text(rec, "question", where),
-                    (answer,))
-
-
-def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
-    """Every item of one benchmark file; the benchmark is named or inferred
-    (see infer_benchmark)."""
-    records = read_records(path)
-    if not records:
-        raise EvalDataError(f"{path}: the file holds no records")
-    benchmark = benchmark or infer_benchmark(path, records[0][1])
-    if benchmark not in BENCHMARKS:
-        raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; "
-                            f"expected one of {', '.join(BENCHMARKS)}")
-    items = []
-    for index, (where, rec) in enumerate(records):
-        if not isinstance(rec, dict):
-            raise EvalDataError(f"{where}: expected an object of fields, got {type(rec).__name__}")
-        if benchmark == "longbench_v2":
-            items.append(longbench_v2_item(rec, where, index))
-        elif benchmark == "frames":
-            items.append(frames_item(rec, where, index))
-        elif benchmark == "docmath":
-            items.append(docmath_item(rec, where, index))
-        else:
-            items.append(longbench_item(rec, where, index, benchmark))
-    return items
-
-
-def load_eval_data(specs: list[str]) -> list[EvalItem]:
-    """Items of every --eval.data entry, "PATH" or "BENCHMARK:PATH";
-    files of one benchmark pool together."""
-    if not specs:
-        raise EvalDataError("no benchmark files given")
-    items = []
-    for spec in specs:
-        name, sep, rest = spec.partition(":")
-        # Only a known benchmark name before the colon counts,
-        # so a path that contains ':' still works.
-        items += load_benchmark(rest, name) if sep and name in BENCHMARKS else load_benchmark(spec)
-    return items
+NO_ANSWER = "(no final answer)"  # what the judge sees when spell.extract_answer found nothing
 
 
 # ---- prompts, truncation, scoring
 
 
-def eval_prompt(item: EvalItem) -> str:
+def eval_prompt(item: infra.EvalItem) -> str:
     """The responder prompt of the item's task, which is also the eval prompt (Appendix C.2)."""
     fields = dict(documents=item.context, question=item.question)
     if item.task == "doc_mc":
         fields.update(zip(("choice_A", "choice_B", "choice_C", "choice_D"), item.choices))
-    return render_prompt(f"responder_{item.task}", **fields)
+    return spell.render_prompt(f"responder_{item.task}", **fields)
 
 
-def judge_prompt(item: EvalItem, prediction: str | None) -> str:
+def judge_prompt(item: infra.EvalItem, prediction: str | None) -> str:
     """The LLM-judge prompt for one extracted answer against the first gold answer
     (Appendix C.2, Table 3)."""
     # as in verifier_prompt: a tag in a field (the prediction is the model's) must not read as the
     # judge's decision, so each field loses its [[YES]] / [[NO]]; a bare tag is no answer
-    shown = strip_verdict_tags(prediction or "")
-    return render_prompt("judge", question=strip_verdict_tags(item.question),
+    shown = spell.strip_verdict_tags(prediction or "")
+    return spell.render_prompt("judge", question=spell.strip_verdict_tags(item.question),
                          prediction=shown if shown.strip() else NO_ANSWER,
-                         reference=strip_verdict_tags(item.answers[0]))
+                         reference=spell.strip_verdict_tags(item.answers[0]))
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
@@ -420,55 +119,55 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def rule_score(response: str, item: EvalItem) -> float:
+def rule_score(response: str, item: infra.EvalItem) -> float:
     """Rule score of one response (CEM, number rule or letter), best over the gold answers
     (Appendix C.2)."""
     # LongBench keeps the best over its listed answers; the authors' eval used answers[0] only.
-    return max(rule_reward(response, answer, item.task) for answer in item.answers)
+    return max(spell.rule_reward(response, answer, item.task) for answer in item.answers)
 
 
-def needs_judge(item: EvalItem, rule: float) -> bool:
+def needs_judge(item: infra.EvalItem, rule: float) -> bool:
     """The judge is asked only where the rule said wrong, and never for multiple choice
     (Appendix C.2)."""
     return item.task != "doc_mc" and rule < 1.0
 
 
-def score_sample(item: EvalItem, index: int, completion) -> dict:
+def score_sample(item: infra.EvalItem, index: int, completion) -> dict:
     """One sampled response with its extracted answer and rule score;
     judge filled in later if asked."""
     rule = rule_score(completion.text, item)
     return {"id": item.id, "benchmark": item.benchmark, "sample": index,
-            "answer": extract_answer(completion.text, item.task), "rule": rule, "judge": None,
+            "answer": spell.extract_answer(completion.text, item.task), "rule": rule, "judge": None,
             "score": rule, "finish_reason": completion.finish_reason, "judge_output": None,
             "response": completion.text}
 
 
-def to_judge(items: list[EvalItem], records: list[dict]) -> list[tuple[EvalItem, dict]]:
+def to_judge(items: list[infra.EvalItem], records: list[dict]) -> list[tuple[infra.EvalItem, dict]]:
     """Every (item, sample) of these records that the judge must see (needs_judge),
     in record order."""
     return [(items[r["index"]], s) for r in records for s in r["samples"]
             if needs_judge(items[r["index"]], s["rule"])]
 
 
-def judge_prompts(judge_tokenizer, todo: list[tuple[EvalItem, dict]],
+def judge_prompts(judge_tokenizer, todo: list[tuple[infra.EvalItem, dict]],
                   max_input_len: int) -> list[list[int]]:
     """Token ids of the judge prompt of each (item, sample), in the judge's
     chat template, middle-truncated."""
-    return [middle_truncate(chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])),
+    return [middle_truncate(spell.chat_ids(judge_tokenizer, judge_prompt(item, s["answer"])),
                             max_input_len)
             for item, s in todo]
 
 
-def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[EvalItem, dict]], *,
+def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[infra.EvalItem, dict]], *,
                   max_tokens: int) -> None:
     """Ask the LLM judge about each (item, sample) at temperature 0, one sample;
     score = max(rule, judge)."""
     if not todo:
         return
-    outs = generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
+    outs = spell.generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
                     logprobs=False, desc="judge")
     for (item, sample), (verdict_out,) in zip(todo, outs, strict=True):
-        verdict = parse_verdict(verdict_out.text)
+        verdict = spell.parse_verdict(verdict_out.text)
         sample["judge_output"] = verdict_out.text
         sample["judge"] = 0 if verdict is None else verdict  # an abstention counts as NO
         sample["score"] = max(sample["rule"], sample["judge"])
@@ -490,7 +189,7 @@ def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record["benchmark"], []).append(record)
-    order = [b for b in BENCHMARKS if b in groups] + sorted(set(groups) - set(BENCHMARKS))
+    order = [b for b in infra.BENCHMARKS if b in groups] + sorted(set(groups) - set(infra.BENCHMARKS))
     rows = {}
     for bench in order:
         recs = groups[bench]
@@ -546,16 +245,16 @@ def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None
     (per sample)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "eval_results.md",
+    infra.write_atomic(out / "eval_results.md",
                  eval_header(metrics["settings"]) + eval_table(metrics) + "\n")
-    write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
+    infra.write_atomic(out / "eval_results.json", json.dumps(metrics, indent=2) + "\n")
     write_samples(out_dir, records)
 
 
 def write_samples(out_dir: str, records: list[dict]) -> None:
     """eval_samples.jsonl: every sample, its answer and scores (judge None until judged)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    write_atomic(Path(out_dir) / "eval_samples.jsonl",
+    infra.write_atomic(Path(out_dir) / "eval_samples.jsonl",
                  "".join(json.dumps(sample) + "\n" for r in records for sample in r["samples"]))
 
 
@@ -576,7 +275,7 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 # ---- the driver
 
 
-def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature: float,
+def sample_answers(llm, tokenizer, items: list[infra.EvalItem], *, n: int, temperature: float,
                    top_p: float, max_input_len: int, max_output_len: int, chunk_size: int,
                    rank: int, world: int, show: bool) -> list[dict]:
     """n responses to each of this rank's questions (items[rank::world]) with their answers
@@ -588,8 +287,8 @@ def sample_answers(llm, tokenizer, items: list[EvalItem], *, n: int, temperature
     # is still one big batch for vLLM (chunk_size × n sequences).
     for start in range(0, len(mine), chunk_size):
         chunk = mine[start:start + chunk_size]
-        full = [chat_ids(tokenizer, eval_prompt(item)) for _, item in chunk]
-        outs = generate(llm, [middle_truncate(ids, max_input_len) for ids in full], n=n,
+        full = [spell.chat_ids(tokenizer, eval_prompt(item)) for _, item in chunk]
+        outs = spell.generate(llm, [middle_truncate(ids, max_input_len) for ids in full], n=n,
                         temperature=temperature, top_p=top_p, max_tokens=max_output_len,
                         logprobs=False)
         for (index, item), ids, completions in zip(chunk, full, outs, strict=True):
@@ -609,7 +308,7 @@ def stop_vllm(llm) -> None:
     vLLM's in-process shutdown also destroys the default process group, which the external launcher
     shares with us. The ranks then form a new group of the same size on a store that rank 0 opened
     beforehand (torchrun's store still holds the old group's keys, and a world of one loses its
-    store with the group). Call on every rank at the same point, like start_vllm.
+    store with the group). Call on every rank at the same point, like spell.start_vllm.
     """
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     host = os.environ["MASTER_ADDR"]
@@ -628,7 +327,7 @@ def stop_vllm(llm) -> None:
               f"in {time.perf_counter() - t0:.1f}s")
 
 
-def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: float = 0.7,
+def evaluate(llm, tokenizer, items: list[infra.EvalItem], *, n: int = 8, temperature: float = 0.7,
              top_p: float = 0.95, max_input_len: int, max_output_len: int,
              model: str = "the model", judge_model: str = "", judge_tokenizer=None,
              judge_max_tokens: int | None = None, engine_args: dict | None = None,
@@ -640,7 +339,7 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
     torch.distributed must call this (the results are gathered on rank 0, which writes and prints).
     Two passes: every answer first, then the judge. With judge_model "" the evaluated model judges
     itself on its own engine; otherwise `llm` is shut down after the first pass and judge_model
-    (read with judge_tokenizer) starts in its place with start_vllm(**engine_args). The judge may
+    (read with judge_tokenizer) starts in its place with spell.start_vllm(**engine_args). The judge may
     write up to judge_max_tokens (default max_output_len: a reasoning judge needs the
     reasoning budget).
     """
@@ -674,11 +373,11 @@ def evaluate(llm, tokenizer, items: list[EvalItem], *, n: int = 8, temperature: 
         # memory together.
         # judge prompts are short: size the engine to them
         longest = max(map(len, prompts), default=0)
-        longest = max(all_gather_objects(longest)) if distributed else longest
+        longest = max(infra.all_gather_objects(longest)) if distributed else longest
         # 0: nothing to judge on any rank (e.g. multiple choice only), so no judge engine
         if longest:
             stop_vllm(llm)
-            llm = start_vllm(judge_model, max_model_len=longest + judge_max_tokens,
+            llm = spell.start_vllm(judge_model, max_model_len=longest + judge_max_tokens,
                              **(engine_args or {}))
     judge_samples(llm, prompts, todo, max_tokens=judge_max_tokens)
 
@@ -706,7 +405,7 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
 
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
-    items = load_eval_data(data)
+    items = infra.load_eval_data(data)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # A separate judge is read and checked now,
     # so a wrong eval.judge_model fails before hours of sampling.
@@ -718,14 +417,14 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     else judge_max_tokens,
                     tensor_parallel_size=tensor_parallel_size)
     rank, world = dist.get_rank(), dist.get_world_size()
-    # engine_groups, checked by the caller
+    # infra.engine_groups, checked by the caller
     group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
     engine_args = dict(seed=seed + group, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size)
     # Room for a full-length prompt plus a full-length answer
     # (the paper: 16K or 100K in, 4K or 20K out).
-    llm = start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
+    llm = spell.start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
     return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
                     max_input_len=max_input_len, max_output_len=max_output_len, model=model_dir,
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
@@ -733,7 +432,7 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     rank=group, world=groups, out_dir=out_dir)
 
 
-def check_judge(judge_model: str, judge_tokenizer, items: list[EvalItem], *, max_input_len: int,
+def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], *, max_input_len: int,
                 max_output_len: int, judge_max_tokens: int, tensor_parallel_size: int) -> None:
     """Stop, before any sampling, on a separate judge (eval.judge_model) that would fail only after
     the whole sampling pass: one without a chat template, one whose context cannot hold its longest
@@ -743,17 +442,17 @@ def check_judge(judge_model: str, judge_tokenizer, items: list[EvalItem], *, max
 
     where = f"eval.judge_model {judge_model}"
     if not getattr(judge_tokenizer, "chat_template", None):
-        raise ConfigError(f"{where}: its tokenizer has no chat template (the judge prompt is "
+        raise infra.ConfigError(f"{where}: its tokenizer has no chat template (the judge prompt is "
                           "a chat turn)")
     config = AutoConfig.from_pretrained(judge_model)
-    check_head_split(config, tensor_parallel_size, f"eval.judge_model's ({judge_model})")
+    infra.check_head_split(config, tensor_parallel_size, f"eval.judge_model's ({judge_model})")
     # The longest judge prompt: the template, question and reference with an empty prediction,
     # plus a prediction of up to a whole answer (max_output_len), cut to max_input_len
     todo = [(item, {"answer": None}) for item in items if needs_judge(item, 0.0)]
     longest = max(map(len, judge_prompts(judge_tokenizer, todo, max_input_len)), default=0)
     need = min(max_input_len, longest + max_output_len) + judge_max_tokens
-    if todo and need > context_bound(config):
-        raise ConfigError(f"{where}: its context of {context_bound(config):.0f} tokens cannot hold "
+    if todo and need > infra.context_bound(config):
+        raise infra.ConfigError(f"{where}: its context of {infra.context_bound(config):.0f} tokens cannot hold "
                           f"a judge prompt of up to {need - judge_max_tokens} tokens plus "
                           f"{judge_max_tokens} to answer; lower eval.max_input_len or "
                           "eval.max_output_len, or choose a judge with a longer context")
@@ -767,28 +466,28 @@ def eval_main(argv: Sequence[str]) -> None:
         if arg in ("--model", "--data"):
             value = next(it, None)
             if value is None:
-                raise ConfigError(f"{arg} needs a value")
+                raise infra.ConfigError(f"{arg} needs a value")
             model, data = (value, data) if arg == "--model" else (model, data + [value])
         else:
             args.append(arg)
-    paths, _, overrides = parse_args(args)
-    cfg = load_config(paths, overrides + ([f"--model.path={model}"] if model else []))
+    paths, _, overrides = infra.parse_args(args)
+    cfg = spell.load_config(paths, overrides + ([f"--model.path={model}"] if model else []))
     specs = data + [s for s in cfg.eval.data.split(",") if s]
     if not specs:
-        raise ConfigError("spell.py eval: give benchmark files with --data FILE "
+        raise infra.ConfigError("spell.py eval: give benchmark files with --data FILE "
                           "(or --eval.data=A,B)")
-    rank, world, device = init_distributed()
-    model_dir = resolve_model(cfg, rank)
-    engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
+    rank, world, device = spell.init_distributed()
+    model_dir = infra.resolve_model(cfg, rank)
+    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
-    set_vllm_log_level(cfg.log.vllm_log_level)
+    infra.set_vllm_log_level(cfg.log.vllm_log_level)
     run_eval(model_dir, specs,
              out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
-             dtype=rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
+             dtype=infra.rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
              gpu_memory_utilization=e.gpu_memory_utilization,
              tensor_parallel_size=cfg.rollout.tensor_parallel_size)
 
@@ -796,63 +495,6 @@ def eval_main(argv: Sequence[str]) -> None:
 # ==================================================================================================
 # RLVR's static QA set (data.qa): our layout, or any benchmark file the eval reads
 # ==================================================================================================
-
-def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
-    """RLVR's static QA set (data.qa) as clusters that carry their question (Cluster.qa).
-
-    Two layouts. Ours, which `spell.py synth` writes: the corpus fields {"id", "task", "documents"}
-    plus "question", "answer" and, for doc_mc, "options" {"A".."D"}, checked as a questioner's
-    output is (a fin_math answer must be a non-zero number, a doc_mc answer a letter). Or any
-    benchmark file the evaluation reads, as PATH or BENCHMARK:PATH (evaluation.load_eval_data), its
-    context as the one document and its first gold answer as the reference.
-    """
-    spec = str(path)
-    name, sep, _ = spec.partition(":")
-    first = None if sep and name in BENCHMARKS else _first_json_line(Path(spec))
-    ours = isinstance(first, dict) and "documents" in first
-    try:
-        items = [] if ours else load_eval_data([spec])  # an eval benchmark's layout
-    except EvalDataError as e:
-        raise CorpusError(str(e)) from None
-    if not ours:
-        seen: dict[str, int] = {}
-        for i, it in enumerate(items):
-            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
-                raise CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
-        return [Cluster(it.id, it.task, [it.context],
-                        {"question": it.question, "answer": it.answers[0],
-                         **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
-                for it in items]
-    clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
-    # its records, split into lines as load_corpus splits them, so each cluster meets its own
-    records = [(where, rec) for _, where, rec in jsonl_records(Path(spec), CorpusError)]
-    for c, (where, rec) in zip(clusters, records, strict=True):
-        c.task = c.task or "doc_qa"
-        if bad := _surrogate_fields(rec):  # _validate_question would only say "no question"
-            raise CorpusError(f"{where}: field {bad[0]!r} {SURROGATE_NOTE}")
-        c.qa = _validate_question(rec, c.task, None, max_answer_words=10**6)
-        if c.qa is None:
-            fields = ("'question', 'answer'"
-                      + (", 'options'" if TASKS[c.task].multiple_choice else ""))
-            raise CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
-                              "(see load_qa_set)")
-    return clusters
-
-
-def _first_json_line(path: Path) -> object:
-    """The value on the first non-blank line of a file, or None where that is not JSON."""
-    try:
-        return next((value for _, _, value in jsonl_records(path, CorpusError)), None)
-    except (CorpusError, OSError):
-        return None
-
-
-def _surrogate_fields(rec: dict) -> list[str]:
-    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
-    options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
-    fields = {"question": rec.get("question"), "answer": rec.get("answer"),
-              **{f"options.{k}": v for k, v in options.items()}}
-    return [key for key, v in fields.items() if isinstance(v, str) and not is_utf8(v)]
 
 
 # ==================================================================================================
@@ -876,48 +518,48 @@ def synth_main(argv: Sequence[str]) -> None:
             # ASCII digits: str.isdigit also takes "٣" and "²", which int() reads or chokes on
             if value is None or (arg == "--passes" and not (re.fullmatch(r"[0-9]{1,4}", value)
                                                              and 1 <= int(value) <= 1000)):
-                raise ConfigError(f"{arg} needs a "
+                raise infra.ConfigError(f"{arg} needs a "
                                   f"{'file name' if arg == '--out' else 'whole number, 1 to 1000'}")
             out, passes = (value, passes) if arg == "--out" else (out, int(value))
         else:
             args.append(arg)
     if not out:
-        raise ConfigError("spell.py synth: say where to write the set with --out FILE")
+        raise infra.ConfigError("spell.py synth: say where to write the set with --out FILE")
     if Path(out).exists():
-        raise ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
+        raise infra.ConfigError(f"spell.py synth: {out} exists; it is never overwritten")
     # the set is written after the whole run: a folder it cannot go in must stop it now
     folder = next(p for p in Path(out).absolute().parents if p.exists())
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"spell.py synth: --out {out}: {folder} is "
+        raise infra.ConfigError(f"spell.py synth: --out {out}: {folder} is "
                           f"{'a file, not a folder' if not folder.is_dir() else 'not writable'}")
-    paths, _, overrides = parse_args(args)
-    cfg = load_config(paths, overrides)
+    paths, _, overrides = infra.parse_args(args)
+    cfg = spell.load_config(paths, overrides)
     if cfg.data.phases:  # the phases order a QA set by its prompts; synth walks data.corpus
-        raise ConfigError("spell.py synth draws every cluster of data.corpus: "
+        raise infra.ConfigError("spell.py synth draws every cluster of data.corpus: "
                           "leave data.phases unset")
-    corpus = load_corpus(cfg.data.corpus)
-    rank, world, device = init_distributed()
-    group, groups = engine_groups(cfg, rank, world)
+    corpus = spell.load_corpus(cfg.data.corpus)
+    rank, world, device = spell.init_distributed()
+    group, groups = infra.engine_groups(cfg, rank, world)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
-    _, tok, llm = start_engine(cfg, rank, world, device, group, training=False)
-    rng = generator(cfg, "engine", group)
+    _, tok, llm = spell.start_engine(cfg, rank, world, device, group, training=False)
+    rng = spell.generator(cfg, "engine", group)
     shard = list(range(group, len(corpus), groups))
-    drawn = ClusterSampler(cfg, corpus, shard, rng).draw(len(shard) * passes)
-    rollouts = run_questioner(llm, tok, cfg, drawn, HistoryMemory(0), rng,
-                              request_seeds(cfg.train.seed, group, "synth", count=len(drawn)))
+    drawn = spell.ClusterSampler(cfg, corpus, shard, rng).draw(len(shard) * passes)
+    rollouts = spell.run_questioner(llm, tok, cfg, drawn, spell.HistoryMemory(0), rng,
+                              spell.request_seeds(cfg.train.seed, group, "synth", count=len(drawn)))
     if cfg.rollout.grounding_filter:
-        run_grounding(llm, tok, cfg, rollouts,
-                      request_seeds(cfg.train.seed, group, "synth-ground", count=len(drawn)))
+        spell.run_grounding(llm, tok, cfg, rollouts,
+                      spell.request_seeds(cfg.train.seed, group, "synth-ground", count=len(drawn)))
     records = [{"id": f"{r.cluster.id}#{group}.{k}", "task": r.task,
                 "documents": r.cluster.documents, **r.question}
                for k, r in enumerate(rollouts) if r.status == "ok"] if reports else []
-    everything = [x for part in all_gather_objects(records) for x in part]
-    counts = all_gather_objects((len(drawn), sum(r.status == "format" for r in rollouts),
+    everything = [x for part in infra.all_gather_objects(records) for x in part]
+    counts = infra.all_gather_objects((len(drawn), sum(r.status == "format" for r in rollouts),
                                  sum(r.status == "ungrounded" for r in rollouts))
                                 if reports else (0, 0, 0))
     if rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(out),
+        infra.write_atomic(Path(out),
                      "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in everything))
         drawn_n, fmt, ungr = (sum(c[i] for c in counts) for i in range(3))
         print(f"synth: {len(everything)} questions of {drawn_n} drawn "

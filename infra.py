@@ -15,10 +15,12 @@ the config object, so spell.py reads top to bottom without it, like kernels/.
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import errno
 import functools
 import importlib.util
+import io
 import json
 import math
 import os
@@ -26,15 +28,14 @@ import random
 import re
 import shutil
 import stat
-import string
 import tempfile
 import time
 import tomllib
 import typing
-import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
@@ -333,16 +334,6 @@ def check_every_key(cfg) -> None:
             raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
 
 
-def max_new_tokens(cfg, role: str | None = None) -> int:
-    """The generation budget of a role (que, res, ver; the grounding check answers as a responder):
-    rollout.role_max_new_tokens[role], where 0 means the shared rollout.max_new_tokens. With no
-    role, the largest of the three: what vLLM's context and the memory estimate make room for."""
-    r = cfg.rollout
-    if role is None:
-        return max(max_new_tokens(cfg, name) for name in r.role_max_new_tokens)
-    return r.role_max_new_tokens[role] or r.max_new_tokens
-
-
 def config_changes(cfg) -> list[str]:
     """`section.key=value` for every key that differs from the Config dataclasses' defaults."""
     ours, paper = config_to_dict(cfg), config_to_dict(type(cfg)())
@@ -374,240 +365,299 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
     return paths or [str(ROOT / "config.toml")], resume, rest
 
 
-def phase_plan(text: str) -> list[tuple[int, int]] | None:
-    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...] (QwenLong-L1's
-    context phases, spell.phase_pools); [] for ""; None if malformed."""
-    if not text.strip():
-        return []
-    plan = []
-    for part in text.split(","):
-        # ASCII digits, at most 18 (INT_DIGITS): int() would read "٣" and choke on 5000
-        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
-        if not m:
-            return None
-        plan.append((int(m[1]), int(m[2])))
-    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
-    rising = all(a < b for a, b in zip(steps, steps[1:]))
-    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
-    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
-
-
 # ==================================================================================================
-# Reading the policy's text in linear time, whatever it writes: JSON candidates, normalised
-# words, an answer's candidates, control tokens (spell.parse_question, the rules, chat_ids)
+# Benchmark files (spell.py eval, and RLVR's data.qa): the native layouts of LongBench-V2,
+# LongBench v1, Frames and DocMath
 # ==================================================================================================
-
-def fenced_blocks(text: str) -> list[tuple[int, str]]:
-    """(end, body) of every closed ``` fence; an unclosed fence holds nothing."""
-    # str.find, not a lazy regex: r"```\s*(.*?)```" backtracks quadratically over an unclosed fence
-    found, pos = [], 0
-    while (start := text.find("```", pos)) >= 0:
-        body = start + 3 + (4 if text.startswith(("json", "JSON"), start + 3) else 0)
-        end = text.find("```", body)
-        if end < 0:
-            break
-        found.append((end + 3, text[body:end]))
-        pos = end + 3
-    return found
-
-
-_JSON_TOKEN = re.compile(r'\\.|[{}"\n]', re.S)  # an escaped character, a brace, a quote, a newline
-
-
-def json_candidates(text: str, key: str) -> list[str]:
-    """Fenced blocks and outermost balanced {...} spans holding `key` (e.g. '"question"'), by where
-    they end: what spell.parse_question tries to read, in linear time.
-
-    A span is outermost when no brace around it ever closes: an unclosed '{' in prose ("I think {
-    maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
-    key in each, and parsing each, stays linear in the text.
-    """
-    # a span without the key cannot validate: skipping it keeps "{}" * 10**5 from costing 10**5
-    # parses
-    if key not in text:
-        return []
-    found = [(end, body) for end, body in fenced_blocks(text) if key in body]
-    opened: list[int] = []  # positions of the braces open here, outermost first
-    inner: dict[int, list] = {}  # depth d -> the spans that closed right inside opened[d]
-    top: list[tuple[int, int]] = []  # spans that closed with no brace open around them
-    in_str = False
-    for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
-        # inside a JSON string braces do not count, nor does an escaped quote; and a JSON string
-        # holds no raw newline, so a quote opened in prose ends at the line's end
-        if in_str:
-            in_str = m[0] not in ('"', "\n")
-            continue
-        ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
-        if ch == '"' and opened:
-            in_str = True
-        elif ch == "{":
-            opened.append(i)
-        elif ch == "}" and opened:
-            start = opened.pop()
-            inner.pop(len(opened), None)  # the spans inside it stop being outermost
-            (inner.setdefault(len(opened) - 1, []) if opened else top).append((start, i + 1))
-    # a brace that never closed was prose: the spans inside it are outermost too
-    spans = top + [span for inside in inner.values() for span in inside]
-    found += [(end, text[start:end]) for start, end in spans
-              if text.find(key, start, end) >= 0]
-    return [s for _, s in sorted(found, key=lambda p: p[0])]
+# Benchmarks and native layouts, read from local .jsonl / .json / .parquet files (no hub). A file is
+# given as PATH or BENCHMARK:PATH; without a name, a keyword of the file name (not its folder) names
+# the benchmark (FILENAME_KEYWORDS: "hotpot", "2wiki", "musique", "frames", "longbench_v2",
+# "docmath" or a DocMath subset such as "simpshort"), and failing that, the first record's field
+# names do. The layouts:
+#     longbench_v2                   (doc_mc)   _id, question, choice_A..choice_D, answer (letter),
+#                                               context, ...
+#     hotpotqa / 2wikimqa / musique  (doc_qa)   LongBench v1: _id, input, context,
+#                                               answers (list), ...
+#     frames                         (doc_qa)   Prompt, Answer, wiki_items [{title, text}]
+#     docmath                        (fin_math) question_id, question, paragraphs (list),
+#                                               ground_truth (number)
+#
+BENCHMARKS = {  # benchmark -> task type; also the order of rows in the results table
+    "longbench_v2": "doc_mc",
+    "hotpotqa": "doc_qa",
+    "2wikimqa": "doc_qa",
+    "musique": "doc_qa",
+    "frames": "doc_qa",
+    "docmath": "fin_math",
+}
 
 
-# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
-# ~20x slower)
-_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
-_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
-_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
-# punctuation and symbols, also combining marks
-_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
-_ARTICLES = frozenset(("a", "an", "the"))
+# Keywords of a (lower-cased, '-' → '_') file name that name its benchmark. The DocMath testmini
+# files are called <subset>_testmini.json, hence the four subset names.
+FILENAME_KEYWORDS = {
+    "longbench_v2": "longbench_v2", "longbenchv2": "longbench_v2",
+    "hotpot": "hotpotqa", "2wiki": "2wikimqa", "musique": "musique", "frames": "frames",
+    "docmath": "docmath", "simpshort": "docmath", "simplong": "docmath",
+    "compshort": "docmath", "complong": "docmath",
+}
 
 
-def _space_if_punctuation(m: re.Match) -> str:
-    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
-    word."""
-    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
+class EvalDataError(InputError):
+    """A benchmark file that does not have the expected layout; the message names file,
+    position, field."""
 
 
-def normalize_text(s: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
-    Unicode-aware)."""
-    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
-    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
-    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
-    s = _ASCII_PUNCTUATION.sub(" ", s)
-    if not s.isascii():
-        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
-    return " ".join(w for w in s.split() if w not in _ARTICLES)
+@dataclass(frozen=True)
+class EvalItem:
+    """One benchmark question, in the fields the responder prompts take (Appendix C.2)."""
+
+    benchmark: str
+    id: str
+    task: str                    # doc_qa | fin_math | doc_mc
+    context: str                 # the documents, as one string
+    question: str
+    answers: tuple[str, ...]     # gold answers; answers[0] is the judge's reference
+    choices: tuple[str, ...] = ()  # the four options A-D (doc_mc only)
 
 
-# "/", ";", "&" and a comma stand between alternatives; a comma between digits is a number's "1,500"
-ALTERNATIVE_MARK = re.compile(r"[/;&]|,(?:(?!\d)|(?<!\d,))")
-BREAK = "/"  # marks that place in a list of words: normalize_text never leaves a "/" in a word
-CONJUNCTIONS = frozenset(("or", "and", "nor"))  # words that join alternatives: "Paris or Berlin"
-# words that deny what follows them: "not Paris", "isn't Paris" (normalize_text leaves "isn t")
-NEGATIONS = frozenset(("not", "never", "neither", "nor", "t"))
-YES_NO = frozenset(("yes", "no"))
-
-
-def answer_tokens(text: str) -> list[str]:
-    """normalize_text's words of text, with BREAK where it had '/', ';', '&' or a comma outside a
-    number."""
-    tokens: list[str] = []
-    for k, piece in enumerate(ALTERNATIVE_MARK.split(text)):  # marks are punctuation: same words
-        tokens += [BREAK] * (k > 0) + normalize_text(piece).split()
-    return tokens
-
-
-def gold_starts(words: list[str], gold: list[str]) -> list[int]:
-    """Indices in words where the gold's words occur, left to right and not overlapping."""
-    # padding with spaces turns substring search into whole-word search, as in cover_exact_match
-    hay, needle = " " + " ".join(words) + " ", " " + " ".join(gold) + " "
-    word_at, offset = {}, 0  # where a word's leading space stands in hay -> the word's index
-    for i, w in enumerate(words):
-        word_at[offset] = i
-        offset += len(w) + 1
-    starts, pos = [], hay.find(needle)
-    while pos >= 0:
-        starts.append(word_at[pos])
-        pos = hay.find(needle, pos + len(needle) - 1)  # its trailing space may lead the next one
-    return starts
-
-
-def candidate_count(tokens: list[str], gold: dict[int, int]) -> int:
-    """How many candidates an answer names: groups of words split at breaks and conjunctions outside
-    the gold's spans (gold: token index of a span's first word -> index past its last), the gold
-    counting as a word. A group led by a negation rules out ("Paris, not Berlin"); an empty one is
-    nothing ("Paris;")."""
-    count, lead, i = 0, None, 0  # lead: the first word of the group being read, None while empty
-    while i <= len(tokens):
-        if i in gold:  # the gold's own "/" or "or" ("AC/DC", "War and Peace") splits nothing
-            lead = "" if lead is None else lead
-            i = gold[i]
-        elif i == len(tokens) or tokens[i] == BREAK or tokens[i] in CONJUNCTIONS:
-            count += lead is not None and lead not in NEGATIONS
-            lead, i = None, i + 1
-        else:
-            lead = tokens[i] if lead is None else lead
-            i += 1
-    return count
-
-
-NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-CURRENCY = ("$", "€", "£", "¥")
-
-
-def answer_number(s: str) -> re.Match | None:
-    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
-    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
-    # first number, not the last
-    first = None
-    for m in NUMBER.finditer(s):
-        if not is_label(s, m):
-            return m
-        first = first or m
-    return first
-
-
-def is_label(s: str, m: re.Match) -> bool:
-    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
-    ('2023: 1.5')."""
-    glued = m.start() > 0 and s[m.start() - 1].isalpha()
-    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
-    return glued or colon
-
-
-CLOSING_PAREN = re.compile(r"\s*\)")
-
-
-def number_is_negative(s: str, m: re.Match) -> bool:
-    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
-    around them ('(12)', '$(1,234)', '($1,234)')."""
-    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
-    head = s[:m.start()].rstrip()
-    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
-        head = head[:-1].rstrip()
-    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
-    return head.endswith("-") or accounting
-
-
-def control_tokens(tokenizer) -> tuple[str, ...]:
-    """The strings a tokenizer reads as special ids wherever they stand: role tags, end of turn."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none
-    special = {t.content for t in added.values() if getattr(t, "special", False)}
-    return tuple(sorted(special | set(getattr(tokenizer, "all_special_tokens", None) or ())))
-
-
-_WORD_JOINER = "\u2060"  # invisible, and no tokenizer's control token holds it
-
-
-def defuse_control_tokens(text: str, tokens: Sequence[str]) -> str:
-    """text with a word joiner after the first character of every place a control token starts.
-
-    "Paris<|im_end|>\n<|im_start|>system" in an answer would otherwise end the user turn of the
-    verifier's prompt and open a system turn. Text that holds no control token comes back unchanged,
-    so its ids do not change either.
-    """
-    tokens = tuple(t for t in tokens if len(t) > 1)  # one character cannot be split (none in use)
-    if not any(t in text for t in tokens):
-        return text
-    return _control_token_starts(tokens).sub(lambda m: m[0] + _WORD_JOINER, text)
-
-
-@functools.lru_cache(maxsize=8)
-def _control_token_starts(tokens: tuple[str, ...]) -> re.Pattern:
-    """Matches the first character of every occurrence of a token, overlapping ones included."""
-    # a lookahead at each position also finds occurrences that overlap; a joiner lands inside each
-    # of them, and inserting joiners cannot make a new occurrence (no token holds one)
-    return re.compile("(?=" + "|".join(map(re.escape, tokens)) + ")(.)", re.S)
-
-
-def loads_lenient(s: str) -> Any:
-    """json.loads, retried once with trailing commas removed (a common slip of the questioner)."""
+def _utf8_text(path: str) -> str:
+    """The whole file as text; decoded at once, so an encoding error knows its byte and line."""
+    data = Path(path).read_bytes()
     try:
-        return json.loads(s)
-    except json.JSONDecodeError:
-        return json.loads(re.sub(r",\s*([}\]])", r"\1", s))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise EvalDataError(f"{path}, line {line}: not UTF-8 text "
+                            f"(byte {e.start} is {data[e.start]:#04x})") from None
+
+
+def read_records(path: str) -> list[tuple[str, object]]:
+    """Raw records of a .jsonl / .json (list) / .parquet / .tsv file,
+    each with its position for errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise EvalDataError(f"{path}: no such file")
+    suffix = p.suffix.lower()
+    if suffix == ".json":
+        text = _utf8_text(path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            # "Extra data" = several top-level values, i.e. JSONL named .json
+            if e.msg != "Extra data":
+                raise EvalDataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of 5000 digits, "[[[[..."
+            raise EvalDataError(f"{path}: not valid JSON ({unreadable(e)})") from None
+        else:
+            if not isinstance(data, list):
+                raise EvalDataError(f"{path}: expected a JSON list of records, "
+                                    f"got a {type(data).__name__}")
+            return [(f"{path}, item {i}", rec) for i, rec in enumerate(data)]
+        suffix = ".jsonl"
+    if suffix == ".jsonl":
+        records = []
+        # newlines as open() reads them
+        for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"{path}, line {lineno}", json.loads(line)))
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                raise EvalDataError(f"{path}, line {lineno}: not valid JSON ({unreadable(e)})") \
+                    from None
+        return records
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq  # optional: only parquet files need it
+        except ImportError:
+            raise EvalDataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
+                                "or convert the file to JSONL") from None
+        return [(f"{path}, row {i}", rec) for i, rec in enumerate(pq.read_table(p).to_pylist())]
+    # the raw google/frames-benchmark file; the Frames loader explains what it lacks
+    if suffix == ".tsv":
+        rows = csv.DictReader(io.StringIO(_utf8_text(path), newline=""), delimiter="\t")
+        records = []
+        try:
+            for rec in rows:
+                records.append((f"{path}, row {len(records)}", rec))
+        except csv.Error as e:  # e.g. a cell over csv's field limit of 131,072 characters
+            raise EvalDataError(f"{path}, row {len(records)}: not a TSV row ({e})") from None
+        return records
+    raise EvalDataError(f"{path}: unknown file type {suffix!r}; "
+                        "expected .jsonl, .json, .parquet or .tsv")
+
+
+def infer_benchmark(path: str, first: object) -> str:
+    """Which benchmark a file holds: a keyword of its file name, else the fields of
+    its first record."""
+    name = Path(path).name.lower().replace("-", "_")
+    found = {b for key, b in FILENAME_KEYWORDS.items() if key in name}
+    if len(found) == 1:
+        return found.pop()
+    # No keyword, or several (e.g. "hotpotqa_vs_musique.jsonl"): look at the native field names.
+    if isinstance(first, dict):
+        if "choice_A" in first:
+            return "longbench_v2"
+        if "wiki_items" in first or "Prompt" in first:
+            return "frames"
+        if "paragraphs" in first:
+            return "docmath"
+        # LongBench-E names its subsets *_e
+        dataset = str(first.get("dataset", "")).removesuffix("_e")
+        if dataset in BENCHMARKS:
+            return dataset
+    raise EvalDataError(f"{path}: cannot tell which benchmark this file holds; "
+                        "name it explicitly as BENCHMARK:PATH with BENCHMARK one of "
+                        f"{', '.join(BENCHMARKS)}")
+
+
+def _bad(where: str, rec: dict, key: str, expected: str) -> EvalDataError:
+    """The error for a missing or ill-typed field, naming file, position and field."""
+    got = ("it is missing" if key not in rec
+           else f"got {type(rec[key]).__name__} {str(rec[key])[:40]!r}")
+    return EvalDataError(f"{where}, field {key!r}: expected {expected}, {got}")
+
+
+def _text(rec: dict, key: str, where: str) -> str:
+    """rec[key] as a non-empty string."""
+    value = rec.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(where, rec, key, "a non-empty string")
+    return _tokenizable(value, where, key)
+
+
+def _texts(rec: dict, key: str, where: str) -> list[str]:
+    """rec[key] as a non-empty list of non-empty strings."""
+    value = rec.get(key)
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(v, str) and v.strip() for v in value)):
+        raise _bad(where, rec, key, "a non-empty list of non-empty strings")
+    for i, v in enumerate(value):
+        _tokenizable(v, where, f"{key}[{i}]")
+    return value
+
+
+def _ident(rec: dict, key: str, where: str) -> str:
+    """rec[key] as an id (a string, or an integer written as one)."""
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+        raise _bad(where, rec, key, "an id (string or integer)")
+    return _tokenizable(str(value), where, key)
+
+
+def _tokenizable(value: str, where: str, key: str) -> str:
+    """value, refused at load when it holds a lone surrogate (JSON "\\ud800"): chat_ids would raise
+    on it in the middle of the run."""
+    if not is_utf8(value):
+        raise EvalDataError(f"{where}, field {key!r}: expected text without a lone surrogate "
+                            "(a JSON \\ud800-\\udfff escape, which no tokenizer can encode)")
+    return value
+
+
+def longbench_v2_item(rec: dict, where: str, index: int) -> EvalItem:
+    """A LongBench-V2 record as a multiple-choice item (Appendix C.2)."""
+    answer = _text(rec, "answer", where).strip()
+    if answer not in ("A", "B", "C", "D"):
+        raise _bad(where, rec, "answer", "one of the letters A, B, C, D")
+    choices = tuple(_text(rec, f"choice_{x}", where) for x in "ABCD")
+    return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc",
+                    _text(rec, "context", where), _text(rec, "question", where), (answer,), choices)
+
+
+def longbench_item(rec: dict, where: str, index: int, benchmark: str) -> EvalItem:
+    """A LongBench v1 HotpotQA / 2WikiMQA / MuSiQue record as a document-QA item (Appendix C.2)."""
+    return EvalItem(benchmark, _ident(rec, "_id", where), "doc_qa", _text(rec, "context", where),
+                    _text(rec, "input", where), tuple(_texts(rec, "answers", where)))
+
+
+def frames_item(rec: dict, where: str, index: int) -> EvalItem:
+    """A Frames record with its fetched Wikipedia articles as a document-QA item (Appendix C.2)."""
+    articles = rec.get("wiki_items")
+    if articles is None:
+        raise _bad(where, rec, "wiki_items",
+                   "the article texts as a list of {title, text} (the Tongyi-Zhiwen/frames layout; "
+                   "the raw google/frames-benchmark TSV only links to Wikipedia, "
+                   "which this offline loader cannot fetch)")
+    if not isinstance(articles, list) or not articles:
+        raise _bad(where, rec, "wiki_items", "a non-empty list of {title, text}")
+    parts = []
+    for i, article in enumerate(articles):
+        if not isinstance(article, dict):
+            raise _bad(where, rec, "wiki_items",
+                       f"a list of {{title, text}} objects (entry {i} is not one)")
+        parts.append(f"{_text(article, 'title', f'{where}, wiki_items[{i}]')}\n"
+                     f"{_text(article, 'text', f'{where}, wiki_items[{i}]')}")
+    # Frames has no id field: the id is the record's position in its file.
+    return EvalItem("frames", str(index), "doc_qa", "\n".join(parts), _text(rec, "Prompt", where),
+                    (_text(rec, "Answer", where).strip(),))
+
+
+def _number_text(value: object) -> str | None:
+    """A numeric ground truth as text ("25" for 25.0); None if it is not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.replace(",", ""))
+        except ValueError:
+            return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    return None
+
+
+def docmath_item(rec: dict, where: str, index: int) -> EvalItem:
+    """A DocMath-Eval record as a financial-math item (Appendix C.2)."""
+    answer = _number_text(rec.get("ground_truth"))
+    if answer is None:
+        raise _bad(where, rec, "ground_truth",
+                   "a number (the DocMath test split hides it; use testmini)")
+    # The paragraphs of one filing, tables included as pipe rows;
+    # joined by newlines like the authors' eval.
+    return EvalItem("docmath", _ident(rec, "question_id", where), "fin_math",
+                    "\n".join(_texts(rec, "paragraphs", where)), _text(rec, "question", where),
+                    (answer,))
+
+
+def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
+    """Every item of one benchmark file; the benchmark is named or inferred
+    (see infer_benchmark)."""
+    records = read_records(path)
+    if not records:
+        raise EvalDataError(f"{path}: the file holds no records")
+    benchmark = benchmark or infer_benchmark(path, records[0][1])
+    if benchmark not in BENCHMARKS:
+        raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; "
+                            f"expected one of {', '.join(BENCHMARKS)}")
+    items = []
+    for index, (where, rec) in enumerate(records):
+        if not isinstance(rec, dict):
+            raise EvalDataError(f"{where}: expected an object of fields, got {type(rec).__name__}")
+        if benchmark == "longbench_v2":
+            items.append(longbench_v2_item(rec, where, index))
+        elif benchmark == "frames":
+            items.append(frames_item(rec, where, index))
+        elif benchmark == "docmath":
+            items.append(docmath_item(rec, where, index))
+        else:
+            items.append(longbench_item(rec, where, index, benchmark))
+    return items
+
+
+def load_eval_data(specs: list[str]) -> list[EvalItem]:
+    """Items of every --eval.data entry, "PATH" or "BENCHMARK:PATH";
+    files of one benchmark pool together."""
+    if not specs:
+        raise EvalDataError("no benchmark files given")
+    items = []
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        # Only a known benchmark name before the colon counts,
+        # so a path that contains ':' still works.
+        items += load_benchmark(rest, name) if sep and name in BENCHMARKS else load_benchmark(spec)
+    return items
 
 
 # ==================================================================================================
@@ -685,18 +735,6 @@ def all_reduce_stats(stats: dict[str, float], keys: Sequence[str],
     t = torch.tensor([float(stats.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return {**stats, **dict(zip(keys, t.tolist()))}
-
-
-def rollout_gap_stats(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                      recorded: torch.Tensor, cap: float) -> dict[str, float]:
-    """Sums for the log over the tokens vLLM recorded log-probs for: |log pi_trainer - log pi_vLLM|,
-    and what spell.rollout_correction does or would do with rho = pi_trainer / pi_vLLM: min(rho, C)
-    and the tokens outside [1/C, C]. All (T,)."""
-    rho = torch.exp(trainer_logp - rollout_logp)[recorded]
-    return {"rollout_logp_gap_sum": float((trainer_logp - rollout_logp)[recorded].abs().sum()),
-            "rollout_logp_tokens": int(recorded.sum()),
-            "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
-            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum())}
 
 
 def seed_everything(seed: int) -> None:
@@ -961,7 +999,7 @@ def parameter_counts(mc) -> dict[str, int]:
     return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
 
 
-def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
+def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dict[str, float]:
     """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
 
     The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and
@@ -969,7 +1007,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     train.fsdp_shard_size for HSDP); bf16 parameters gathered for compute: the root group
     (embeddings and LM head) all step, plus the current and the prefetched decoder layer, and their
     unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for T
-    tokens in bf16 (the micro-batch budget, or the longest sequence if longer): with gradient
+    tokens in bf16 (the micro-batch budget, or the `longest` sequence if longer): with gradient
     checkpointing one hidden state per layer boundary (T H L) plus one layer's recompute; without
     it every layer's. A layer saves per
     token its two norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k)
@@ -987,9 +1025,9 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
     p = parameter_counts(mc)
     # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
     # shared group over the budget splits down to its prompt and one answer): sharing changes how
-    # many tokens a step trains, not the longest micro-batch
-    r = cfg.rollout
-    T = max(cfg.train.micro_batch_tokens, r.max_prompt_tokens + max_new_tokens(cfg))
+    # many tokens a step trains, not the longest micro-batch. `longest`: the longest prompt plus
+    # the largest role's budget (spell.longest_sequence)
+    T = max(cfg.train.micro_batch_tokens, longest)
     H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
@@ -1016,8 +1054,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float) -> dict[str, float]:
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
         # allowed length (the longest prompt and the largest role's budget)
         "vllm_minimum": (2 * p["total"] / tp
-                         + 2 * 2 * L * k_rank * (cfg.rollout.max_prompt_tokens
-                                                 + max_new_tokens(cfg))),
+                         + 2 * 2 * L * k_rank * longest),
     }
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
@@ -1073,7 +1110,8 @@ def memory_line(est: dict[str, float], device_gib: float) -> str:
             f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
 
 
-def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int) -> None:
+def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
+                          longest: int) -> None:
     """On GPU, before vLLM starts: print memory_estimate's line, and refuse a run that cannot fit.
     Only the dense decoders parameter_counts knows (llama, qwen2) have an estimate."""
     from transformers import AutoConfig
@@ -1084,7 +1122,7 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int)
         print0(f"memory: no start-up estimate for model_type {model_config.model_type!r} "
                "(llama and qwen2 only)")
         return
-    estimate = memory_estimate(cfg, model_config, world, device_gib)
+    estimate = memory_estimate(cfg, model_config, world, device_gib, longest)
     print0(memory_line(estimate, device_gib))
     check_memory(cfg, estimate, device_gib, world)
 
@@ -1340,14 +1378,14 @@ def check_vllm_groups(k: int) -> None:
                            f"{list(get_tp_group().ranks)}, not ranks {first}-{first + k - 1}")
 
 
-def rollout_fingerprint(rollouts: list) -> int:
-    """A CRC of what this rank's engine produced in a step: every status and sampled token.
-    The ranks of one tensor-parallel group must agree on it (see check_groups_agree)."""
+def token_fingerprint(parts) -> int:
+    """A CRC of a sequence of strings and token-id lists: what an engine produced in a step (its
+    statuses and sampled tokens, spell.rollout_tokens). The ranks of one tensor-parallel group must
+    agree on it (check_groups_agree)."""
     crc = 0
-    for r in rollouts:
-        crc = zlib.crc32(r.status.encode(), crc)
-        for c in [r.que_output, *r.responses, *(v for vs in r.verdicts for v in vs)]:
-            crc = zlib.crc32(np.asarray(c.token_ids, dtype=np.int64).tobytes(), crc)
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else np.asarray(part, np.int64).tobytes()
+        crc = zlib.crc32(data, crc)
     return crc
 
 
@@ -1364,16 +1402,17 @@ def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
                                "their requests or vLLM's scheduling differed")
 
 
-def share_within_groups(items: list, k: int) -> None:
-    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group.
-
-    Every rank of a group holds the group's rollouts, but only its first rank reported them, so
-    select_batch saw each question once and names that rank. The items move, longest first, to the
-    group's least loaded rank; no tokens travel for it, and balance_sequences evens out the rest."""
+def tensor_parallel_owners(ranks: list[int], lengths: list[int], k: int) -> list[int]:
+    """With tensor-parallel rollouts (k ranks per engine), the rank of its group that trains each
+    sequence. Every rank of a group holds the group's rollouts, but only its first rank reported
+    them, so the batch names that rank. Sequences go, longest first, to the group's least loaded
+    rank; no tokens travel for it, and rebalance evens out the rest."""
     load: dict[int, int] = defaultdict(int)
-    for it in sorted(items, key=lambda it: -it.length):
-        it.rank = min(range(it.rank, it.rank + k), key=lambda r: (load[r], r))
-        load[it.rank] += it.length
+    owners = list(ranks)
+    for n in sorted(range(len(ranks)), key=lambda n: -lengths[n]):
+        owners[n] = min(range(ranks[n], ranks[n] + k), key=lambda r: (load[r], r))
+        load[owners[n]] += lengths[n]
+    return owners
 
 
 # ==================================================================================================
@@ -1428,48 +1467,6 @@ def pack_shared_prefix(seqs: list[tuple[list[int], list[int]]]) -> dict:
             "spans": spans, "shared": any(len(run) > 1 for run in runs)}
 
 
-def packing_units(seqs: Sequence, shared: bool, budget: int) -> tuple[list[list[int]], int]:
-    """The sequences that pack as one row segment, each unit counted as packed: alone, prompt +
-    completion; shared (train.shared_prefix), a group's prompt once plus its completions. A group
-    longer than `budget` is split into parts that fit, each encoding the prompt again (still exact).
-    Returns the units and how many groups were split."""
-    units, split = [], 0
-    for run in prompt_runs([s.prompt for s in seqs], shared):
-        parts, used = [[]], len(seqs[run[0]].prompt)
-        for k in run:
-            if parts[-1] and used + len(seqs[k].completion) > budget:
-                parts.append([])
-                used = len(seqs[k].prompt)
-            parts[-1].append(k)
-            used += len(seqs[k].completion)
-        units += parts
-        split += len(parts) > 1
-    return units, split
-
-
-def unit_tokens(seqs: Sequence, unit: list[int]) -> int:
-    """A unit's tokens in the row: its prompt once, and its completions."""
-    return len(seqs[unit[0]].prompt) + sum(len(seqs[k].completion) for k in unit)
-
-
-def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedy first-fit of packing units (longest first) into micro-batches of at most `budget`
-    tokens.
-
-    A unit longer than the budget gets a micro-batch of its own. The loss weights are global, so
-    the gradient is the same however sequences are grouped here.
-    """
-    bins: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, (used, members) in enumerate(bins):
-            if used + lengths[i] <= budget:
-                bins[b] = (used + lengths[i], members + [i])
-                break
-        else:
-            bins.append((lengths[i], [i]))
-    return [members for _, members in bins]
-
-
 def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
     """The tree rule, elementwise: may the query token see the key token? Positions are row
     indices. One rule for the dense mask and FlexAttention's mask_mod, so they cannot drift."""
@@ -1516,7 +1513,7 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
 
 
 # ==================================================================================================
-# Rebalancing: spread the kept sequences evenly over the ranks before the update
+# Rebalancing: spread the update's work evenly over the ranks
 # ==================================================================================================
 
 def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
@@ -1544,33 +1541,23 @@ def plan_rebalance(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
     return moves
 
 
-def balance_sequences(seqs: list[tuple], behaviour: list,
-                      units: list[list[int]]) -> tuple[list[tuple], list]:
-    """This rank's share of the update after plan_rebalance: what it keeps plus what it is sent.
-
-    Each rank trains on the rollouts it generated; how many of them survive dynamic sampling varies
-    by rank, and the slowest rank sets the update's time. Any split of the batch gives the same
-    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less.
-    A unit (indices into seqs: one sequence, or a group packed with its prompt once) moves whole,
-    weighed by its tokens so packed; its sequences stay together. Only the lengths and the moved
-    units travel.
-    """
+def rebalance(tokens: list[int], units: list) -> list:
+    """This rank's units of work after plan_rebalance: those it keeps, then those other ranks send
+    it. units[j] is anything picklable (spell: a packing unit's sequences) and tokens[j] its load.
+    Deterministic: every rank computes the same plan from the gathered loads; only the loads and
+    the moved units travel."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return seqs, behaviour
+        return list(units)
     rank = dist.get_rank()
-    tokens = [len(seqs[u[0]][0]) + sum(len(seqs[k][1]) for k in u) for u in units]
     moves = plan_rebalance(all_gather_objects(tokens))
     given = {j for src, j, _ in moves if src == rank}
-    sent = all_gather_objects([[(seqs[k], behaviour[k]) for k in units[j]]
-                               for src, j, _ in moves if src == rank])
+    sent = all_gather_objects([units[j] for src, j, _ in moves if src == rank])
     received, taken = [], [0] * len(sent)
     for src, _, dst in moves:  # each rank's sent list is in plan order
         if dst == rank:
-            received += sent[src][taken[src]]
+            received.append(sent[src][taken[src]])
         taken[src] += 1
-    keep = [k for j, u in enumerate(units) if j not in given for k in u]
-    return ([seqs[k] for k in keep] + [x for x, _ in received],
-            [behaviour[k] for k in keep] + [b for _, b in received])
+    return [u for j, u in enumerate(units) if j not in given] + received
 
 
 # ==================================================================================================
@@ -1930,162 +1917,71 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
 
 
 # ==================================================================================================
-# Logging: one grep-able line per step on rank 0, metrics.jsonl, TensorBoard, sample tables
+# Logging: the step's clock, and the writer of its line, metrics.jsonl and TensorBoard
 # ==================================================================================================
 
-def step_times(phase_s: dict, rounds: int, clock: tuple[float, float, float], sync_s: float,
-               train: dict, device: torch.device) -> dict:
-    """The step's seconds per phase (a phase lasts as long as its slowest rank: ranks wait for
-    each other after each round) and the update's trained tokens per second, all ranks'."""
-    t0, t1, t2 = clock
-    gathered = all_gather_objects(dict(phase_s))
-    slowest = {k: max(d.get(k, 0.0) for d in gathered) for k in phase_s}
-    tokens = train.get("tokens", 0)  # update_policy summed them over the ranks
-    return {**{f"{phase}_s": v for phase, v in slowest.items()}, "rounds": rounds,
-            "rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": sync_s,
-            "step_s": time.perf_counter() - t0, "train_tokens_per_s": tokens / max(t2 - t1, 1e-9)}
+class StepClock:
+    """A step's wall time. `phase(name)` ends a rollout phase (que, ground, res, ver), timed from
+    `begin_phases()` or the phase before, and adds up over rounds; `stage(name)` ends a stage of
+    the step (rollout, update, sync), timed from the stage before."""
+
+    def __init__(self):
+        self.start = self.stage_start = self.phase_start = time.perf_counter()
+        self.phases: dict[str, float] = defaultdict(float)
+        self.stages: dict[str, float] = {}
+
+    def begin_phases(self) -> None:
+        self.phase_start = time.perf_counter()
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] += now - self.phase_start
+        self.phase_start = now
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = now - self.stage_start
+        self.stage_start = now
+
+    def times(self, rounds: int, trained_tokens: float) -> dict[str, float]:
+        """Seconds per phase of the slowest rank (ranks wait for each other after each round),
+        per stage of this rank, the whole step, and the update's trained tokens per second over
+        all ranks. A collective: every rank calls it."""
+        gathered = all_gather_objects(dict(self.phases))
+        slowest = {k: max(d.get(k, 0.0) for d in gathered) for k in self.phases}
+        update_s = self.stages.get("update", 0.0)
+        return {**{f"{phase}_s": v for phase, v in slowest.items()}, "rounds": rounds,
+                **{f"{stage}_s": v for stage, v in self.stages.items()},
+                "step_s": time.perf_counter() - self.start,
+                "train_tokens_per_s": trained_tokens / max(update_s, 1e-9)}
 
 
 class RunLog:
-    """The run's console line per step (rank 0), its metrics as JSON lines in metrics.jsonl and,
-    with log.tensorboard, as TensorBoard scalars; a table of sample rollouts every
-    log.sample_every steps."""
+    """The run's writer: the console line per step (rank 0), the metrics as JSON lines in
+    <log.out_dir>/metrics.jsonl and, with log.tensorboard, as TensorBoard scalars. What a step's
+    metrics and line say is spell.step_metrics and spell.log_line."""
 
     def __init__(self, cfg, paths: Sequence[str], rank: int, world: int,
                  device: torch.device):
-        self.cfg, self.rank, self.world, self.board = cfg, rank, world, None
-        self.metrics_file = Path(cfg.log.out_dir) / "metrics.jsonl"
+        self.rank, self.board = rank, None
+        self.out_dir, self.tensorboard = Path(cfg.log.out_dir), cfg.log.tensorboard
+        self.metrics_file = self.out_dir / "metrics.jsonl"
         print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in "
-               f"{Path(cfg.log.out_dir) / 'config.json'}; keys set away from spell.py's defaults: "
+               f"{self.out_dir / 'config.json'}; keys set away from spell.py's defaults: "
                f"{' '.join(config_changes(cfg)) or 'none'}")
 
-    def step(self, step: int, summaries: list[list], counts: dict, train: dict,
-             times: dict, rollouts: list) -> None:
-        m = step_metrics(summaries, counts, train, times)
-        line = log_line(step, self.cfg.train.steps, m)
-        r, groups = self.cfg.rollout, self.world // self.cfg.rollout.tensor_parallel_size
-        asked = max(1, r.clusters_per_round // groups) * groups * times["rounds"]
-        if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
-            line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
-        if self.rank == 0:
-            print(line, flush=True)
-            with open(self.metrics_file, "a") as f:
-                f.write(json.dumps({"step": step, **m}) + "\n")
-            if self.cfg.log.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+    def write(self, step: int, metrics: dict[str, float], line: str) -> None:
+        """Print the step's line and append its metrics (rank 0 only)."""
+        if self.rank != 0:
+            return
+        print(line, flush=True)
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
-                self.board = self.board or SummaryWriter(
-                    str(Path(self.cfg.log.out_dir) / "tensorboard"))
-                for key, value in m.items():
-                    self.board.add_scalar(key, value, step)
-                self.board.flush()
-        if self.cfg.log.sample_every and step % self.cfg.log.sample_every == 0:
-            print0(sample_table(rollouts))
-        if not counts["sequences"]:
-            print0(f"step {step}: nothing to train on after {times['rounds']} rounds; no update")
+            self.board = self.board or SummaryWriter(str(self.out_dir / "tensorboard"))
+            for key, value in metrics.items():
+                self.board.add_scalar(key, value, step)
+            self.board.flush()
 
-
-def step_metrics(summaries: list[list], counts: dict, train: dict, times: dict) -> dict:
-    """Namespaced metrics (que/ res/ ver/ train/ perf/) from the gathered rollout summaries."""
-    rate = lambda flags: sum(flags) / max(len(flags), 1)  # noqa: E731
-    flat = [s for ss in summaries for s in ss]
-    ok = [s for s in flat if s.status == "ok"]
-    res = [x for s in ok for x in s.res_rewards]
-    maj = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
-    lens = [n for s in ok for n in s.res_lens]
-    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
-    m = {
-        "que/questions": len(flat),
-        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
-        "que/evicted": sum(s.evicted for s in flat),
-        "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
-        "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
-        "que/skipped": sum(s.status == "skipped" for s in flat),
-        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"]
-                                    or [0.0])),
-        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
-        "que/neg": counts["que_neg"],
-        # trained questions that every response or none solved, and their mean advantage
-        # (reward.questioner_pool = "all"; §4.3's pool takes them only as negatives)
-        "que/all_or_none": counts["que_all_or_none"],
-        "que/all_or_none_adv": counts["que_all_or_none_adv"],
-        "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
-        "res/reward": float(np.mean(res)) if res else 0.0,
-        "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
-        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the
-        # training-only penalties: pass@1 on the questioner's valid questions
-        # (1 - this is Figure 4's difficulty)
-        "res/solve_rate": float(np.mean([x for s in ok for x in s.solved]))
-        if ok else 0.0,
-        "res/all_solved": sum(min(s.solved) == 1 for s in ok),
-        "res/none_solved": sum(max(s.solved) == 0 for s in ok),
-        # groups whose training rewards vary by length shaping alone (never kept, departure 14)
-        "res/length_only": sum(len(set(s.selection)) == 1 < len(set(s.res_rewards)) for s in ok),
-        "res/length": float(np.mean(lens)) if lens else 0.0,
-        "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
-        "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
-        "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
-        # share of verifier votes that carry a verdict tag (the rest abstain)
-        "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
-        # share of generations cut at their role's budget (rollout.role_max_new_tokens), per role
-        # (scored as reward.overlong says)
-        "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
-        "res/truncated": rate([c for s in ok for c in s.res_cut]),
-        "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
-        "train/sequences": counts["sequences"],
-    }
-    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
-            "rollout_outside_cap")
-    m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
-    if train.get("tokens"):
-        m["train/entropy"] = train["entropy_sum"] / train["tokens"]
-    # per token sampled by vLLM (update_policy): mean |log pi_trainer - log pi_vLLM|, the mean
-    # truncated ratio min(rho, C) and the share outside [1/C, C] (train.rollout_correction: what the
-    # correction does, or would do)
-    if train.get("rollout_logp_tokens"):
-        n = train["rollout_logp_tokens"]
-        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
-        m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
-        m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
-    m.update({f"perf/{k}": v for k, v in times.items()})
-    generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
-                 "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}
-    for phase, n in generated.items():  # all ranks' tokens over the slowest rank's time
-        if times.get(f"{phase}_s"):
-            m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
-    return m
-
-
-def log_line(step: int, steps: int, m: dict) -> str:
-    """The per-step console line: each role's reward and what it put in the batch, then the clock.
-    A role that did not run this step (the questioner under data.qa, the verifier under
-    reward.judge = rule) has no part in it."""
-    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver")
-                      if f"perf/{p}_s" in m)
-    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
-           f"ungr {m['que/ungrounded']:.0%} "
-           f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
-    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
-           f"kept {m['ver/kept_groups']} "
-           if "perf/ver_s" in m else "")
-    return (f"step {step}/{steps} {que}"
-            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
-            f"len {m['res/length']:.0f} {ver}"
-            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
-            f"gn {m.get('train/grad_norm', 0):.3f} "
-            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
-            f"sync {m['perf/sync_s']:.1f}s")
-
-
-def sample_table(rollouts: list, k: int = 2) -> str:
-    """A few rollouts as text: document snippet, question, reference, responses, votes, rewards."""
-    rows = []
-    for r in [r for r in rollouts if r.status == "ok"][:k]:
-        rows.append(f"--- [{r.task}] cluster {r.cluster.id} "
-                    f"| doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
-        rows.append(f"    Q: {r.question['question'][:300]!r}\n"
-                    f"    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
-        for i, c in enumerate(r.responses[:4]):
-            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
-                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
-    return "\n".join(rows)

@@ -102,7 +102,7 @@ def cut(text: str, limit: int = 40) -> str:
 
 # One figure per file name: (title, key prefix it owns, panels); a panel is (title, [keys]). Keys
 # of the prefix that no panel lists are appended as panels of their own; keys that are absent are
-# skipped. The keys are those of infra.step_metrics, plus the two that add_derived computes.
+# skipped. The keys are those of spell.step_metrics, plus the two that add_derived computes.
 FIGURES = {
     "questioner": ("Questioner (§4.1; reward Eq. 7)", "que/", [
         ("valid questions (well-formed and grounded) / drawn", ["que/valid_rate"]),

@@ -103,16 +103,19 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
 import signal
+import string
 import sys
 import time
 import types
+import unicodedata
 import zlib
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
@@ -125,21 +128,7 @@ import torch.distributed as dist
 # switches Triton to its interpreter, which only works if that happens before anything imports
 # triton.
 import kernels
-from infra import (BREAK, CheckpointError, ConfigError, CorpusError, InputError, NEGATIONS, RunLog,
-                   YES_NO, all_gather_objects, all_reduce_max, all_reduce_stats, all_reduce_sum,
-                   answer_number, answer_tokens, attention_implementation, balance_sequences,
-                   bucketed_state_dict, candidate_count, check_checkpoint, check_every_key,
-                   check_groups_agree, check_launch, check_memory_at_start, check_vllm_groups,
-                   checkpoint_dir, config_to_dict, control_tokens, corpus_records,
-                   defuse_control_tokens, engine_groups, export_hf, gold_starts, is_utf8,
-                   json_candidates, load_rank_state, loads_lenient, max_new_tokens, normalize_text,
-                   number_is_negative, pack_shared_prefix, packing_units, parse_args, phase_plan,
-                   plan_micro_batches, policy_mesh, print0, rank0_progress_bar, read_config,
-                   refresh_tied_lm_head_on_cpu, resolve_model, rollout_gap_stats, rng_state,
-                   rollout_dtype, rollout_fingerprint, run_fingerprint, save_atomically,
-                   seed_everything, set_rng_state, set_vllm_log_level, share_within_groups, shown,
-                   step_times, train_mode_without_dropout, tree_attention_mask, unit_tokens,
-                   vllm_platform_kwargs, world_of_one_env, write_run_config)
+import infra
 
 ROOT = Path(__file__).resolve().parent
 
@@ -167,7 +156,7 @@ class DataConfig:
     # draw weight of each task type (a key of TASKS) for clusters without one (§5.1: balanced); a
     # TOML table or `--data.task_weights=doc_mc:0`, the tasks not named keep their weight
     task_weights: dict[str, float] = field(default_factory=lambda: {task: 1.0 for task in TASKS})
-    qa: str = ""  # RLVR: a static QA set (evaluation.load_qa_set) instead of the questioner
+    qa: str = ""  # RLVR: a static QA set (load_qa_set) instead of the questioner
     # QwenLong-L1's context phases (§2.3, Eq. 9), data.qa only: "1:4096,21:8192" = steps 1-20 on
     # prompts of <= 4096 tokens, then 4096 < tokens <= 8192. "" = one phase
     phases: str = ""
@@ -314,7 +303,7 @@ def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> 
     """Defaults <- TOML files, in order <- `--section.key=value` arguments, then check_config.
     (infra.read_config holds the mechanics: stacking files, types, the command line.)"""
     cfg = Config()
-    read_config(cfg, paths, argv)
+    infra.read_config(cfg, paths, argv)
     check_config(cfg)
     return cfg
 
@@ -326,7 +315,7 @@ def check_config(cfg: Config) -> None:
     choices) and the machine room's keys (vLLM, FSDP, logging, eval); a new key of the algorithm
     gets a range rule here (test_every_number_key_rejects_nonsense asks).
     """
-    check_every_key(cfg)
+    infra.check_every_key(cfg)
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
@@ -395,7 +384,7 @@ def check_config(cfg: Config) -> None:
     ]
     for key, ok, must in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {must}, got {shown(value(key))}")
+            raise infra.ConfigError(f"{key} must be {must}, got {infra.shown(value(key))}")
 
 
 # ==================================================================================================
@@ -630,6 +619,37 @@ def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
                          answer_2=strip_verdict_tags(reference))
 
 
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer reads as special ids wherever they stand: role tags, end of turn."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    return tuple(sorted(special | set(getattr(tokenizer, "all_special_tokens", None) or ())))
+
+
+_WORD_JOINER = "\u2060"  # invisible, and no tokenizer's control token holds it
+
+
+def defuse_control_tokens(text: str, tokens: Sequence[str]) -> str:
+    """text with a word joiner after the first character of every place a control token starts.
+
+    "Paris<|im_end|>\n<|im_start|>system" in an answer would otherwise end the user turn of the
+    verifier's prompt and open a system turn. Text that holds no control token comes back unchanged,
+    so its ids do not change either.
+    """
+    tokens = tuple(t for t in tokens if len(t) > 1)  # one character cannot be split (none in use)
+    if not any(t in text for t in tokens):
+        return text
+    return _control_token_starts(tokens).sub(lambda m: m[0] + _WORD_JOINER, text)
+
+
+@functools.lru_cache(maxsize=8)
+def _control_token_starts(tokens: tuple[str, ...]) -> re.Pattern:
+    """Matches the first character of every occurrence of a token, overlapping ones included."""
+    # a lookahead at each position also finds occurrences that overlap; a joiner lands inside each
+    # of them, and inserting joiners cannot make a new occurrence (no token holds one)
+    return re.compile("(?=" + "|".join(map(re.escape, tokens)) + ")(.)", re.S)
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt, tokenised once on the trainer side.
 
@@ -659,6 +679,70 @@ def strip_reasoning(text: str) -> str | None:
     return text
 
 
+def fenced_blocks(text: str) -> list[tuple[int, str]]:
+    """(end, body) of every closed ``` fence; an unclosed fence holds nothing."""
+    # str.find, not a lazy regex: r"```\s*(.*?)```" backtracks quadratically over an unclosed fence
+    found, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        body = start + 3 + (4 if text.startswith(("json", "JSON"), start + 3) else 0)
+        end = text.find("```", body)
+        if end < 0:
+            break
+        found.append((end + 3, text[body:end]))
+        pos = end + 3
+    return found
+
+
+_JSON_TOKEN = re.compile(r'\\.|[{}"\n]', re.S)  # an escaped character, a brace, a quote, a newline
+
+
+def json_candidates(text: str, key: str) -> list[str]:
+    """Fenced blocks and outermost balanced {...} spans holding `key` (e.g. '"question"'), by where
+    they end: what spell.parse_question tries to read, in linear time.
+
+    A span is outermost when no brace around it ever closes: an unclosed '{' in prose ("I think {
+    maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
+    key in each, and parsing each, stays linear in the text.
+    """
+    # a span without the key cannot validate: skipping it keeps "{}" * 10**5 from costing 10**5
+    # parses
+    if key not in text:
+        return []
+    found = [(end, body) for end, body in fenced_blocks(text) if key in body]
+    opened: list[int] = []  # positions of the braces open here, outermost first
+    inner: dict[int, list] = {}  # depth d -> the spans that closed right inside opened[d]
+    top: list[tuple[int, int]] = []  # spans that closed with no brace open around them
+    in_str = False
+    for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
+        # inside a JSON string braces do not count, nor does an escaped quote; and a JSON string
+        # holds no raw newline, so a quote opened in prose ends at the line's end
+        if in_str:
+            in_str = m[0] not in ('"', "\n")
+            continue
+        ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
+        if ch == '"' and opened:
+            in_str = True
+        elif ch == "{":
+            opened.append(i)
+        elif ch == "}" and opened:
+            start = opened.pop()
+            inner.pop(len(opened), None)  # the spans inside it stop being outermost
+            (inner.setdefault(len(opened) - 1, []) if opened else top).append((start, i + 1))
+    # a brace that never closed was prose: the spans inside it are outermost too
+    spans = top + [span for inside in inner.values() for span in inside]
+    found += [(end, text[start:end]) for start, end in spans
+              if text.find(key, start, end) >= 0]
+    return [s for _, s in sorted(found, key=lambda p: p[0])]
+
+
+def loads_lenient(s: str) -> Any:
+    """json.loads, retried once with trailing commas removed (a common slip of the questioner)."""
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return json.loads(re.sub(r",\s*([}\]])", r"\1", s))
+
+
 def _scalar_text(x: Any) -> str | None:
     """A JSON string or finite number as text; None for anything else (bool, NaN, Infinity,
     list...)."""
@@ -668,7 +752,7 @@ def _scalar_text(x: Any) -> str | None:
         return str(x)  # exact; json.loads already refused more than 4300 digits (a ValueError)
     if isinstance(x, float):
         return format_number(x) if math.isfinite(x) else None
-    return x if isinstance(x, str) and is_utf8(x) else None
+    return x if isinstance(x, str) and infra.is_utf8(x) else None
 
 
 def _is_template_text(s: Any) -> bool:
@@ -677,13 +761,13 @@ def _is_template_text(s: Any) -> bool:
     return isinstance(s, str) and bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
 
 
-def _validate_question(obj: Any, task: str, correct_letter: str | None,
+def validate_question(obj: Any, task: str, correct_letter: str | None,
                        max_answer_words: int) -> dict | None:
     """Check the keys and types a task needs; None means a format error (Eq. 7, r = -1)."""
     if not isinstance(obj, dict):
         return None
     q, a = obj.get("question"), _scalar_text(obj.get("answer"))
-    if not isinstance(q, str) or not q.strip() or not is_utf8(q) or _is_template_text(q):
+    if not isinstance(q, str) or not q.strip() or not infra.is_utf8(q) or _is_template_text(q):
         return None
     if _is_template_text(a):
         return None
@@ -710,7 +794,7 @@ def parse_question(text: str, task: str, correct_letter: str | None = None,
         # format errors
         except (ValueError, RecursionError):
             continue
-        parsed = _validate_question(obj, task, correct_letter, max_answer_words)
+        parsed = validate_question(obj, task, correct_letter, max_answer_words)
         if parsed is not None:
             return parsed
     return None
@@ -751,6 +835,142 @@ def extract_answer(text: str, task: str) -> str | None:
     """Final answer of a response: after the reasoning, read as its task reads it (SPEC §3)."""
     body = strip_reasoning(text)
     return None if body is None else TASKS[task].extract(body)
+
+
+# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
+# ~20x slower)
+_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
+
+
+_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
+
+
+_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
+
+
+# punctuation and symbols, also combining marks
+_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
+
+
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def _space_if_punctuation(m: re.Match) -> str:
+    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
+    word."""
+    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
+
+
+def normalize_text(s: str) -> str:
+    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
+    Unicode-aware)."""
+    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
+    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
+    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
+    s = _ASCII_PUNCTUATION.sub(" ", s)
+    if not s.isascii():
+        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
+    return " ".join(w for w in s.split() if w not in _ARTICLES)
+
+
+# "/", ";", "&" and a comma stand between alternatives; a comma between digits is a number's "1,500"
+ALTERNATIVE_MARK = re.compile(r"[/;&]|,(?:(?!\d)|(?<!\d,))")
+
+
+BREAK = "/"  # marks that place in a list of words: normalize_text never leaves a "/" in a word
+
+
+CONJUNCTIONS = frozenset(("or", "and", "nor"))  # words that join alternatives: "Paris or Berlin"
+
+
+# words that deny what follows them: "not Paris", "isn't Paris" (normalize_text leaves "isn t")
+NEGATIONS = frozenset(("not", "never", "neither", "nor", "t"))
+
+
+YES_NO = frozenset(("yes", "no"))
+
+
+def answer_tokens(text: str) -> list[str]:
+    """normalize_text's words of text, with BREAK where it had '/', ';', '&' or a comma outside a
+    number."""
+    tokens: list[str] = []
+    for k, piece in enumerate(ALTERNATIVE_MARK.split(text)):  # marks are punctuation: same words
+        tokens += [BREAK] * (k > 0) + normalize_text(piece).split()
+    return tokens
+
+
+def gold_starts(words: list[str], gold: list[str]) -> list[int]:
+    """Indices in words where the gold's words occur, left to right and not overlapping."""
+    # padding with spaces turns substring search into whole-word search, as in cover_exact_match
+    hay, needle = " " + " ".join(words) + " ", " " + " ".join(gold) + " "
+    word_at, offset = {}, 0  # where a word's leading space stands in hay -> the word's index
+    for i, w in enumerate(words):
+        word_at[offset] = i
+        offset += len(w) + 1
+    starts, pos = [], hay.find(needle)
+    while pos >= 0:
+        starts.append(word_at[pos])
+        pos = hay.find(needle, pos + len(needle) - 1)  # its trailing space may lead the next one
+    return starts
+
+
+def candidate_count(tokens: list[str], gold: dict[int, int]) -> int:
+    """How many candidates an answer names: groups of words split at breaks and conjunctions outside
+    the gold's spans (gold: token index of a span's first word -> index past its last), the gold
+    counting as a word. A group led by a negation rules out ("Paris, not Berlin"); an empty one is
+    nothing ("Paris;")."""
+    count, lead, i = 0, None, 0  # lead: the first word of the group being read, None while empty
+    while i <= len(tokens):
+        if i in gold:  # the gold's own "/" or "or" ("AC/DC", "War and Peace") splits nothing
+            lead = "" if lead is None else lead
+            i = gold[i]
+        elif i == len(tokens) or tokens[i] == BREAK or tokens[i] in CONJUNCTIONS:
+            count += lead is not None and lead not in NEGATIONS
+            lead, i = None, i + 1
+        else:
+            lead = tokens[i] if lead is None else lead
+            i += 1
+    return count
+
+
+NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+CURRENCY = ("$", "€", "£", "¥")
+
+
+def answer_number(s: str) -> re.Match | None:
+    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
+    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
+    # first number, not the last
+    first = None
+    for m in NUMBER.finditer(s):
+        if not is_label(s, m):
+            return m
+        first = first or m
+    return first
+
+
+def is_label(s: str, m: re.Match) -> bool:
+    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
+    ('2023: 1.5')."""
+    glued = m.start() > 0 and s[m.start() - 1].isalpha()
+    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
+    return glued or colon
+
+
+CLOSING_PAREN = re.compile(r"\s*\)")
+
+
+def number_is_negative(s: str, m: re.Match) -> bool:
+    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
+    around them ('(12)', '$(1,234)', '($1,234)')."""
+    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
+    head = s[:m.start()].rstrip()
+    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
+        head = head[:-1].rstrip()
+    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
+    return head.endswith("-") or accounting
 
 
 def parse_number(text: Any) -> float | None:
@@ -879,14 +1099,6 @@ def majority_vote(votes: Sequence[int | None]) -> int | None:
     return int(2 * sum(v == 1 for v in votes) > len(votes))
 
 
-def vote_agreement(votes: Sequence[int | None], majority: int | None) -> float:
-    """Share of the G votes equal to the majority, i.e. the mean r_ij of Eq. 5 (the verifier's
-    sampling filter)."""
-    if majority is None or not votes:
-        return 0.0
-    return sum(v == majority for v in votes) / len(votes)
-
-
 # ==================================================================================================
 # 3. History memory H_C (§4.1, Algorithm 1 lines 2-3 and 20-21)                         [algorithm]
 # ==================================================================================================
@@ -968,6 +1180,12 @@ def verifier_rewards(votes: Sequence[int | None], majority: int | None) -> list[
     if majority is None:
         return None
     return [float(v == majority) for v in votes]
+
+
+def vote_agreement(rewards: list[float] | None) -> float:
+    """Share of a response's votes equal to its majority: the mean of its Eq. 5 rewards, which
+    §4.3's verifier filter reads (0 when there is no majority)."""
+    return sum(rewards) / len(rewards) if rewards else 0.0
 
 
 def responder_reward(rule: float, vote: int | None, rule_decides: bool = False) -> float:
@@ -1102,6 +1320,22 @@ class Rollout:
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
     que_reward: float = 0.0  # r_que (Eq. 7)
     evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
+
+
+def max_new_tokens(cfg, role: str | None = None) -> int:
+    """The generation budget of a role (que, res, ver; the grounding check answers as a responder):
+    rollout.role_max_new_tokens[role], where 0 means the shared rollout.max_new_tokens. With no
+    role, the largest of the three: what vLLM's context and the memory estimate make room for."""
+    r = cfg.rollout
+    if role is None:
+        return max(max_new_tokens(cfg, name) for name in r.role_max_new_tokens)
+    return r.role_max_new_tokens[role] or r.max_new_tokens
+
+
+def longest_sequence(cfg: Config) -> int:
+    """The most tokens one rollout can hold: the longest prompt and the largest role's budget (what
+    vLLM's context and the start-up memory estimate make room for)."""
+    return cfg.rollout.max_prompt_tokens + max_new_tokens(cfg)
 
 
 def sampling(cfg: Config, role: str) -> dict:
@@ -1241,8 +1475,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs]
                    for vs in r.verdicts]
         r.majorities = [majority_vote(v) for v in r.votes]  # Eq. 4
-        r.agreements = [vote_agreement(v, m) for v, m in zip(r.votes, r.majorities)]
         r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
+        r.agreements = [vote_agreement(rewards) for rewards in r.ver_rewards]
         decisions = (r.majorities if rc.verifier_decision == "majority"
                      else [v[0] if v else None for v in r.votes])
         r.solved = [responder_reward(rule, v, TASKS[r.task].rule_decides)  # Eq. 6
@@ -1266,32 +1500,27 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
                   rng: np.random.Generator, key: tuple,
-                  seconds: dict | None = None) -> list[Rollout]:
-    """One generation round on this rank: all four roles, each one batched vLLM call. `seconds`, if
-    given, accumulates each phase's wall time (que, ground, res, ver)."""
-    seconds = defaultdict(float) if seconds is None else seconds
-    t = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal t
-        seconds[phase] += time.perf_counter() - t
-        t = time.perf_counter()
+                  clock: infra.StepClock | None = None) -> list[Rollout]:
+    """One generation round on this rank: all four roles, each one batched vLLM call, then their
+    rewards. `clock`, if given, times each phase (que, ground, res, ver)."""
+    clock = clock or infra.StepClock()
+    clock.begin_phases()
     n = len(drawn)
     if cfg.data.qa:  # RLVR: the questions come from the static set
         rollouts = pose_dataset_questions(drawn)
     else:
         rollouts = run_questioner(llm, tok, cfg, drawn, history, rng,
                                   request_seeds(*key, "que", count=n))
-        lap("que")
+        clock.phase("que")
         if cfg.rollout.grounding_filter:
             run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
-            lap("ground")
+            clock.phase("ground")
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
-    lap("res")
+    clock.phase("res")
     if cfg.reward.judge == "verifier":
         n_res = sum(len(r.responses) for r in rollouts)
         run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
-        lap("ver")
+        clock.phase("ver")
     score_rollouts(cfg, rollouts, history)
     return rollouts
 
@@ -1301,14 +1530,17 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
 # ==================================================================================================
 # Every rank generates rollouts for its own clusters and keeps them. What goes into the update is
 # decided from a small all-gathered Summary of every question, with the same seeded generator on
-# every rank, so the choice does not depend on how rollouts were split; the kept sequences are then
-# spread evenly over the ranks for the update (infra.balance_sequences).
+# every rank, so the choice does not depend on how rollouts were split. Each role's selector
+# returns its finished TrainItems, advantages included; select_batch adds the loss weights
+# (loss_weights). The kept sequences then spread evenly over the ranks (balance_sequences).
 
 
-@dataclass
+@dataclass(frozen=True)
 class Summary:
     """What the batch selection needs of one Rollout, in its field names: a few numbers per
     question, cheap to all-gather (token ids stay on the rank that sampled them)."""
+    rank: int  # the rank whose rollouts hold this question's tokens
+    idx: int  # the question's index in that rank's list of rollouts
     task: str
     status: str
     que_reward: float
@@ -1329,32 +1561,40 @@ class Summary:
     ver_cut: list[list[bool]]
 
 
-def summarize(r: Rollout) -> Summary:
-    """The Summary of a rollout."""
-    cut = lambda c: c.finish_reason == "length"  # noqa: E731
-    return Summary(r.task, r.status, r.que_reward, len(r.que_output.token_ids), cut(r.que_output),
-                   r.evicted,
-                   r.res_rewards, r.rules, r.majorities, r.solved, r.selection, r.agreements,
-                   r.ver_rewards,
-                   [len(c.token_ids) for c in r.responses], [cut(c) for c in r.responses],
-                   [sum(v is None for v in vs) for vs in r.votes],
-                   [[len(c.token_ids) for c in vs] for vs in r.verdicts],
-                   [[cut(c) for c in vs] for vs in r.verdicts])
+def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
+    """The Summary of a rollout, the idx-th of `rank`."""
+    def cut(c: Completion) -> bool:
+        return c.finish_reason == "length"
+
+    return Summary(
+        rank=rank, idx=idx, task=r.task, status=r.status,
+        que_reward=r.que_reward,
+        que_len=len(r.que_output.token_ids),
+        que_cut=cut(r.que_output),
+        evicted=r.evicted,
+        res_rewards=r.res_rewards, rules=r.rules, majorities=r.majorities, solved=r.solved,
+        selection=r.selection, agreements=r.agreements, ver_rewards=r.ver_rewards,
+        res_lens=[len(c.token_ids) for c in r.responses],
+        res_cut=[cut(c) for c in r.responses],
+        abstained=[sum(v is None for v in votes) for votes in r.votes],
+        ver_lens=[[len(c.token_ids) for c in vs] for vs in r.verdicts],
+        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts])
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainItem:
-    """One training sequence, named by where its tokens live: (rank, rollout index, role, i, j)."""
+    """One training sequence of the step: where its tokens live (rank, rollout index, role, i, j),
+    its advantage, and the group its advantage and loss normaliser are computed in."""
     rank: int
     idx: int
     role: str  # que | res | ver
-    i: int  # responder sample (res, ver)
-    j: int  # verifier vote (ver)
     advantage: float
-    group: tuple  # the group its advantage and the loss normaliser are computed in
+    group: tuple
     length: int
-    cut: bool = False  # the generation hit its role's budget
-    weight: float = 0.0  # 1 / the loss normaliser (LOSS_NORMS)
+    cut: bool  # the generation hit its role's budget
+    i: int = 0  # responder sample (res, ver)
+    j: int = 0  # verifier vote (ver)
+    weight: float = 0.0  # 1 / the loss normaliser (loss_weights)
     mini_batch: int = 0  # train.mini_batches: the optimiser step it trains in
 
 
@@ -1374,11 +1614,13 @@ def questioner_samples_to_keep(rewards: Sequence[float], tasks: Sequence[str],
     pos = set(positives)
     kept, carry = sorted(pos), 0
     for task in TASKS:
-        want = int(round(ratio * sum(1 for i in pos if tasks[i] == task))) + carry
+        n_pos = sum(1 for i in pos if tasks[i] == task)
+        want = int(round(ratio * n_pos)) + carry
         pool = [i for i, (r, t) in enumerate(zip(rewards, tasks))
                 if t == task and r <= 0 and i not in pos]
         take = min(want, len(pool))
-        kept += sorted(rng.choice(pool, size=take, replace=False).tolist()) if take else []
+        if take:
+            kept += sorted(rng.choice(pool, size=take, replace=False).tolist())
         carry = want - take
     return kept
 
@@ -1412,9 +1654,12 @@ def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[fl
     """
     lo, hi = agreement_range
     abstentions = abstentions if abstentions is not None else [0] * len(majorities)
-    eligible = [i for i, (v, r, a, n) in enumerate(zip(majorities, rules, agreements, abstentions))
-                if v is not None and (v == int(r) or not consistent)
-                and (lo <= a <= hi or (n > 0 and a > 0))]
+    eligible = []
+    for i, (v, r, a, n) in enumerate(zip(majorities, rules, agreements, abstentions)):
+        consistent_with_rule = v == int(r) or not consistent
+        trainable = lo <= a <= hi or (n > 0 and a > 0)
+        if v is not None and consistent_with_rule and trainable:
+            eligible.append(i)
     take = min(max_groups, len(eligible))
     return sorted(rng.choice(eligible, size=take, replace=False).tolist()) if take else []
 
@@ -1428,114 +1673,126 @@ def trained_roles(cfg: Config) -> set[str]:
     """The roles whose samples may enter the batch: the questioner unless the questions come from a
     static set (data.qa), the verifier only when the policy judges (reward.judge), minus frozen
     roles."""
-    roles = {"res"} | ({"que"} if not cfg.data.qa else set())
-    roles |= {"ver"} if cfg.reward.judge == "verifier" else set()
+    roles = {"res"}
+    if not cfg.data.qa:
+        roles.add("que")
+    if cfg.reward.judge == "verifier":
+        roles.add("ver")
     return roles - set(frozen_roles(cfg))
 
 
-Flat = list[tuple[int, int, Summary]]  # every question of the step: (rank, rollout index, summary)
-
-
-def select_responder(flat: Flat, cfg: Config, rng: np.random.Generator) -> list[int]:
+def select_responder(summaries: list[Summary], cfg: Config,
+                     rng: np.random.Generator) -> list[TrainItem]:
     """§4.3 for the responder: groups with reward variance (in Rollout.selection: solved or not,
-    and answered or not under bootstrap), batch_groups of them at random when there are more. The
-    shuffle uses the step's shared generator: taking them in (rank, idx) order would cut the last
-    ranks' groups first, and each rank samples a fixed shard of the corpus."""
-    ok = [k for k, (_, _, s) in enumerate(flat) if s.status == "ok"]
-    eligible = [ok[i] for i in responder_groups_to_keep([flat[k][2].selection for k in ok])]
-    return sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist()) if eligible else []
+    and answered or not under bootstrap), batch_groups of them at random when there are more, each
+    response with its Eq. 8 advantage within its group. The shuffle uses the step's shared
+    generator: taking them in (rank, idx) order would cut the last ranks' groups first, and each
+    rank samples a fixed shard of the corpus."""
+    ok = [k for k, s in enumerate(summaries) if s.status == "ok"]
+    eligible = [ok[i] for i in responder_groups_to_keep([summaries[k].selection for k in ok])]
+    if not eligible:
+        return []
+    kept = sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist())
+    items = []
+    for k in kept:
+        s = summaries[k]
+        advantages = group_advantages(s.res_rewards, [0] * len(s.res_rewards), cfg.train.advantage)
+        for i, a in enumerate(advantages):  # Eq. 8 within the question's group of G responses
+            items.append(TrainItem(rank=s.rank, idx=s.idx, role="res", i=i, advantage=a,
+                                   group=("res", s.rank, s.idx), length=s.res_lens[i],
+                                   cut=s.res_cut[i]))
+    return items
 
 
-def select_questioner(flat: Flat, res_keep: list[int], cfg: Config,
-                      rng: np.random.Generator) -> tuple[list[int], int, int]:
-    """§4.3 for the questioner: positives are the questions of the kept responder groups, plus as
-    many negatives (r_que <= 0) per task; bootstrap.questioner_floor adds well-formed questions as
-    positives (reward.questioner_pool = "all": every question). Returns the kept questions, the
-    number of positives and of floor positives."""
-    pool = [k for k, (_, _, s) in enumerate(flat) if s.status != "skipped"]
-    pos = [pool.index(k) for k in res_keep]
+def select_questioner(summaries: list[Summary], solved: set[tuple[int, int]], cfg: Config,
+                      rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
+    """§4.3 for the questioner: positives are the questions of the kept responder groups (`solved`:
+    their (rank, idx)), plus as many negatives (r_que <= 0) per task; bootstrap.questioner_floor
+    adds well-formed questions as positives (reward.questioner_pool = "all": every question). The
+    advantage is Eq. 9's, within each task's group of the kept questions. Returns the items and
+    their counts for the log."""
+    pool = [s for s in summaries if s.status != "skipped"]
+    pos = [p for p, s in enumerate(pool) if (s.rank, s.idx) in solved]
+    r_que = [s.que_reward for s in pool]
+    tasks = [s.task for s in pool]
+    extra = []
     if cfg.reward.questioner_pool == "all":  # SPICE: every question drawn trains (its Alg. 1)
-        return pool, len(pos), 0
-    r_que, tasks = [flat[k][2].que_reward for k in pool], [flat[k][2].task for k in pool]
-    floor = cfg.bootstrap.questioner_floor
-    extra = questioner_floor_samples(r_que, tasks, [flat[k][2].status != "format" for k in pool],
-                                     pos, floor, rng) if floor else []
-    kept = questioner_samples_to_keep(r_que, tasks, pos + extra, rng, cfg.reward.negative_ratio)
-    return [pool[p] for p in kept], len(pos), len(extra)
+        kept = list(range(len(pool)))
+    else:
+        if cfg.bootstrap.questioner_floor:
+            well_formed = [s.status != "format" for s in pool]
+            extra = questioner_floor_samples(r_que, tasks, well_formed, pos,
+                                             cfg.bootstrap.questioner_floor, rng)
+        kept = questioner_samples_to_keep(r_que, tasks, pos + extra, rng,
+                                          cfg.reward.negative_ratio)
+    advantages = group_advantages([r_que[p] for p in kept], [tasks[p] for p in kept],
+                                  cfg.train.advantage)  # Eq. 9: one group per task
+    items = []
+    for p, a in zip(kept, advantages):
+        s = pool[p]
+        items.append(TrainItem(rank=s.rank, idx=s.idx, role="que", advantage=a,
+                               group=("que", s.rank, s.idx), length=s.que_len, cut=s.que_cut))
+    # questions every response or no response solved (SPICE's pool trains them, below the mean)
+    extreme = [a for p, a in zip(kept, advantages)
+               if pool[p].solved and (min(pool[p].solved) == 1 or max(pool[p].solved) == 0)]
+    counts = {"que_pos": len(pos), "que_floor": len(extra),
+              "que_neg": len(kept) - len(pos) - len(extra), "que_all_or_none": len(extreme),
+              "que_all_or_none_adv": float(np.mean(extreme)) if extreme else 0.0}
+    return items, counts
 
 
-def select_verifier(flat: Flat, res_groups: int, cfg: Config,
-                    rng: np.random.Generator) -> tuple[list[tuple[int, int]], int]:
+def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
+                    rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
     """§4.3 for the verifier: one group per (question, response) whose majority agrees with the
-    rule check, capped at reward.verifier_share of the responder trajectories [code]. Returns the
-    kept (question, response) pairs and the number of candidates."""
-    cands = [(k, i) for k, (_, _, s) in enumerate(flat) if s.status == "ok"
-             for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
+    rule check, capped at reward.verifier_share of the responder trajectories [code]; each vote
+    with its Eq. 8 advantage within its group. Returns the items and their counts for the log."""
+    candidates = [(s, i) for s in summaries if s.status == "ok"
+                  for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
     votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
     max_groups = int(cfg.reward.verifier_share * res_groups * cfg.rollout.group_size) // votes
-    column = lambda name: [getattr(flat[k][2], name)[i] for k, i in cands]  # noqa: E731
-    abstained = column("abstained") if cfg.bootstrap.verifier_format_penalty else None
-    keep = verifier_groups_to_keep(column("majorities"), column("rules"), column("agreements"),
+    abstained = None
+    if cfg.bootstrap.verifier_format_penalty:
+        abstained = [s.abstained[i] for s, i in candidates]
+    keep = verifier_groups_to_keep([s.majorities[i] for s, i in candidates],
+                                   [s.rules[i] for s, i in candidates],
+                                   [s.agreements[i] for s, i in candidates],
                                    max_groups, rng, cfg.reward.verifier_agreement, abstained,
                                    cfg.reward.consistency_filter)
-    return [cands[c] for c in keep], len(cands)
-
-
-def select_batch(summaries: list[list[Summary]], cfg: Config,
-                 rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
-    """Algorithm 1, line 25: role-specific dynamic sampling (§4.3), advantages (Eq. 8-9) and loss
-    weights (Eq. 12) for the whole step.
-
-    summaries[rank][idx] summarises that rank's idx-th rollout. Returns the kept training sequences
-    of all ranks (TrainItem.rank: where each one's tokens live) and counts for the log.
-    """
-    flat = [(rank, idx, s) for rank, ss in enumerate(summaries) for idx, s in enumerate(ss)]
-    kind = cfg.train.advantage
     items = []
-    res_keep = select_responder(flat, cfg, rng)
-    res = [(k, i) for k in res_keep for i in range(len(flat[k][2].res_rewards))]
-    adv = group_advantages([flat[k][2].res_rewards[i] for k, i in res], [k for k, _ in res], kind)
-    for (k, i), a in zip(res, adv):  # Eq. 8 within each question's group of G responses
-        rank, idx, s = flat[k]
-        items.append(TrainItem(rank, idx, "res", i, 0, a, ("res", rank, idx), s.res_lens[i],
-                               s.res_cut[i]))
-    que_keep, n_pos, n_floor = select_questioner(flat, res_keep, cfg, rng)
-    tasks = [flat[k][2].task for k in que_keep]
-    adv = group_advantages([flat[k][2].que_reward for k in que_keep], tasks, kind)
-    for k, a in zip(que_keep, adv):  # Eq. 9: one group per task over the questioner's batch
-        rank, idx, s = flat[k]
-        items.append(TrainItem(rank, idx, "que", 0, 0, a, ("que", rank, idx), s.que_len, s.que_cut))
-    # questions every response or no response solved (SPICE's pool trains them, below the mean)
-    extreme = [a for k, a in zip(que_keep, adv) if flat[k][2].solved
-               and (min(flat[k][2].solved) == 1 or max(flat[k][2].solved) == 0)]
-    ver_keep, n_cands = select_verifier(flat, len(res_keep), cfg, rng)
-    ver = [(k, i, j) for k, i in ver_keep for j in range(len(flat[k][2].ver_lens[i]))]
-    adv = group_advantages([flat[k][2].ver_rewards[i][j] for k, i, j in ver],
-                           [(k, i) for k, i, _ in ver], kind)
-    for (k, i, j), a in zip(ver, adv):  # Eq. 8 within each response's group of votes
-        rank, idx, s = flat[k]
-        items.append(TrainItem(rank, idx, "ver", i, j, a, ("ver", rank, idx, i), s.ver_lens[i][j],
-                               s.ver_cut[i][j]))
-    # an empty completion has no token to train; with overlong = "mask", an output cut at
-    # its budget stays out of the loss (DAPO's overlong filtering) though its reward counted
-    # in its group's baseline; a frozen role (Table 2 "w/o update") plays but does not learn
+    for c in keep:
+        s, i = candidates[c]
+        rewards = s.ver_rewards[i]
+        advantages = group_advantages(rewards, [0] * len(rewards), cfg.train.advantage)
+        for j, a in enumerate(advantages):  # Eq. 8 within the response's group of votes
+            items.append(TrainItem(rank=s.rank, idx=s.idx, role="ver", i=i, j=j, advantage=a,
+                                   group=("ver", s.rank, s.idx, i), length=s.ver_lens[i][j],
+                                   cut=s.ver_cut[i][j]))
+    return items, {"ver_groups": len(keep), "ver_candidates": len(candidates)}
+
+
+def select_batch(summaries: list[Summary], cfg: Config,
+                 rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
+    """Algorithm 1, line 25: role-specific dynamic sampling (§4.3), with advantages (Eq. 8-9) and
+    loss weights (Eq. 12), for the whole step.
+
+    `summaries` holds every rank's questions. Returns the kept training sequences of all ranks
+    (TrainItem.rank: where each one's tokens live) and counts for the log.
+    """
+    res = select_responder(summaries, cfg, rng)
+    solved = {(it.rank, it.idx) for it in res}
+    que, que_counts = select_questioner(summaries, solved, cfg, rng)
+    ver, ver_counts = select_verifier(summaries, len(solved), cfg, rng)
     trained = trained_roles(cfg)
-    items = [it for it in items if it.length > 0 and it.role in trained
-             and not (it.cut and cfg.reward.overlong == "mask")]
-    # Eq. 12's normaliser, over the global batch (departure 8), or over each mini-batch: a group
-    # goes whole to one, the groups dealt out in turn
-    norm, k = LOSS_NORMS[cfg.train.loss_norm], cfg.train.mini_batches
-    dealt = {g: j % k for j, g in enumerate(dict.fromkeys(it.group for it in items))}
-    for b in range(k):
-        mine = [it for it in items if dealt[it.group] == b]
-        weights = norm([it.length for it in mine], [it.group for it in mine],
-                       [it.role for it in mine], cfg.rollout.max_new_tokens) if mine else []
-        for it, w in zip(mine, weights):
-            it.weight, it.mini_batch = w, b
-    counts = {"res_groups": len(res_keep), "que_pos": n_pos, "que_floor": n_floor,
-              "que_neg": len(que_keep) - n_pos - n_floor, "ver_groups": len(ver_keep),
-              "ver_candidates": n_cands, "sequences": len(items), "que_all_or_none": len(extreme),
-              "que_all_or_none_adv": float(np.mean(extreme)) if extreme else 0.0}
+
+    def trains(it: TrainItem) -> bool:
+        # an empty completion has no token to train; with overlong = "mask", an output cut at its
+        # budget stays out of the loss (DAPO's overlong filtering), though its reward counted in
+        # its group's baseline; a frozen role (Table 2 "w/o update") plays but does not learn
+        masked = it.cut and cfg.reward.overlong == "mask"
+        return it.length > 0 and it.role in trained and not masked
+
+    items = loss_weights([it for it in res + que + ver if trains(it)], cfg)
+    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items)}
     if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
     if "ver" not in trained:
@@ -1548,16 +1805,37 @@ def batch_is_full(rollouts: list[Rollout], cfg: Config, reports: bool,
     """Algorithm 1, line 6: |B_res| >= N, counted over every engine (each engine's first rank
     reports; the others share its rollouts under tensor parallelism)."""
     kept = len(responder_groups_to_keep([r.selection for r in rollouts if r.status == "ok"]))
-    return all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups
+    return infra.all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups
 
 
-def gather_summaries(rollouts: list[Rollout], cfg: Config, reports: bool) -> list[list[Summary]]:
-    """Every engine's rollout summaries on every rank, each question once: only an engine's first
-    rank reports, after checking that its tensor-parallel ranks sampled the same rollouts."""
+def gather_summaries(rollouts: list[Rollout], cfg: Config, rank: int,
+                     reports: bool) -> list[Summary]:
+    """Every engine's rollout summaries on every rank, each question once, in rank order: only an
+    engine's first rank reports, after checking that its tensor-parallel ranks sampled the same
+    rollouts."""
     if cfg.rollout.tensor_parallel_size > 1:
-        check_groups_agree(all_gather_objects(rollout_fingerprint(rollouts)),
-                           cfg.rollout.tensor_parallel_size)
-    return all_gather_objects([summarize(r) for r in rollouts] if reports else [])
+        fingerprint = infra.token_fingerprint(rollout_tokens(rollouts))
+        infra.check_groups_agree(infra.all_gather_objects(fingerprint),
+                                 cfg.rollout.tensor_parallel_size)
+    mine = [summarize(r, rank, idx) for idx, r in enumerate(rollouts)] if reports else []
+    return [s for ss in infra.all_gather_objects(mine) for s in ss]
+
+
+def rollout_tokens(rollouts: list[Rollout]) -> Iterator[str | list[int]]:
+    """What an engine produced in a step: every status and sampled token list, in order (the
+    ranks of a tensor-parallel engine must agree on it)."""
+    for r in rollouts:
+        yield r.status
+        for c in [r.que_output, *r.responses, *(v for vs in r.verdicts for v in vs)]:
+            yield c.token_ids
+
+
+def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group:
+    every rank of a group holds the group's rollouts, but only its first rank reported them, so
+    select_batch names that rank (infra.tensor_parallel_owners)."""
+    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items], k)
+    return [replace(it, rank=r) for it, r in zip(items, ranks)]
 
 
 # ==================================================================================================
@@ -1668,6 +1946,26 @@ LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
     "constant": constant_norm}
 
 
+def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
+    """Every item with its per-token weight, 1 / the normaliser of Eq. 12 (LOSS_NORMS), computed
+    over the global batch (departure 8), or over each of train.mini_batches mini-batches: a group
+    goes whole to one mini-batch, the groups dealt out in turn."""
+    k = cfg.train.mini_batches
+    norm = LOSS_NORMS[cfg.train.loss_norm]
+    groups = list(dict.fromkeys(it.group for it in items))  # in order of first appearance
+    dealt = {g: n % k for n, g in enumerate(groups)}
+    weighted = list(items)
+    for b in range(k):
+        members = [n for n, it in enumerate(items) if dealt[it.group] == b]
+        if not members:
+            continue
+        weights = norm([items[n].length for n in members], [items[n].group for n in members],
+                       [items[n].role for n in members], cfg.rollout.max_new_tokens)
+        for n, w in zip(members, weights):
+            weighted[n] = replace(items[n], weight=w, mini_batch=b)
+    return weighted
+
+
 # The policy objective per token, negated and summed with the weights above. Each takes flat (T,)
 # tensors over the completion tokens of a packed micro-batch: log-probs now and under the behaviour
 # policy, advantages and weights broadcast to every token of their sequence, and the sequence id of
@@ -1750,25 +2048,36 @@ def rollout_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, k
     return torch.ones_like(rho)
 
 
+def rollout_gap_stats(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                      recorded: torch.Tensor, cap: float) -> dict[str, float]:
+    """Sums for the log over the tokens vLLM recorded log-probs for: |log pi_trainer - log pi_vLLM|,
+    and what spell.rollout_correction does or would do with rho = pi_trainer / pi_vLLM: min(rho, C)
+    and the tokens outside [1/C, C]. All (T,)."""
+    rho = torch.exp(trainer_logp - rollout_logp)[recorded]
+    return {"rollout_logp_gap_sum": float((trainer_logp - rollout_logp)[recorded].abs().sum()),
+            "rollout_logp_tokens": int(recorded.sum()),
+            "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
+            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum())}
+
+
 # ==================================================================================================
 # 8. The update: one token-level GRPO step on the FSDP2-sharded policy (Eq. 10, 12)     [algorithm]
 # ==================================================================================================
 
 class Seq(NamedTuple):
-    """One sequence of the update: the prompt it was sampled from, the completion trained on, and
-    what the batch selection gave it."""
+    """One sequence of the update: the prompt it was sampled from, the completion trained on, what
+    the batch selection gave it, and the log-probs vLLM sampled the completion with."""
     prompt: list[int]
     completion: list[int]
     advantage: float  # A_i, the same at every token
-    weight: float  # per-token weight: 1 / the loss normaliser (LOSS_NORMS)
+    weight: float  # per-token weight: 1 / the loss normaliser (loss_weights)
     mini_batch: int = 0  # which optimiser step of the batch it trains in (train.mini_batches)
+    rollout_logprobs: list[float] | None = None  # log pi_vLLM(y_t) per completion token, or None
 
 
-def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int,
-                       cfg: Config) -> tuple[list[Seq], list[list[float] | None], list[list[int]]]:
-    """This rank's kept items as Seqs, beside each the log-probs vLLM sampled it with (None where
-    not recorded), and the units they pack in (infra.packing_units), which move whole."""
-    seqs, behaviour = [], []
+def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int) -> list[Seq]:
+    """This rank's kept items as Seqs, read from the rollouts that hold their tokens."""
+    seqs = []
     for it in items:
         if it.rank != rank:
             continue
@@ -1780,45 +2089,126 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: in
         else:
             prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j]
         assert len(completion.token_ids) == it.length, "summary and rollout disagree on a length"
-        seqs.append(Seq(prompt, completion.token_ids, it.advantage, it.weight, it.mini_batch))
-        behaviour.append(completion.logprobs)
-    t = cfg.train
-    return seqs, behaviour, packing_units(seqs, t.shared_prefix, t.micro_batch_tokens)[0]
+        seqs.append(Seq(prompt=prompt, completion=completion.token_ids, advantage=it.advantage,
+                        weight=it.weight, mini_batch=it.mini_batch,
+                        rollout_logprobs=completion.logprobs))
+    return seqs
 
 
-def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None,
-                     behaviour: Sequence[list[float] | None], cfg: Config,
-                     device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
-    """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
-    correction. behaviour[k]: the log-probs vLLM sampled seqs[k] with, or None.
-    Returns (loss, per-sequence log-probs, stats)."""
+def packing_units(seqs: Sequence[Seq], shared: bool, budget: int) -> tuple[list[list[int]], int]:
+    """The sequences that pack as one row segment, each unit counted as packed: alone, prompt +
+    completion; shared (train.shared_prefix), a group's prompt once plus its completions. A group
+    longer than `budget` is split into parts that fit, each encoding the prompt again (still exact).
+    Returns the units and how many groups were split."""
+    units, split = [], 0
+    for run in infra.prompt_runs([s.prompt for s in seqs], shared):
+        parts, used = [[]], len(seqs[run[0]].prompt)
+        for k in run:
+            if parts[-1] and used + len(seqs[k].completion) > budget:
+                parts.append([])
+                used = len(seqs[k].prompt)
+            parts[-1].append(k)
+            used += len(seqs[k].completion)
+        units += parts
+        split += len(parts) > 1
+    return units, split
+
+
+def unit_tokens(seqs: Sequence[Seq], unit: list[int]) -> int:
+    """A unit's tokens in the row: its prompt once, and its completions."""
+    return len(seqs[unit[0]].prompt) + sum(len(seqs[k].completion) for k in unit)
+
+
+def balance_sequences(seqs: list[Seq], cfg: Config) -> list[Seq]:
+    """This rank's share of the update. How many of a rank's rollouts survive dynamic sampling
+    varies, and the slowest rank sets the update's time; any split of the batch gives the same
+    gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less
+    (infra.rebalance). A packing unit moves whole, weighed by its tokens as packed."""
     t = cfg.train
-    packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
-    logp, entropy = packed_logprobs(policy, packed, cfg.rollout.temperature,
-                                    t.logprob_impl)  # (T,), (T,) over the completion tokens
-    lengths = [len(s.completion) for s in seqs]
-    per_token = lambda values: torch.tensor(  # noqa: E731
-        values, dtype=torch.float32).repeat_interleave(torch.tensor(lengths)).to(device)  # (T,)
-    adv, weight = per_token([s.advantage for s in seqs]), per_token([s.weight for s in seqs])
-    seq_ids = per_token(list(range(len(seqs)))).long()
-    # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
-    old = logp.detach() if old_logps is None else torch.cat(old_logps)
-    sampled = torch.cat([torch.tensor(b, device=device) if b is not None else o
-                         for b, o in zip(behaviour, old.split(lengths))])  # (T,) vLLM's log-probs
-    weight = weight * rollout_correction(old, sampled, t.rollout_correction,
-                                         t.rollout_correction_cap)
-    loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, adv, weight, seq_ids,
-                                               t.clip_low, t.clip_high)
-    recorded = per_token([float(b is not None) for b in behaviour]) > 0
-    stats.update(entropy_sum=float(entropy.sum()), tokens=len(logp),  # trained; and encoded:
-                 row_tokens=packed["input_ids"].shape[1],
-                 **rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap))
-    return loss, list(logp.detach().split(lengths)), stats
+    units, _ = packing_units(seqs, t.shared_prefix, t.micro_batch_tokens)
+    tokens = [unit_tokens(seqs, u) for u in units]
+    moved = infra.rebalance(tokens, [[seqs[k] for k in u] for u in units])
+    return [s for unit in moved for s in unit]
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy first-fit of packing units (longest first) into micro-batches of at most `budget`
+    tokens.
+
+    A unit longer than the budget gets a micro-batch of its own. The loss weights are global, so
+    the gradient is the same however sequences are grouped here.
+    """
+    bins: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, (used, members) in enumerate(bins):
+            if used + lengths[i] <= budget:
+                bins[b] = (used + lengths[i], members + [i])
+                break
+        else:
+            bins.append((lengths[i], [i]))
+    return [members for _, members in bins]
+
+
+def plan_update(seqs: list[Seq], cfg: Config,
+                device: torch.device) -> tuple[list[list[list[Seq]]], int]:
+    """Per mini-batch, this rank's micro-batches: its packing units laid out by plan_micro_batches
+    in train.micro_batch_tokens, and empty micro-batches up to the busiest rank's count (each FSDP
+    forward and backward is a collective, so every rank runs as many). Also returns how many
+    groups were split for the budget."""
+    t = cfg.train
+    plans, split = [], 0
+    for b in range(t.mini_batches):
+        mine = [s for s in seqs if s.mini_batch == b]
+        units, n_split = packing_units(mine, t.shared_prefix, t.micro_batch_tokens)
+        split += n_split
+        lengths = [unit_tokens(mine, u) for u in units]
+        plan = [[mine[k] for u in micro for k in units[u]]
+                for micro in plan_micro_batches(lengths, t.micro_batch_tokens)]
+        padding = infra.all_reduce_max(len(plan), device) - len(plan)
+        plans.append(plan + [[]] * padding)
+    return plans, split
 
 
 def dummy_sequence() -> Seq:
     """A 2-token sequence of weight 0: a rank with less (or no) data joins FSDP's collectives."""
-    return Seq([0], [0], 0.0, 0.0)
+    return Seq(prompt=[0], completion=[0], advantage=0.0, weight=0.0)
+
+
+def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None, cfg: Config,
+                     device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
+    correction. old_logps: each sequence's log-probs before the update, past its first optimiser
+    step (None: on-policy). Returns (loss, per-sequence log-probs, stats)."""
+    t = cfg.train
+    packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
+    # (T,), (T,) over the completion tokens
+    logp, entropy = packed_logprobs(policy, packed, cfg.rollout.temperature, t.logprob_impl)
+    lengths = [len(s.completion) for s in seqs]
+
+    def per_token(values: list[float]) -> torch.Tensor:  # one value per sequence -> (T,)
+        per_seq = torch.tensor(values, dtype=torch.float32)
+        return per_seq.repeat_interleave(torch.tensor(lengths)).to(device)
+
+    advantages = per_token([s.advantage for s in seqs])
+    weights = per_token([s.weight for s in seqs])
+    seq_ids = per_token(list(range(len(seqs)))).long()
+    # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
+    old = logp.detach() if old_logps is None else torch.cat(old_logps)
+    # (T,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
+    sampled = torch.cat([o if s.rollout_logprobs is None
+                         else torch.tensor(s.rollout_logprobs, device=device)
+                         for s, o in zip(seqs, old.split(lengths))])
+    weights = weights * rollout_correction(old, sampled, t.rollout_correction,
+                                           t.rollout_correction_cap)
+    loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
+                                               t.clip_low, t.clip_high)
+    recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
+    gap = rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap)
+    stats.update(entropy_sum=float(entropy.sum()),
+                 tokens=len(logp),  # trained
+                 row_tokens=packed["input_ids"].shape[1],  # encoded
+                 **gap)
+    return loss, list(logp.detach().split(lengths)), stats
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
@@ -1827,63 +2217,56 @@ TOKEN_SUMS = ("entropy_sum", "tokens", "row_tokens", "rollout_logp_gap_sum", "ro
 STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
 
-def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, device: torch.device,
-                  behaviour: Sequence[list[float] | None] | None = None) -> dict:
+def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
+                  device: torch.device) -> dict:
     """Algorithm 1, line 26 (Eq. 10): train.ppo_epochs passes over the batch, each one optimiser
     step per mini-batch (train.mini_batches; one by default) of this rank's sequences.
 
-    Every rank runs the same number of micro-batches (padded with dummies), because each FSDP
-    forward and backward is a collective. Past the first step the behaviour policy's log-probs,
-    taken before it, make the ratio. behaviour[i], if given, holds the log-probs vLLM sampled
-    seqs[i] with: their gap to the trainer's (bf16 rollouts against fp32 masters; with top_p < 1,
-    vLLM's renormalisation over the nucleus) is logged and train.rollout_correction corrects for
-    it. The returned stats are the whole batch's, summed over the ranks.
+    Past the first optimiser step the ratio compares with the log-probs taken before it. Each
+    sequence's rollout_logprobs (vLLM's) are compared with the trainer's: the gap (bf16 rollouts
+    against fp32 masters; with top_p < 1, vLLM's renormalisation over the nucleus) is logged and
+    train.rollout_correction corrects for it. Returns the whole batch's stats, summed over ranks.
     """
     t = cfg.train
-    behaviour = behaviour if behaviour is not None else [None] * len(seqs)
-    plans, stats = [], defaultdict(float)  # per mini-batch: micro-batches of indices into seqs
-    for b in range(t.mini_batches):
-        mine = [i for i, s in enumerate(seqs) if s.mini_batch == b]
-        units, split = packing_units([seqs[i] for i in mine], t.shared_prefix, t.micro_batch_tokens)
-        stats["split_groups"] += split
-        plan = [[mine[k] for u in mb for k in units[u]] for mb in plan_micro_batches(
-            [unit_tokens([seqs[i] for i in mine], u) for u in units], t.micro_batch_tokens)]
-        plans.append(plan + [[]] * (all_reduce_max(len(plan), device) - len(plan)))
-    batches = [[([seqs[i] for i in mb], [behaviour[i] for i in mb]) if mb
-                else ([dummy_sequence()], [None]) for mb in plan] for plan in plans]
+    plans, split = plan_update(seqs, cfg, device)
+    stats = defaultdict(float)
+    stats["split_groups"] = float(split)
     old = None
     if t.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
         with torch.no_grad():
-            old = [[micro_batch_loss(policy, mb, None, sampled, cfg, device)[1]
-                    for mb, sampled in plan] for plan in batches]
+            old = [[micro_batch_loss(policy, mb or [dummy_sequence()], None, cfg, device)[1]
+                    for mb in plan] for plan in plans]
     for epoch in range(t.ppo_epochs):
-        for b, plan in enumerate(batches):
-            for m, (mb, sampled) in enumerate(plan):
-                real = bool(plans[b][m])  # a dummy's token counts nowhere
-                loss, _, s = micro_batch_loss(policy, mb, None if old is None else old[b][m],
-                                              sampled, cfg, device)
+        for b, plan in enumerate(plans):
+            for m, mb in enumerate(plan):
+                old_logps = None if old is None else old[b][m]
+                loss, _, s = micro_batch_loss(policy, mb or [dummy_sequence()], old_logps, cfg,
+                                              device)
                 assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
-                # The weights already divide by the GLOBAL normaliser (select_batch), so the loss of
-                # the batch is the sum of every rank's micro-batch losses. FSDP averages gradients
-                # over ranks: scaling by the world size turns that average into the global sum, so
-                # the gradient is the same for any micro-batch size and any number of ranks
-                # (departure 8).
+                # The weights already divide by the GLOBAL normaliser (loss_weights), so the loss
+                # of the batch is the sum of every rank's micro-batch losses. FSDP averages
+                # gradients over ranks: scaling by the world size turns that average into the
+                # global sum, so the gradient is the same for any micro-batch size and any number
+                # of ranks (departure 8).
                 (loss * world).backward()
                 stats["loss"] += loss.item() / t.ppo_epochs
                 stats["clipped"] += s["clipped"]
+                real = bool(mb)  # a dummy's tokens count nowhere
                 stats["active"] += s["active"] if real else 0
                 for key in TOKEN_SUMS if epoch == 0 and real else ():
                     stats[key] += s[key]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
             # the mean over the optimiser steps (a mini-batch may be all dummies on every rank)
-            stats["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                        else grad_norm) / (t.ppo_epochs * len(plans))
+            stats["grad_norm"] += float(grad_norm) / (t.ppo_epochs * len(plans))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    stats = all_reduce_stats(stats, STAT_SUMS, device)
+    stats = infra.all_reduce_stats(stats, STAT_SUMS, device)
     if stats["split_groups"]:
-        print0(f"{int(stats['split_groups'])} groups split over micro-batches, each part encoding "
-               f"its prompt again: raise train.micro_batch_tokens ({t.micro_batch_tokens})")
+        infra.print0(f"{int(stats['split_groups'])} groups split over micro-batches, each part "
+                     f"encoding its prompt again: raise train.micro_batch_tokens "
+                     f"({t.micro_batch_tokens})")
     stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
     stats["micro_batches"] = sum(map(len, plans))
     return stats
@@ -1892,6 +2275,24 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int, d
 # ==================================================================================================
 # 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1 §2.3)                    [algorithm]
 # ==================================================================================================
+
+def phase_plan(text: str) -> list[tuple[int, int]] | None:
+    """data.phases "STEP:TOKENS,..." -> [(first step, max prompt tokens), ...] (QwenLong-L1's
+    context phases, spell.phase_pools); [] for ""; None if malformed."""
+    if not text.strip():
+        return []
+    plan = []
+    for part in text.split(","):
+        # ASCII digits, at most 18 (INT_DIGITS): int() would read "٣" and choke on 5000
+        m = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", part)
+        if not m:
+            return None
+        plan.append((int(m[1]), int(m[2])))
+    steps, lengths = [p[0] for p in plan], [p[1] for p in plan]
+    rising = all(a < b for a, b in zip(steps, steps[1:]))
+    rising &= all(a < b for a, b in zip(lengths, lengths[1:]))
+    return plan if steps[0] == 1 and lengths[0] >= 1 and rising else None
+
 
 def phase_pools(cfg: Config, clusters: list[Cluster], shard: list[int], tok) -> list[list[int]]:
     """Per data.phases phase, the shard's questions whose responder prompt fits it (QwenLong-L1
@@ -1932,10 +2333,10 @@ class ClusterSampler:
         self.carried = 0  # questions the current phase took over from the one before
         self.drawn: set[int] = set()  # the QA set's questions drawn this step
         if self.plan:  # every phase needs a question on every rank: find out now, not at its step
-            sizes = all_gather_objects([len(p) for p in self.pools])
+            sizes = infra.all_gather_objects([len(p) for p in self.pools])
             for k, (first, tokens) in enumerate(self.plan):
                 if min(n[k] for n in sizes) == 0:
-                    raise CorpusError(f"data.phases phase {k + 1} (from step {first}, prompts "
+                    raise infra.CorpusError(f"data.phases phase {k + 1} (from step {first}, prompts "
                                       f"up to {tokens} tokens) has no question of the QA set for "
                                       f"some rank ({[n[k] for n in sizes]} per rank)")
 
@@ -1972,9 +2373,9 @@ class ClusterSampler:
         self.shard, self.order, self.pos = self.pools[k] + carried, [], 0
         self.phase, self.accuracy, self.carried = k, {}, len(carried)
         if self.plan and dist.is_initialized():  # totals over every rank
-            print0(f"step {step}: data.phases phase {k + 1}, "
-                   f"{all_reduce_sum(len(self.shard), self.device)} questions "
-                   f"({all_reduce_sum(self.carried, self.device)} carried over)")
+            infra.print0(f"step {step}: data.phases phase {k + 1}, "
+                   f"{infra.all_reduce_sum(len(self.shard), self.device)} questions "
+                   f"({infra.all_reduce_sum(self.carried, self.device)} carried over)")
         return True
 
     def note_accuracy(self, rollouts: list[Rollout]) -> None:
@@ -1995,6 +2396,132 @@ class ClusterSampler:
 
 
 # ==================================================================================================
+# 10. What a step logs: the metrics of each role, the console line, sample rollouts     [algorithm]
+# ==================================================================================================
+
+def log_step(log: infra.RunLog, cfg: Config, step: int, summaries: list[Summary], counts: dict,
+             train: dict, times: dict, rollouts: list[Rollout], world: int) -> None:
+    """The step's metrics and console line (log.write), a table of sample rollouts every
+    log.sample_every steps, and a note when nothing trained."""
+    m = step_metrics(summaries, counts, train, times)
+    line = log_line(step, cfg.train.steps, m)
+    groups = world // cfg.rollout.tensor_parallel_size
+    asked = max(1, cfg.rollout.clusters_per_round // groups) * groups * times["rounds"]
+    if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
+        line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
+    log.write(step, m, line)
+    if cfg.log.sample_every and step % cfg.log.sample_every == 0:
+        infra.print0(sample_table(rollouts))
+    if not counts["sequences"]:
+        infra.print0(f"step {step}: nothing to train on after {times['rounds']} rounds; no update")
+
+
+def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) -> dict:
+    """Namespaced metrics (que/ res/ ver/ train/ perf/) from every rank's rollout summaries."""
+    rate = lambda flags: sum(flags) / max(len(flags), 1)  # noqa: E731
+    ok = [s for s in flat if s.status == "ok"]
+    res = [x for s in ok for x in s.res_rewards]
+    maj = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
+    lens = [n for s in ok for n in s.res_lens]
+    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
+    m = {
+        "que/questions": len(flat),
+        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
+        "que/evicted": sum(s.evicted for s in flat),
+        "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
+        "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
+        "que/skipped": sum(s.status == "skipped" for s in flat),
+        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"]
+                                    or [0.0])),
+        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
+        "que/neg": counts["que_neg"],
+        # trained questions that every response or none solved, and their mean advantage
+        # (reward.questioner_pool = "all"; §4.3's pool takes them only as negatives)
+        "que/all_or_none": counts["que_all_or_none"],
+        "que/all_or_none_adv": counts["que_all_or_none_adv"],
+        "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
+        "res/reward": float(np.mean(res)) if res else 0.0,
+        "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
+        # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the
+        # training-only penalties: pass@1 on the questioner's valid questions
+        # (1 - this is Figure 4's difficulty)
+        "res/solve_rate": float(np.mean([x for s in ok for x in s.solved]))
+        if ok else 0.0,
+        "res/all_solved": sum(min(s.solved) == 1 for s in ok),
+        "res/none_solved": sum(max(s.solved) == 0 for s in ok),
+        # groups whose training rewards vary by length shaping alone (never kept, departure 14)
+        "res/length_only": sum(len(set(s.selection)) == 1 < len(set(s.res_rewards)) for s in ok),
+        "res/length": float(np.mean(lens)) if lens else 0.0,
+        "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
+        "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
+        "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
+        # share of verifier votes that carry a verdict tag (the rest abstain)
+        "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
+        # share of generations cut at their role's budget (rollout.role_max_new_tokens), per role
+        # (scored as reward.overlong says)
+        "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
+        "res/truncated": rate([c for s in ok for c in s.res_cut]),
+        "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
+        "train/sequences": counts["sequences"],
+    }
+    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
+            "rollout_outside_cap")
+    m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
+    if train.get("tokens"):
+        m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    # per token sampled by vLLM (update_policy): mean |log pi_trainer - log pi_vLLM|, the mean
+    # truncated ratio min(rho, C) and the share outside [1/C, C] (train.rollout_correction: what the
+    # correction does, or would do)
+    if train.get("rollout_logp_tokens"):
+        n = train["rollout_logp_tokens"]
+        m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
+        m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
+        m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
+    m.update({f"perf/{k}": v for k, v in times.items()})
+    generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
+                 "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}
+    for phase, n in generated.items():  # all ranks' tokens over the slowest rank's time
+        if times.get(f"{phase}_s"):
+            m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
+    return m
+
+
+def log_line(step: int, steps: int, m: dict) -> str:
+    """The per-step console line: each role's reward and what it put in the batch, then the clock.
+    A role that did not run this step (the questioner under data.qa, the verifier under
+    reward.judge = rule) has no part in it."""
+    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver")
+                      if f"perf/{p}_s" in m)
+    que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
+           f"ungr {m['que/ungrounded']:.0%} "
+           f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
+    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
+           f"kept {m['ver/kept_groups']} "
+           if "perf/ver_s" in m else "")
+    return (f"step {step}/{steps} {que}"
+            f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
+            f"len {m['res/length']:.0f} {ver}"
+            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
+            f"gn {m.get('train/grad_norm', 0):.3f} "
+            f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
+            f"sync {m['perf/sync_s']:.1f}s")
+
+
+def sample_table(rollouts: list, k: int = 2) -> str:
+    """A few rollouts as text: document snippet, question, reference, responses, votes, rewards."""
+    rows = []
+    for r in [r for r in rollouts if r.status == "ok"][:k]:
+        rows.append(f"--- [{r.task}] cluster {r.cluster.id} "
+                    f"| doc: {r.cluster.documents[r.doc_ids[0]][:120]!r}")
+        rows.append(f"    Q: {r.question['question'][:300]!r}\n"
+                    f"    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
+        for i, c in enumerate(r.responses[:4]):
+            rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
+                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+    return "\n".join(rows)
+
+
+# ==================================================================================================
 # main: Algorithm 1
 # ==================================================================================================
 
@@ -2008,14 +2535,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
         import evaluation
         return evaluation.main(argv)
-    paths, resume, overrides = parse_args(argv)
+    paths, resume, overrides = infra.parse_args(argv)
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
-    ckpt = check_launch(cfg, corpus, resume)  # the ranks' layout; the checkpoint --resume continues
+    # the ranks' layout, and the checkpoint --resume continues
+    ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed()
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
-    log = RunLog(cfg, paths, rank, world, device)
-    group, groups = engine_groups(cfg, rank, world)  # one vLLM engine per tensor-parallel group
+    log = infra.RunLog(cfg, paths, rank, world, device)
+    # one vLLM engine per tensor-parallel group of ranks
+    group, groups = infra.engine_groups(cfg, rank, world)
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
@@ -2025,41 +2554,43 @@ def main(argv: Sequence[str] | None = None) -> None:
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
-        step, t0, phase_s = step + 1, time.perf_counter(), defaultdict(float)
+        step += 1
+        clock = infra.StepClock()
         sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
         # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch is full
         rollouts: list[Rollout] = []
         for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
-            rollouts += rollout_round(llm, tok, cfg, sampler.draw(per_round), history, rng,
-                                      key=(cfg.train.seed, step, group, rnd), seconds=phase_s)
+            drawn = sampler.draw(per_round)
+            key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
+            rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock)
             if batch_is_full(rollouts, cfg, reports, device):
                 break
         sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
-        t1 = time.perf_counter()
+        clock.stage("rollout")
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
-        summaries = gather_summaries(rollouts, cfg, reports)
+        summaries = gather_summaries(rollouts, cfg, rank, reports)
         items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step))
-        share_within_groups(items, cfg.rollout.tensor_parallel_size)
+        items = share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
-        seqs, behaviour = balance_sequences(*training_sequences(items, rollouts, rank, cfg))
-        train = update_policy(policy, optimizer, seqs, cfg, world, device, behaviour) \
-            if items else {}  # no batch anywhere: no update
-        t2 = time.perf_counter()
+        seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
+        train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
+        clock.stage("update")
         # 4. the new weights into every rank's vLLM engine
-        sync_s = wake_and_sync(llm, policy, cfg, device, updated=bool(items))
+        wake_and_sync(llm, policy, cfg, device, updated=bool(items))
+        clock.stage("sync")
         # 5. the step's line and metrics; a checkpoint every log.save_every steps, at the end and
         #    on SIGTERM
-        times = step_times(phase_s, rnd + 1, (t0, t1, t2), sync_s, train, device)
-        log.step(step, summaries, counts, train, times, rollouts)
-        stop = all_reduce_max(int(STOP["requested"]), device) > 0
+        times = clock.times(rounds=rnd + 1, trained_tokens=train.get("tokens", 0))
+        log_step(log, cfg, step, summaries, counts, train, times, rollouts, world)
+        stop = infra.all_reduce_max(int(STOP["requested"]), device) > 0
         if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
-            save_checkpoint(cfg, step, policy, optimizer, run_state(step, sampler, history, rng),
-                            rank, world)
+            state = run_state(step, sampler, history, rng)
+            save_checkpoint(cfg, step, policy, optimizer, state, rank, world)
         if stop:
-            print0("SIGTERM: checkpoint saved, exiting")
+            infra.print0("SIGTERM: checkpoint saved, exiting")
             break
-    export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank)
+    infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank)
 
 
 # ==================================================================================================
@@ -2075,7 +2606,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     """Join the torchrun world (or make a world of one for `python spell.py`); returns rank, world,
     device."""
     if "RANK" not in os.environ:  # plain `python spell.py`: a world of one on a free local port
-        os.environ.update(world_of_one_env())
+        os.environ.update(infra.world_of_one_env())
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -2110,21 +2641,21 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     start-up memory estimate runs first on GPU, and vLLM can sleep during the update."""
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model(cfg, rank)
+    model_dir = infra.resolve_model(cfg, rank)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
+    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
-        check_memory_at_start(cfg, model_dir, device, world)
+        infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
-    set_vllm_log_level(cfg.log.vllm_log_level)
+    infra.set_vllm_log_level(cfg.log.vllm_log_level)
     r = cfg.rollout
-    llm = start_vllm(model_dir, max_model_len=r.max_prompt_tokens + max_new_tokens(cfg),
-                     dtype=rollout_dtype(r.dtype, device.type == "cuda"),
+    llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
+                     dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
                      tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-    seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
+    infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     return model_dir, tok, llm
 
 
@@ -2136,8 +2667,8 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
     policy = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32,  # the fp32 masters
-        attn_implementation=attention_implementation(cfg, device.type == "cuda"))
-    policy = shard_policy(policy, policy_mesh(cfg, device.type, world),
+        attn_implementation=infra.attention_implementation(cfg, device.type == "cuda"))
+    policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),
                           gradient_checkpointing=cfg.model.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
@@ -2152,7 +2683,7 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
 
     Call on every rank at the same point, after `dist.init_process_group`: with the external
     launcher vLLM reuses the torchrun world, and its start-up runs collectives. With
-    `tensor_parallel_size` k, ranks r with the same r // k form one engine (engine_groups), each
+    `tensor_parallel_size` k, ranks r with the same r // k form one engine (infra.engine_groups), each
     holding 1/k of every layer; they must submit the same requests in the same order. vLLM reseeds
     the global RNGs while it starts (reseed after it), and engines given the same `seed` sample the
     same rollouts. CPU settings: infra.vllm_platform_kwargs.
@@ -2160,7 +2691,7 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     from vllm import LLM
 
     assert dist.is_initialized(), "call dist.init_process_group before start_vllm (see docstring)"
-    engine_kwargs = vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
+    engine_kwargs = infra.vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
                                          engine_kwargs)
     t0 = time.perf_counter()
     llm = LLM(
@@ -2172,8 +2703,8 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
         logprobs_mode="processed_logprobs",
         **engine_kwargs,
     )
-    # the loop keys rollouts by engine_groups: vLLM must agree
-    check_vllm_groups(tensor_parallel_size)
+    # the loop keys rollouts by infra.engine_groups: vLLM must agree
+    infra.check_vllm_groups(tensor_parallel_size)
     if dist.get_rank() == 0:
         print(f"start_vllm: {model_dir} ({dtype}, max_model_len {max_model_len}) in "
               f"{time.perf_counter() - t0:.1f}s")
@@ -2202,7 +2733,7 @@ def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p
               for s in seeds[:len(prompts)]]
     show = not dist.is_initialized() or dist.get_rank() == 0
     outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params,
-                           use_tqdm=rank0_progress_bar(desc) if show else False)
+                           use_tqdm=infra.rank0_progress_bar(desc) if show else False)
     assert len(outputs) == len(prompts), "vLLM returned a different number of outputs than prompts"
     return [[to_completion(c, logprobs) for c in out.outputs] for out in outputs]
 
@@ -2226,7 +2757,7 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     on GPU, fp32 in the CPU tests) and gradients are reduced in `reduce_dtype`. The root group holds
     the embeddings, the final norm and the LM head, so tied embeddings stay one tensor. Pass `mesh`
     explicitly: on a GPU machine FSDP2 would otherwise pick CUDA even under a gloo process group. A
-    2-D mesh (policy_mesh) makes it HSDP. Build the optimizer after this call, on the sharded
+    2-D mesh (infra.policy_mesh) makes it HSDP. Build the optimizer after this call, on the sharded
     parameters.
     """
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
@@ -2235,7 +2766,7 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     # non-reentrant checkpointing is the variant that works with FSDP2's hooks
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_mode_without_dropout(model)
+    infra.train_mode_without_dropout(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -2258,21 +2789,17 @@ def sleep_engine(llm, cfg: Config, device: torch.device) -> None:
         llm.sleep(level=level)
 
 
-def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool) -> float:
+def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool) -> None:
     """Wake vLLM's weights, overwrite them all with the policy's, then wake the KV cache. After a
-    level-2 sleep the weights hold garbage, so a step without an update syncs too. Returns seconds.
-    """
+    level-2 sleep the weights hold garbage, so a step without an update syncs too."""
     level = sleep_level(cfg, device)
     if level:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    sync_s = 0.0
     if updated or level == 2:
-        weights = weights_to_sync(policy, compute_dtype(device), cfg.rollout.sync_bucket_mb)
-        sync_s = sync_weights(llm, weights)
+        sync_weights(llm, weights_to_sync(policy, compute_dtype(device), cfg.rollout.sync_bucket_mb))
     if level:
         llm.wake_up()  # the KV cache and the scheduler
-    return sync_s
 
 
 def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -2283,7 +2810,7 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     in step; the order is `state_dict()`'s, which is the same on all ranks. Casting before the
     gather halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are
     yielded once, as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor
-    alive at a time. The slow, obviously correct twin of bucketed_state_dict (rollout.sync_bucket_mb
+    alive at a time. The slow, obviously correct twin of infra.bucketed_state_dict (rollout.sync_bucket_mb
     = 0).
     """
     from torch.distributed.tensor import DTensor
@@ -2306,7 +2833,7 @@ def weights_to_sync(model, dtype: torch.dtype,
     (infra.bucketed_state_dict)."""
     if bucket_mb == 0:
         return gathered_state_dict(model, dtype)
-    return bucketed_state_dict(model, dtype, bucket_mb << 20)
+    return infra.bucketed_state_dict(model, dtype, bucket_mb << 20)
 
 
 def sync_weights(llm, named_tensors) -> float:
@@ -2325,7 +2852,7 @@ def sync_weights(llm, named_tensors) -> float:
     # worker.reload_weights = model_runner.reload_weights(...) inside vLLM's config context, which
     # some weight loaders read; same path for the CPU, V1 GPU and V2 GPU model runners in vLLM 0.32.
     worker.reload_weights(weights_iterator=iter(named_tensors))
-    refresh_tied_lm_head_on_cpu(worker.model_runner.get_model())
+    infra.refresh_tied_lm_head_on_cpu(worker.model_runner.get_model())
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
 
@@ -2342,7 +2869,7 @@ def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False
     each completion token, and targets, that token, (N,); spans, (start, end) into the (N,)
     values per pair; shared, whether the row needs infra.tree_attention_mask."""
     if shared:
-        return pack_shared_prefix(seqs)
+        return infra.pack_shared_prefix(seqs)
     input_ids, position_ids, group_ids, index, spans = [], [], [], [], []
     for k, (prompt, completion) in enumerate(seqs):
         assert len(prompt) >= 1, "a prompt token must predict the completion's first token"
@@ -2386,7 +2913,7 @@ def packed_logprobs(model, packed: dict, temperature: float,
     """
     weight = model.lm_head.weight
     device = weight.device
-    mask = tree_attention_mask(packed, model.config._attn_implementation, device, weight.dtype)
+    mask = infra.tree_attention_mask(packed, model.config._attn_implementation, device, weight.dtype)
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))
@@ -2400,9 +2927,8 @@ def packed_logprobs(model, packed: dict, temperature: float,
 
 def load_data(cfg: Config) -> list[Cluster]:
     """Algorithm 1's D: the corpus of document clusters, or for RLVR a static QA set (data.qa, read
-    by evaluation.load_qa_set: our layout or any benchmark file the eval reads)."""
+    by load_qa_set: our layout or any benchmark file the eval reads)."""
     if cfg.data.qa:
-        from evaluation import load_qa_set
         return load_qa_set(cfg.data.qa)
     return load_corpus(cfg.data.corpus)
 
@@ -2410,7 +2936,65 @@ def load_data(cfg: Config) -> list[Cluster]:
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
     """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
     each line checked by infra.corpus_records (errors name the file, line and field)."""
-    return [Cluster(cid, task, docs) for cid, task, docs in corpus_records(Path(path), TASKS)]
+    return [Cluster(cid, task, docs) for cid, task, docs in infra.corpus_records(Path(path), TASKS)]
+
+
+def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
+    """RLVR's static QA set (data.qa) as clusters that carry their question (Cluster.qa).
+
+    Two layouts. Ours, which `spell.py synth` writes: the corpus fields {"id", "task", "documents"}
+    plus "question", "answer" and, for doc_mc, "options" {"A".."D"}, checked as a questioner's
+    output is (a fin_math answer must be a non-zero number, a doc_mc answer a letter). Or any
+    benchmark file the evaluation reads, as PATH or BENCHMARK:PATH (infra.load_eval_data), its
+    context as the one document and its first gold answer as the reference.
+    """
+    spec = str(path)
+    name, sep, _ = spec.partition(":")
+    first = None if sep and name in infra.BENCHMARKS else _first_json_line(Path(spec))
+    ours = isinstance(first, dict) and "documents" in first
+    try:
+        items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
+    except infra.EvalDataError as e:
+        raise infra.CorpusError(str(e)) from None
+    if not ours:
+        seen: dict[str, int] = {}
+        for i, it in enumerate(items):
+            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
+                raise infra.CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
+        return [Cluster(it.id, it.task, [it.context],
+                        {"question": it.question, "answer": it.answers[0],
+                         **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
+                for it in items]
+    clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
+    # its records, split into lines as load_corpus splits them, so each cluster meets its own
+    records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
+    for c, (where, rec) in zip(clusters, records, strict=True):
+        c.task = c.task or "doc_qa"
+        if bad := _surrogate_fields(rec):  # validate_question would only say "no question"
+            raise infra.CorpusError(f"{where}: field {bad[0]!r} {infra.SURROGATE_NOTE}")
+        c.qa = validate_question(rec, c.task, None, max_answer_words=10**6)
+        if c.qa is None:
+            fields = ("'question', 'answer'"
+                      + (", 'options'" if TASKS[c.task].multiple_choice else ""))
+            raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
+                              "(see load_qa_set)")
+    return clusters
+
+
+def _first_json_line(path: Path) -> object:
+    """The value on the first non-blank line of a file, or None where that is not JSON."""
+    try:
+        return next((value for _, _, value in infra.jsonl_records(path, infra.CorpusError)), None)
+    except (infra.CorpusError, OSError):
+        return None
+
+
+def _surrogate_fields(rec: dict) -> list[str]:
+    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+    options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
+    fields = {"question": rec.get("question"), "answer": rec.get("answer"),
+              **{f"options.{k}": v for k, v in options.items()}}
+    return [key for key, v in fields.items() if isinstance(v, str) and not infra.is_utf8(v)]
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export
@@ -2421,7 +3005,7 @@ def run_state(step: int, sampler: ClusterSampler, history: HistoryMemory,
     """What this rank needs to continue the run exactly: the sampler, the history memory and the
     generators (vLLM's request seeds derive from the step, so rollouts repeat too)."""
     return {"step": step, "sampler": sampler.state_dict(), "history": history.state_dict(),
-            "rng": rng.bit_generator.state, "rng_state": rng_state()}
+            "rng": rng.bit_generator.state, "rng_state": infra.rng_state()}
 
 
 def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimizer, llm,
@@ -2436,14 +3020,14 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
         sampler.load_state_dict(saved["sampler"])
         history.load_state_dict(saved["history"])
         rng.bit_generator.state = saved["rng"]
-        set_rng_state(saved["rng_state"])
+        infra.set_rng_state(saved["rng_state"])
         sync_weights(llm, weights_to_sync(policy, compute_dtype(device),
                                           cfg.rollout.sync_bucket_mb))
-        print0(f"resumed from {ckpt} at step {step}")
+        infra.print0(f"resumed from {ckpt} at step {step}")
     elif resume:
-        print0(f"--resume: no checkpoint in {checkpoint_dir(cfg)}, starting fresh")
+        infra.print0(f"--resume: no checkpoint in {infra.checkpoint_dir(cfg)}, starting fresh")
     if rank == 0:
-        write_run_config(cfg, ckpt)
+        infra.write_run_config(cfg, ckpt)
     return step
 
 
@@ -2460,10 +3044,10 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
                   "optim": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=str(folder))
         torch.save(rank_state, folder / f"rank{rank}.pt")
 
-    meta = {"step": step, "world": world, "config": config_to_dict(cfg),
-            "fingerprint": run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
-    path = save_atomically(checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
-    print0(f"checkpoint: {path}")
+    meta = {"step": step, "world": world, "config": infra.config_to_dict(cfg),
+            "fingerprint": infra.run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
+    path = infra.save_atomically(infra.checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
+    infra.print0(f"checkpoint: {path}")
     return path
 
 
@@ -2476,10 +3060,10 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
                                                          set_optimizer_state_dict)
 
     # sizes only: resume_checkpoint read the checksums moments ago
-    check_checkpoint(path, world, ranks=())
+    infra.check_checkpoint(path, world, ranks=())
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
-    rank_state = load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
+    rank_state = infra.load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
     try:
         # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
         # in torch 2.13: meta.json's checksums catch damage there, not a forged file
@@ -2487,7 +3071,7 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: cannot be read ({cause})") from None
+        raise infra.CheckpointError(f"{path}: cannot be read ({cause})") from None
     set_model_state_dict(policy, state["model"])
     set_optimizer_state_dict(policy, optimizer, state["optim"])
     return rank_state
@@ -2496,5 +3080,5 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
 if __name__ == "__main__":
     try:
         main()
-    except InputError as e:  # bad input: one clear line, naming the file or key, and no traceback
+    except infra.InputError as e:  # bad input: one clear line, naming the file or key, and no traceback
         sys.exit(f"spell.py: {type(e).__name__}: {e}")

@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import socket
 from fractions import Fraction
 from math import comb
@@ -20,37 +19,21 @@ import torch
 
 import evaluation
 import spell
-from conftest import (CharTokenizer, REPO, SPEAKER_QUESTION, make_tiny_model, protocol_corpus,
-                      qa_record, run_worker, torchrun)
-from evaluation import (EvalDataError, EvalItem, eval_metrics, eval_table, evaluate,
-                        infer_benchmark, load_benchmark, load_eval_data, middle_truncate, pass_at_k)
-from spell import (cover_exact_match)
+import infra
+from conftest import (CharTokenizer, FIXTURE_FILES, FIXTURES, REPO, all_fixture_items,
+                      make_tiny_model, protocol_corpus, run_worker, torchrun)
+from evaluation import eval_metrics, eval_table, evaluate, middle_truncate, pass_at_k
+from spell import cover_exact_match
 
 
 # ------------------------------------------------------------------------------------------------
 # pass@k (Eq. 11)
 # ------------------------------------------------------------------------------------------------
 
-FIXTURES = Path(__file__).resolve().parent / "tests" / "fixtures" / "eval"
-
-
-FIXTURE_FILES = {  # file -> (benchmark, number of items)
-    "longbench_v2.json": ("longbench_v2", 4),
-    "hotpotqa.jsonl": ("hotpotqa", 4),
-    "2wikimqa.jsonl": ("2wikimqa", 3),
-    "musique.jsonl": ("musique", 3),
-    "frames.jsonl": ("frames", 3),
-    "simpshort_testmini.json": ("docmath", 3),
-}
-
 
 def hedged(text: str) -> str:
     """A responder's reply in the format the doc_qa prompt asks for."""
     return f"Let me check the text.\nThe correct answer is {text}."
-
-
-def all_fixture_items() -> list[EvalItem]:
-    return load_eval_data([str(FIXTURES / name) for name in FIXTURE_FILES])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -132,50 +115,6 @@ def test_middle_truncate_rejects_empty_budget():
 # Loaders, native layouts, inference of the benchmark, errors naming file / position / field
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, content", [
-    ("hotpotqa.jsonl", b'{"input": "a"}\n{"input": "caf\xe9"}\n'),
-    ("longbench_v2.json", b'[{"question": "a"},\n {"question": "caf\xe9"}]'),
-    ("frames.tsv", b"Prompt\tAnswer\ncaf\xe9\tx\n"),
-])
-def test_eval_file_not_utf8_names_file_line_and_byte(tmp_path, name, content):
-    path = tmp_path / name
-    path.write_bytes(content)
-    byte = content.index(0xE9)
-    where = f"{path}, line 2: not UTF-8 text (byte {byte} is 0xe9)"
-    with pytest.raises(EvalDataError, match=re.escape(where)):
-        load_benchmark(str(path))
-
-
-@pytest.mark.parametrize("name", FIXTURE_FILES)
-def test_fixtures_load_with_inferred_benchmark(name):
-    bench, count = FIXTURE_FILES[name]
-    items = load_benchmark(str(FIXTURES / name))
-    assert len(items) == count
-    assert ({it.benchmark for it in items} == {bench}
-            and {it.task for it in items} == {evaluation.BENCHMARKS[bench]})
-    assert all(it.context and it.question and it.answers and all(it.answers) for it in items)
-    assert len({it.id for it in items}) == count
-
-
-def test_loaders_map_native_fields():
-    items = {(it.benchmark, it.id): it for it in all_fixture_items()}
-    hot = items["hotpotqa", "hotpotqa-fixture-0000"]
-    assert hot.question.startswith("In which city") and hot.answers == ("Hamburg",)
-    assert hot.context.startswith("Passage 1:\nGlass Pavilion\n") and hot.choices == ()
-    assert items["2wikimqa", "2wikimqa-fixture-0001"].answers == ("American", "United States")
-    lb2 = items["longbench_v2", "lbv2-fixture-0001"]
-    assert lb2.task == "doc_mc" and lb2.answers == ("C",)
-    assert lb2.choices == ("Mr. Chen", "The board", "Ms. Ortiz", "Nobody yet")
-    frames = items["frames", "0"]  # Frames has no id field: the position in the file
-    assert frames.context == (
-        "Orchard Quartet\nThe Orchard Quartet is a string quartet founded in 1974.\n"
-        "Glass Pavilion\nThe Glass Pavilion is an exhibition hall that opened in 1961.")
-    assert frames.question.startswith("How many years") and frames.answers == ("13 years",)
-    doc = [items["docmath", f"simpshort-testmini-fixture-{i}"] for i in range(3)]
-    assert [d.answers for d in doc] == [("25",), ("600",), ("0.28",)]  # 25.0 is written as "25"
-    assert doc[0].context.split("\n")[0] == "Selected financial data (in thousands of dollars):"
-    assert "| Revenue | 1,200 | 1,500 |" in doc[0].context and doc[0].task == "fin_math"
-
 
 def test_eval_prompts_render_for_every_task():
     for item in all_fixture_items():
@@ -201,173 +140,10 @@ def test_judge_prompt_contract():
     assert spell.parse_verdict(text) is None  # a judge that only echoes the format line abstains
 
 
-@pytest.mark.parametrize("filename, expected", [
-    ("LongBench-v2.json", "longbench_v2"), ("longbench_v2_data.jsonl", "longbench_v2"),
-    ("hotpotqa_e.jsonl", "hotpotqa"), ("2wikimqa.jsonl", "2wikimqa"),
-    ("MuSiQue.parquet", "musique"), ("frames_test.jsonl", "frames"),
-    ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
-])
-def test_infer_benchmark_from_filename(filename, expected):
-    assert infer_benchmark(f"/data/{filename}", first=None) == expected
-
-
-def test_infer_benchmark_from_fields_when_name_says_nothing(tmp_path):
-    # LongBench-V2's native file is data.json: the first record's fields tell
-    shutil.copy(FIXTURES / "longbench_v2.json", tmp_path / "data.json")
-    assert {it.benchmark for it in load_benchmark(str(tmp_path / "data.json"))} == {"longbench_v2"}
-    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "test.jsonl")
-    assert {it.benchmark for it in load_benchmark(str(tmp_path / "test.jsonl"))} == {"musique"}
-    shutil.copy(FIXTURES / "simpshort_testmini.json", tmp_path / "x.json")
-    assert load_benchmark(str(tmp_path / "x.json"))[0].benchmark == "docmath"
-    # ambiguous name, fields decide
-    shutil.copy(FIXTURES / "frames.jsonl", tmp_path / "hotpotqa_vs_musique.jsonl")
-    assert load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark == "frames"
-    (tmp_path / "mystery.jsonl").write_text('{"q": 1}\n')
-    with pytest.raises(EvalDataError,
-                       match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
-        load_benchmark(str(tmp_path / "mystery.jsonl"))
-
-
-def test_explicit_benchmark_name_and_pooling(tmp_path):
-    # a ':' in the path itself
-    shutil.copy(FIXTURES / "hotpotqa.jsonl", tmp_path / "some:file.jsonl")
-    items = load_eval_data([f"musique:{FIXTURES / 'hotpotqa.jsonl'}",
-                            str(tmp_path / "some:file.jsonl"), str(FIXTURES / "hotpotqa.jsonl")])
-    assert [it.benchmark for it in items] == ["musique"] * 4 + ["hotpotqa"] * 8
-    with pytest.raises(EvalDataError, match="unknown benchmark 'trivia'"):
-        load_benchmark(str(FIXTURES / "hotpotqa.jsonl"), "trivia")
-
-
-def _mutated(tmp_path: Path, name: str, index: int, mutate) -> str:
-    """A copy of a fixture (same file name) whose record `index` went through `mutate`."""
-    src = FIXTURES / name
-    if name.endswith(".jsonl"):
-        recs = [json.loads(line) for line in src.read_text().splitlines()]
-        mutate(recs[index])
-        text = "".join(json.dumps(r) + "\n" for r in recs)
-    else:
-        recs = json.loads(src.read_text())
-        mutate(recs[index])
-        text = json.dumps(recs)
-    (tmp_path / name).write_text(text)
-    return str(tmp_path / name)
-
-
-@pytest.mark.parametrize("name, index, mutate, where, field, words", [
-    ("hotpotqa.jsonl", 1, lambda r: r.update(answers="cello"), "line 2", "answers",
-     "list of non-empty strings"),
-    ("hotpotqa.jsonl", 2, lambda r: r.pop("input"), "line 3", "input", "it is missing"),
-    ("2wikimqa.jsonl", 0, lambda r: r.update(answers=[]), "line 1", "answers", "non-empty list"),
-    ("musique.jsonl", 2, lambda r: r.update(context=None), "line 3", "context", "non-empty string"),
-    ("musique.jsonl", 0, lambda r: r.pop("_id"), "line 1", "_id", "an id"),
-    ("longbench_v2.json", 1, lambda r: r.update(answer="E"), "item 1", "answer", "A, B, C, D"),
-    ("longbench_v2.json", 3, lambda r: r.pop("choice_C"), "item 3", "choice_C", "missing"),
-    ("frames.jsonl", 1, lambda r: r.pop("wiki_items"), "line 2", "wiki_items",
-     "Tongyi-Zhiwen/frames"),
-    ("frames.jsonl", 0, lambda r: r["wiki_items"][1].pop("text"), "line 1, wiki_items[1]", "text",
-     "missing"),
-    ("frames.jsonl", 2, lambda r: r.update(Answer=""), "line 3", "Answer", "non-empty string"),
-    ("simpshort_testmini.json", 2, lambda r: r.update(ground_truth=None), "item 2", "ground_truth",
-     "testmini"),
-    ("simpshort_testmini.json", 1, lambda r: r.update(ground_truth="n/a"), "item 1", "ground_truth",
-     "a number"),
-    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs",
-     "strings"),
-])
-def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field,
-                                                    words):
-    path = _mutated(tmp_path, name, index, mutate)
-    with pytest.raises(EvalDataError) as err:
-        load_benchmark(path)
-    message = str(err.value)
-    assert message.startswith(f"{path}, {where}, field {field!r}: expected"), message
-    assert words in message
-
-
-@pytest.mark.parametrize("name, content, message", [
-    ("hotpotqa.jsonl", '{"_id": "a"}\n{"_id": ' + "9" * 5000 + "}\n",
-     "hotpotqa.jsonl, line 2: not valid JSON (Exceeds the limit (4300 digits)"),
-    ("hotpotqa.jsonl", '{"_id": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
-     "hotpotqa.jsonl, line 2: not valid JSON (nested deeper than Python's recursion limit)"),
-    ("musique.json", '[{"_id": ' + "9" * 5000 + "}]",
-     "musique.json: not valid JSON (Exceeds the limit (4300 digits)"),
-    ("musique.json", "[" * 100_000 + "]" * 100_000,
-     "musique.json: not valid JSON (nested deeper than Python's recursion limit)"),
-    ("frames.tsv", "Prompt\tAnswer\nshort\tx\n" + "y" * 131_073 + "\tx\n",
-     "frames.tsv, row 1: not a TSV row (field larger than field limit (131072))"),
-])
-def test_eval_files_beyond_python_s_limits_are_one_line(tmp_path, name, content, message):
-    """An integer of 5000 digits (int's limit), "[[[[..." (the recursion limit) and a Frames cell
-    over csv's field limit: an EvalDataError naming the file and place, not a traceback."""
-    path = tmp_path / name
-    path.write_text(content)
-    with pytest.raises(EvalDataError) as e:
-        load_benchmark(str(path))
-    assert str(e.value).startswith(f"{tmp_path}/{message}"), e.value
-    assert "\n" not in str(e.value)
-
-
-def test_loader_errors_for_broken_files(tmp_path):
-    bad_json = tmp_path / "hotpotqa.jsonl"
-    lines = (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
-    bad_json.write_text(lines[0] + "\n" + lines[1][:-5] + "\n")
-    with pytest.raises(EvalDataError, match=r"hotpotqa\.jsonl, line 2: not valid JSON"):
-        load_benchmark(str(bad_json))
-    (tmp_path / "musique.json").write_text('{"data": []}')
-    with pytest.raises(EvalDataError,
-                       match=r"musique\.json: expected a JSON list of records, got a dict"):
-        load_benchmark(str(tmp_path / "musique.json"))
-    (tmp_path / "frames.json").write_text('[["Prompt", "Answer"]]')
-    with pytest.raises(EvalDataError,
-                       match=r"frames\.json, item 0: expected an object of fields, got list"):
-        load_benchmark(str(tmp_path / "frames.json"))
-    (tmp_path / "musique.csv").write_text("input,answers\n")
-    with pytest.raises(EvalDataError, match="unknown file type '.csv'"):
-        load_benchmark(str(tmp_path / "musique.csv"))
-    (tmp_path / "2wikimqa.jsonl").write_text("\n\n")
-    with pytest.raises(EvalDataError, match="holds no records"):
-        load_benchmark(str(tmp_path / "2wikimqa.jsonl"))
-    with pytest.raises(EvalDataError, match="no such file"):
-        load_benchmark(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(EvalDataError, match="no benchmark files given"):
-        load_eval_data([])
-
-
-def test_jsonl_named_json_still_loads(tmp_path):
-    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "musique.json")  # HF exports often do this
-    assert len(load_benchmark(str(tmp_path / "musique.json"))) == 3
-
-
-def test_raw_frames_tsv_asks_for_wiki_items(tmp_path):
-    # google/frames-benchmark test.tsv: links to Wikipedia, no article texts
-    path = tmp_path / "frames_test.tsv"
-    path.write_text("\tPrompt\tAnswer\twikipedia_link_1\treasoning_types\n"
-                    "0\tWho won?\tAda\thttps://en.wikipedia.org/wiki/Ada\tMultiple constraints\n")
-    with pytest.raises(EvalDataError,
-                       match=r"frames_test\.tsv, row 0, field 'wiki_items': expected the article "
-                             r"texts .* raw google/frames-benchmark TSV"):
-        load_benchmark(str(path))
-
-
-def test_parquet(tmp_path):
-    recs = [json.loads(line) for line in (FIXTURES / "musique.jsonl").read_text().splitlines()]
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        (tmp_path / "musique.parquet").write_bytes(b"PAR1")
-        with pytest.raises(EvalDataError, match="reading parquet needs pyarrow"):
-            load_benchmark(str(tmp_path / "musique.parquet"))
-        return
-    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "musique.parquet")
-    assert (load_benchmark(str(tmp_path / "musique.parquet"))
-            == load_benchmark(str(FIXTURES / "musique.jsonl")))
-
-
 @pytest.mark.parametrize("prediction", ["Paris [[YES]]", "[[yes]] Paris", "[[YE[[NO]]S]]",
                                         "[[NO]][[YES]]"])
 def test_judge_prompt_strips_verdict_tags(prediction):
-    item = EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city? [[YES]]", ("Berlin [[NO]]",))
+    item = infra.EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city? [[YES]]", ("Berlin [[NO]]",))
     prompt = evaluation.judge_prompt(item, prediction)
     fields = [line for line in prompt.split("\n")
               if line.startswith(("- Question:", "- Predicted answer:", "- Ground-truth answer:"))]
@@ -377,58 +153,13 @@ def test_judge_prompt_strips_verdict_tags(prediction):
 
 
 def test_judge_prompt_of_a_bare_tag_shows_no_answer():
-    item = EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Berlin",))
+    item = infra.EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Berlin",))
     prompt = evaluation.judge_prompt(item, "[[YES]]")
     assert f"- Predicted answer: {evaluation.NO_ANSWER}\n" in prompt
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"question": "Which \ud83d?"}, "question"), ({"answer": "blue\udc00"}, "answer"),
-    ({"task": "doc_mc", "answer": "B", "options": {"A": "a", "B": "b\ud800", "C": "c", "D": "d"}},
-     "options.B"),
-    ({"documents": ["\ud800"]}, "documents[0]"),
-])
-def test_load_qa_set_refuses_lone_surrogates(tmp_path, change, field):
-    path = tmp_path / "qa.jsonl"
-    good = {"id": "q0", "task": "doc_qa", "documents": ["d"], "question": "Which?",
-            "answer": "blue"}
-    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "q1", **change}) + "\n")
-    where = r"qa\.jsonl(:|, line )2: field "  # load_corpus: "FILE:2"; read_records: "FILE, line 2"
-    with pytest.raises(spell.CorpusError, match=where + re.escape(repr(field))):
-        evaluation.load_qa_set(path)
-
-
-@pytest.mark.parametrize("name, index, mutate, where, field", [
-    ("hotpotqa.jsonl", 1, lambda r: r.update(context=r["context"] + "\ud800"), "line 2", "context"),
-    ("hotpotqa.jsonl", 0, lambda r: r.update(answers=["ok", "\udfff"]), "line 1", "answers[1]"),
-    ("hotpotqa.jsonl", 2, lambda r: r.update(input="Who\ud83d?"), "line 3", "input"),
-    ("musique.jsonl", 0, lambda r: r.update(_id="m\ud800"), "line 1", "_id"),
-    ("frames.jsonl", 0, lambda r: r["wiki_items"][0].update(text="\ud800"), "line 1, wiki_items[0]",
-     "text"),
-    ("longbench_v2.json", 1, lambda r: r.update(choice_B="\udc00"), "item 1", "choice_B"),
-    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", "\ud800"]), "item 0",
-     "paragraphs[1]"),
-])
-def test_eval_loaders_refuse_lone_surrogates(tmp_path, name, index, mutate, where, field):
-    src = FIXTURES / name
-    if name.endswith(".jsonl"):
-        recs = [json.loads(line) for line in src.read_text().splitlines()]
-        mutate(recs[index])
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
-    else:
-        recs = json.loads(src.read_text())
-        mutate(recs[index])
-        (tmp_path / name).write_text(json.dumps(recs))
-    path = str(tmp_path / name)
-    message = f"{path}, {where}, field {field!r}: expected text without a lone surrogate"
-    with pytest.raises(evaluation.EvalDataError, match=re.escape(message)):
-        evaluation.load_benchmark(path)
-    with pytest.raises(spell.CorpusError, match=re.escape(message)):  # data.qa reads benchmarks too
-        evaluation.load_qa_set(path)
-
-
 def test_eval_rule_score_refuses_hedges_too():
-    item = EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Paris", "Paris, France"))
+    item = infra.EvalItem("hotpotqa", "0", "doc_qa", "ctx", "Which city?", ("Paris", "Paris, France"))
     assert evaluation.rule_score(hedged("Paris/Berlin"), item) == 0.0
     # the second gold holds the comma
     assert evaluation.rule_score(hedged("Paris, France"), item) == 1.0
@@ -436,8 +167,8 @@ def test_eval_rule_score_refuses_hedges_too():
 
 def test_docmath_rule_reads_the_answer_number():
     """The eval's DocMath numbers go through the same parse_number as training's fin_math rule."""
-    item = EvalItem("docmath", "0", "fin_math", "ctx", "How much?",
-                    (evaluation._number_text(-1234.0),))
+    item = infra.EvalItem("docmath", "0", "fin_math", "ctx", "How much?",
+                    (infra._number_text(-1234.0),))
     assert evaluation.rule_score("Therefore, the answer is $(1,234).", item) == 1.0
 
 
@@ -502,7 +233,7 @@ RULE_RIGHT = 2
 PARAPHRASE = "paraphrase 7"
 
 
-def scripted_engine(items: list[EvalItem], calls: list):
+def scripted_engine(items: list[infra.EvalItem], calls: list):
     """A stand-in for engine.generate that answers from the question
     it finds in the prompt's tail."""
     by_question = {it.question: it for it in items}
@@ -540,7 +271,7 @@ def scripted_engine(items: list[EvalItem], calls: list):
 def run_scripted(tmp_path, monkeypatch, *, n=4, rank=0, world=1, max_input_len=800, chunk_size=5):
     items = all_fixture_items()
     calls: list = []
-    monkeypatch.setattr(evaluation, "generate", scripted_engine(items, calls))
+    monkeypatch.setattr(spell, "generate", scripted_engine(items, calls))
     metrics = evaluate("LLM", CharTokenizer(), items, n=n, temperature=0.7, top_p=0.95,
                        max_input_len=max_input_len, max_output_len=32, judge_max_tokens=16,
                        chunk_size=chunk_size, rank=rank, world=world, out_dir=str(tmp_path))
@@ -593,7 +324,7 @@ def test_evaluate_scripted(tmp_path, monkeypatch, capsys):
             and mc["pass@2"] == pytest.approx(pass_at_k(4, 2, 2)))
     assert metrics["average"]["pass@1"] == pytest.approx((5 * 3 / 4 + 2 / 4) / 6)
     assert metrics["benchmarks"]["longbench_v2"]["truncated"] >= 1
-    assert list(metrics["benchmarks"]) == list(evaluation.BENCHMARKS)
+    assert list(metrics["benchmarks"]) == list(infra.BENCHMARKS)
 
     written = json.loads((tmp_path / "eval_results.json").read_text())
     assert written == json.loads(json.dumps(metrics)) and written["settings"]["n"] == n
@@ -610,7 +341,7 @@ def test_evaluate_shards_by_rank(tmp_path, monkeypatch):
 def test_judge_budget(tmp_path, monkeypatch):
     items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
     calls: list = []
-    monkeypatch.setattr(evaluation, "generate", scripted_engine(items, calls))
+    monkeypatch.setattr(spell, "generate", scripted_engine(items, calls))
     m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
                  out_dir=str(tmp_path))
     assert m["settings"]["judge_max_tokens"] == 32  # default: the answer budget
@@ -621,7 +352,7 @@ def test_judge_budget(tmp_path, monkeypatch):
                  judge_max_tokens=64, out_dir=str(tmp_path))
     calls.clear()  # a separate judge engine has its own budget
     monkeypatch.setattr(evaluation, "stop_vllm", lambda llm: None)
-    monkeypatch.setattr(evaluation, "start_vllm", lambda model_dir, **kw: "JUDGE")
+    monkeypatch.setattr(spell, "start_vllm", lambda model_dir, **kw: "JUDGE")
     m = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=2000, max_output_len=32,
                  judge_model="judge-dir", judge_tokenizer=CharTokenizer(), judge_max_tokens=64,
                  out_dir=str(tmp_path))
@@ -642,7 +373,7 @@ def _two_rank_worker(rank: int, port: int, out_dir: str, result_file: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=2)
     items = all_fixture_items()
     calls: list = []
-    evaluation.generate = scripted_engine(items, calls)
+    spell.generate = scripted_engine(items, calls)
     metrics = evaluate("LLM", CharTokenizer(), items, n=4, max_input_len=800, max_output_len=32,
                        judge_max_tokens=16, chunk_size=3, rank=rank, world=2, out_dir=out_dir)
     assert sum(c[0] == "responder" for c in calls) == len(items[rank::2])  # only its own shard
@@ -679,7 +410,7 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
 
     items = all_fixture_items()
     metrics = json.loads((tmp_path / "eval_results.json").read_text())
-    assert (list(metrics["benchmarks"]) == list(evaluation.BENCHMARKS)
+    assert (list(metrics["benchmarks"]) == list(infra.BENCHMARKS)
             and metrics["average"]["items"] == len(items))
     assert (metrics["average"]["truncated"] > 0
             and set(metrics["average"]) >= {"pass@1", "pass@2", "pass@4"})
@@ -708,7 +439,7 @@ def test_evaluate_end_to_end_vllm(tiny_dir, tmp_path):
 # A separate judge (eval.judge_model) takes the evaluated engine's place after the answers
 # ------------------------------------------------------------------------------------------------
 
-def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]:
+def scripted_judge_swap(items: list[infra.EvalItem], monkeypatch) -> tuple[list, list]:
     """scripted_engine, plus a log of which engine served each call
     and of engine stops and starts."""
     calls: list = []
@@ -722,9 +453,9 @@ def scripted_judge_swap(items: list[EvalItem], monkeypatch) -> tuple[list, list]
     def start_vllm(model_dir, *, max_model_len, **kw):
         events.append(("start", model_dir, max_model_len, kw))
         return f"engine of {model_dir}"
-    monkeypatch.setattr(evaluation, "generate", generate)
+    monkeypatch.setattr(spell, "generate", generate)
     monkeypatch.setattr(evaluation, "stop_vllm", lambda llm: events.append(("stop", llm)))
-    monkeypatch.setattr(evaluation, "start_vllm", start_vllm)
+    monkeypatch.setattr(spell, "start_vllm", start_vllm)
     return calls, events
 
 
@@ -772,14 +503,14 @@ def test_answers_are_written_before_the_judge_runs(tmp_path, monkeypatch, fails_
     eval_samples.jsonl holds every sample with its rule score, the judge not yet asked."""
     items = [it for it in all_fixture_items() if it.task == "doc_qa"][:2]
     scripted_judge_swap(items, monkeypatch)
-    answer = evaluation.generate
+    answer = spell.generate
 
     def judge_dies(*args, **kw):
         raise RuntimeError("the judge died")
     if fails_at == "start":
-        monkeypatch.setattr(evaluation, "start_vllm", judge_dies)
+        monkeypatch.setattr(spell, "start_vllm", judge_dies)
     else:
-        monkeypatch.setattr(evaluation, "generate", lambda llm, prompts, **kw: (
+        monkeypatch.setattr(spell, "generate", lambda llm, prompts, **kw: (
             judge_dies() if kw["temperature"] == 0.0 else answer(llm, prompts, **kw)))
     with pytest.raises(RuntimeError, match="the judge died"):
         evaluate("model engine", CharTokenizer(), items, n=4, max_input_len=2000,
@@ -826,8 +557,8 @@ def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkey
     model, bad = judge_folder(tmp_path / "model"), judge_folder(tmp_path / "judge", **judge)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)  # a world of one, without a process group
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
-    monkeypatch.setattr(evaluation, "start_vllm", lambda *a, **kw: pytest.fail("vLLM started"))
-    with pytest.raises(spell.ConfigError) as e:
+    monkeypatch.setattr(spell, "start_vllm", lambda *a, **kw: pytest.fail("vLLM started"))
+    with pytest.raises(infra.ConfigError) as e:
         evaluation.run_eval(model, [str(FIXTURES / "hotpotqa.jsonl")], out_dir=str(tmp_path),
                             judge_model=bad, max_input_len=2000, max_output_len=256, **settings)
     assert str(e.value).startswith(message.format(judge=bad)), e.value
@@ -835,7 +566,7 @@ def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkey
     # a judge with a template, a long context and two heads passes
     from transformers import AutoTokenizer
     evaluation.check_judge(model, AutoTokenizer.from_pretrained(model),
-                           load_benchmark(str(FIXTURES / "hotpotqa.jsonl")), max_input_len=2000,
+                           infra.load_benchmark(str(FIXTURES / "hotpotqa.jsonl")), max_input_len=2000,
                            max_output_len=256, judge_max_tokens=256, tensor_parallel_size=2)
 
 
@@ -843,7 +574,7 @@ def test_eval_command_line_passes_the_judge(monkeypatch):
     seen: dict = {}
     # eval_main sets it on CPU; restored afterwards
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setattr(evaluation, "init_distributed", lambda: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(spell, "init_distributed", lambda: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(evaluation, "run_eval",
                         lambda model_dir, specs, **kw: seen.update(model=model_dir, specs=specs,
                                                                    **kw))
@@ -904,7 +635,7 @@ def test_heldout_sotu_set_loads_and_every_answer_is_in_its_passage():
     records = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines()]
     # Neither the file name nor its dataset field names a known benchmark:
     # it is named as LongBench v1 doc-QA
-    items = load_eval_data([f"hotpotqa:{HELDOUT}"])
+    items = infra.load_eval_data([f"hotpotqa:{HELDOUT}"])
     assert len(items) == len(records) >= 60 and len({item.id for item in items}) == len(items)
     speeches = {r["speech"] for r in records}
     # training: 1989 on
@@ -935,67 +666,6 @@ def test_heldout_sotu_set_loads_and_every_answer_is_in_its_passage():
 # RLVR's static QA set (data.qa): load_qa_set
 # ------------------------------------------------------------------------------------------------
 
-def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
-    path = tmp_path / "qa.jsonl"
-    mc = {"id": "m", "task": "doc_mc", "documents": ["d"], "question": "Which?", "answer": "(C)",
-          "options": {"A": "a", "B": "b", "C": "c", "D": "d"}}
-    fin = {"id": "f", "task": "fin_math", "documents": ["d"], "question": "How much?",
-           "answer": "$1,250.0"}
-    path.write_text("\n".join(json.dumps(x) for x in [qa_record(0, ["x", "y"]), mc, fin]) + "\n")
-    a, m, f = evaluation.load_qa_set(path)
-    assert (a.id, a.task, a.documents, a.qa) == (
-        "q0", "doc_qa", ["x", "y"], {"question": SPEAKER_QUESTION["question"], "answer": "blue"})
-    assert m.qa["answer"] == "C" and m.qa["options"]["C"] == "c" and f.qa["answer"] == "1250"
-    heldout = evaluation.load_qa_set(f"hotpotqa:{REPO / 'evals' / 'sotu_heldout_qa.jsonl'}")
-    first = evaluation.load_benchmark(str(REPO / "evals" / "sotu_heldout_qa.jsonl"), "hotpotqa")[0]
-    assert heldout[0].documents == [first.context] and heldout[0].qa["answer"] == first.answers[0]
-
-
-@pytest.mark.parametrize("line, words", [
-    ('{"id": "a", "documents": ["d"], "question": "Q?"}',
-     "qa.jsonl:2: fields 'question', 'answer'"),
-    ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}',
-     "qa.jsonl:2"),
-    ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}',
-     "options"),
-    ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
-     "qa.jsonl:2: field 'documents'"),
-    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"',
-     "qa.jsonl:2: not valid JSON"),
-    ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"',
-     "qa.jsonl:2: not valid JSON"),
-    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": ' + "9" * 5000 + "}",
-     "qa.jsonl:2: not valid JSON (Exceeds the limit (4300 digits)"),
-    ('{"id": "a", "documents": ' + "[" * 100_000 + "]" * 100_000 + "}",
-     "qa.jsonl:2: not valid JSON (nested deeper than Python's recursion limit)"),
-])
-def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
-    path = tmp_path / "qa.jsonl"
-    path.write_text(json.dumps(qa_record(0, ["x"])) + "\n" + line + "\n")
-    with pytest.raises(spell.CorpusError, match=re.escape(words)):
-        evaluation.load_qa_set(path)
-
-
-def test_load_qa_set_pairs_each_cluster_with_its_own_record(tmp_path):
-    """A bare carriage return is JSON whitespace: the line it sits in stays one record, so the
-    questions that follow stay with their own documents."""
-    first = {**qa_record(0, ["x"]), "answer": "red"}
-    second = {**qa_record(1, ["y"]), "answer": "blue"}
-    path = tmp_path / "qa.jsonl"
-    path.write_bytes(json.dumps(first).replace(", ", ",\r", 1).encode() + b"\n"
-                     + json.dumps(second).encode() + b"\n")
-    a, b = evaluation.load_qa_set(path)
-    assert (a.id, a.documents, a.qa["answer"]) == ("q0", ["x"], "red")
-    assert (b.id, b.documents, b.qa["answer"]) == ("q1", ["y"], "blue")
-
-
-def test_load_qa_set_refuses_a_benchmark_whose_ids_repeat(tmp_path):
-    rows = [{"_id": "same", "input": f"Q{i}?", "answers": ["a"], "context": "c"} for i in range(2)]
-    path = tmp_path / "bench.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(spell.CorpusError, match="question id 'same' repeats"):
-        evaluation.load_qa_set(f"hotpotqa:{path}")
-
 
 # ------------------------------------------------------------------------------------------------
 # Synth: a static QA set for RLVR
@@ -1013,10 +683,10 @@ def test_synth_refuses_bad_arguments_before_vllm_starts(tmp_path, monkeypatch, a
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"id": "a", "documents": ["A report."]}) + "\n")
     (tmp_path / "a_file").write_text("not a folder")
-    monkeypatch.setattr(evaluation, "init_distributed", lambda: pytest.fail("the run started"))
+    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
     argv = ["synth", "--out", str(tmp_path / "qa.jsonl"), f"--data.corpus={corpus}",
             *(a.format(tmp=tmp_path) for a in args)]
-    with pytest.raises(spell.ConfigError) as e:
+    with pytest.raises(infra.ConfigError) as e:
         spell.main(argv)
     assert str(e.value) == message.format(tmp=tmp_path), e.value
 
@@ -1035,7 +705,7 @@ def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     [(kept, drawn)] = re.findall(r"^synth: (\d+) questions of (\d+) drawn", result.stdout,
                                  flags=re.M)
     clusters = {c["id"]: c for c in protocol_corpus()}
-    items = evaluation.load_qa_set(out)
+    items = spell.load_qa_set(out)
     assert int(drawn) == 2 * len(clusters) and len(items) == int(kept) >= 1
     assert len({it.id for it in items}) == len(items)
     for it in items:
@@ -1057,13 +727,13 @@ def worker_eval_e2e(model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
     counts = {"responder_prompts": 0, "judge_prompts": 0}
 
-    real_generate = evaluation.generate
+    real_generate = spell.generate
 
     def counting_generate(engine, prompts, **kw):
         counts["judge_prompts" if kw["temperature"] == 0.0 else "responder_prompts"] += len(prompts)
         return real_generate(engine, prompts, **kw)
 
-    evaluation.generate = counting_generate
+    spell.generate = counting_generate
     evaluation.run_eval(model_dir, [str(FIXTURES / name) for name in FIXTURE_FILES],
                         out_dir=out_dir, seed=0, dtype="float32", **EVAL_E2E)
     for key, value in counts.items():
@@ -1081,7 +751,7 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
 
     dist.init_process_group("gloo")  # the external launcher reuses the torchrun world
     rank = dist.get_rank()
-    real_generate, real_start = evaluation.generate, evaluation.start_vllm
+    real_generate, real_start = spell.generate, spell.start_vllm
     models = []  # weak references to the model of every engine started so far
     log = {"calls": [], "freed_before_judge": None}
 
@@ -1099,7 +769,7 @@ def worker_eval_judge_e2e(model_dir: str, judge_dir: str, out_dir: str) -> None:
         log["calls"].append((engine.llm_engine.model_config.model, kind, len(prompts)))
         return real_generate(engine, prompts, **kw)
 
-    evaluation.generate, evaluation.start_vllm = generate, start_vllm
+    spell.generate, spell.start_vllm = generate, start_vllm
     evaluation.run_eval(model_dir,
                         [str(FIXTURES / "hotpotqa.jsonl"), str(FIXTURES / "longbench_v2.json")],
                         out_dir=out_dir, judge_model=judge_dir, n=2, max_input_len=200,

@@ -19,8 +19,9 @@ import torch
 
 import infra
 import spell
-from conftest import (GOOD_CLUSTER, REPO, TEMPERATURE, logged_inputs, logged_metrics, metrics,
-                      run_worker, snapshot, torchrun, worker_mesh)
+from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
+                      logged_metrics, metrics, mutated_fixture, run_worker,
+                      snapshot, torchrun, worker_mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     (["--reward.verifier_reply_prefix=x"], "did you mean bootstrap.verifier_reply_prefix?"),
 ])
 def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
-    with pytest.raises(spell.ConfigError, match=re.escape(message)):
+    with pytest.raises(infra.ConfigError, match=re.escape(message)):
         spell.load_config(None, argv)
 
 
@@ -88,24 +89,235 @@ def test_unreadable_config_file_fails_before_writing_anything(tmp_path, content,
     config = tmp_path / "c.toml"
     if content is not None:
         config.write_bytes(content)
-    with pytest.raises(spell.ConfigError, match=re.escape(message)):
+    with pytest.raises(infra.ConfigError, match=re.escape(message)):
         spell.main(["--config", str(config), f"--log.out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------------------------------------
-# Reading the policy's text: control tokens
+# Benchmark files: native layouts, inference of the benchmark, errors naming file / position / field
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, tokens", [
-    ("a<|x|>b<|x|>", ("<|x|>",)),
-    ("<a><", ("<a>", "a><")),                    # two tokens overlapping
-    ("<<|x|>|x|>>", ("<|x|>",)),                 # nested
-    ("<aaa>", ("<aa", "aa>", "aaa")),
+@pytest.mark.parametrize("name, content", [
+    ("hotpotqa.jsonl", b'{"input": "a"}\n{"input": "caf\xe9"}\n'),
+    ("longbench_v2.json", b'[{"question": "a"},\n {"question": "caf\xe9"}]'),
+    ("frames.tsv", b"Prompt\tAnswer\ncaf\xe9\tx\n"),
 ])
-def test_defused_text_holds_no_control_token(text, tokens):
-    out = infra.defuse_control_tokens(text, tokens)
-    assert not any(t in out for t in tokens) and out.replace(infra._WORD_JOINER, "") == text
+def test_eval_file_not_utf8_names_file_line_and_byte(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    byte = content.index(0xE9)
+    where = f"{path}, line 2: not UTF-8 text (byte {byte} is 0xe9)"
+    with pytest.raises(infra.EvalDataError, match=re.escape(where)):
+        infra.load_benchmark(str(path))
+
+
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_fixtures_load_with_inferred_benchmark(name):
+    bench, count = FIXTURE_FILES[name]
+    items = infra.load_benchmark(str(FIXTURES / name))
+    assert len(items) == count
+    assert ({it.benchmark for it in items} == {bench}
+            and {it.task for it in items} == {infra.BENCHMARKS[bench]})
+    assert all(it.context and it.question and it.answers and all(it.answers) for it in items)
+    assert len({it.id for it in items}) == count
+
+
+def test_loaders_map_native_fields():
+    items = {(it.benchmark, it.id): it for it in all_fixture_items()}
+    hot = items["hotpotqa", "hotpotqa-fixture-0000"]
+    assert hot.question.startswith("In which city") and hot.answers == ("Hamburg",)
+    assert hot.context.startswith("Passage 1:\nGlass Pavilion\n") and hot.choices == ()
+    assert items["2wikimqa", "2wikimqa-fixture-0001"].answers == ("American", "United States")
+    lb2 = items["longbench_v2", "lbv2-fixture-0001"]
+    assert lb2.task == "doc_mc" and lb2.answers == ("C",)
+    assert lb2.choices == ("Mr. Chen", "The board", "Ms. Ortiz", "Nobody yet")
+    frames = items["frames", "0"]  # Frames has no id field: the position in the file
+    assert frames.context == (
+        "Orchard Quartet\nThe Orchard Quartet is a string quartet founded in 1974.\n"
+        "Glass Pavilion\nThe Glass Pavilion is an exhibition hall that opened in 1961.")
+    assert frames.question.startswith("How many years") and frames.answers == ("13 years",)
+    doc = [items["docmath", f"simpshort-testmini-fixture-{i}"] for i in range(3)]
+    assert [d.answers for d in doc] == [("25",), ("600",), ("0.28",)]  # 25.0 is written as "25"
+    assert doc[0].context.split("\n")[0] == "Selected financial data (in thousands of dollars):"
+    assert "| Revenue | 1,200 | 1,500 |" in doc[0].context and doc[0].task == "fin_math"
+
+
+@pytest.mark.parametrize("filename, expected", [
+    ("LongBench-v2.json", "longbench_v2"), ("longbench_v2_data.jsonl", "longbench_v2"),
+    ("hotpotqa_e.jsonl", "hotpotqa"), ("2wikimqa.jsonl", "2wikimqa"),
+    ("MuSiQue.parquet", "musique"), ("frames_test.jsonl", "frames"),
+    ("docmath.json", "docmath"), ("complong_testmini.json", "docmath"),
+])
+def test_infer_benchmark_from_filename(filename, expected):
+    assert infra.infer_benchmark(f"/data/{filename}", first=None) == expected
+
+
+def test_infer_benchmark_from_fields_when_name_says_nothing(tmp_path):
+    # LongBench-V2's native file is data.json: the first record's fields tell
+    shutil.copy(FIXTURES / "longbench_v2.json", tmp_path / "data.json")
+    assert {it.benchmark for it in infra.load_benchmark(str(tmp_path / "data.json"))} == {"longbench_v2"}
+    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "test.jsonl")
+    assert {it.benchmark for it in infra.load_benchmark(str(tmp_path / "test.jsonl"))} == {"musique"}
+    shutil.copy(FIXTURES / "simpshort_testmini.json", tmp_path / "x.json")
+    assert infra.load_benchmark(str(tmp_path / "x.json"))[0].benchmark == "docmath"
+    # ambiguous name, fields decide
+    shutil.copy(FIXTURES / "frames.jsonl", tmp_path / "hotpotqa_vs_musique.jsonl")
+    assert infra.load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark == "frames"
+    (tmp_path / "mystery.jsonl").write_text('{"q": 1}\n')
+    with pytest.raises(infra.EvalDataError,
+                       match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
+        infra.load_benchmark(str(tmp_path / "mystery.jsonl"))
+
+
+def test_explicit_benchmark_name_and_pooling(tmp_path):
+    # a ':' in the path itself
+    shutil.copy(FIXTURES / "hotpotqa.jsonl", tmp_path / "some:file.jsonl")
+    items = infra.load_eval_data([f"musique:{FIXTURES / 'hotpotqa.jsonl'}",
+                            str(tmp_path / "some:file.jsonl"), str(FIXTURES / "hotpotqa.jsonl")])
+    assert [it.benchmark for it in items] == ["musique"] * 4 + ["hotpotqa"] * 8
+    with pytest.raises(infra.EvalDataError, match="unknown benchmark 'trivia'"):
+        infra.load_benchmark(str(FIXTURES / "hotpotqa.jsonl"), "trivia")
+
+
+@pytest.mark.parametrize("name, index, mutate, where, field, words", [
+    ("hotpotqa.jsonl", 1, lambda r: r.update(answers="cello"), "line 2", "answers",
+     "list of non-empty strings"),
+    ("hotpotqa.jsonl", 2, lambda r: r.pop("input"), "line 3", "input", "it is missing"),
+    ("2wikimqa.jsonl", 0, lambda r: r.update(answers=[]), "line 1", "answers", "non-empty list"),
+    ("musique.jsonl", 2, lambda r: r.update(context=None), "line 3", "context", "non-empty string"),
+    ("musique.jsonl", 0, lambda r: r.pop("_id"), "line 1", "_id", "an id"),
+    ("longbench_v2.json", 1, lambda r: r.update(answer="E"), "item 1", "answer", "A, B, C, D"),
+    ("longbench_v2.json", 3, lambda r: r.pop("choice_C"), "item 3", "choice_C", "missing"),
+    ("frames.jsonl", 1, lambda r: r.pop("wiki_items"), "line 2", "wiki_items",
+     "Tongyi-Zhiwen/frames"),
+    ("frames.jsonl", 0, lambda r: r["wiki_items"][1].pop("text"), "line 1, wiki_items[1]", "text",
+     "missing"),
+    ("frames.jsonl", 2, lambda r: r.update(Answer=""), "line 3", "Answer", "non-empty string"),
+    ("simpshort_testmini.json", 2, lambda r: r.update(ground_truth=None), "item 2", "ground_truth",
+     "testmini"),
+    ("simpshort_testmini.json", 1, lambda r: r.update(ground_truth="n/a"), "item 1", "ground_truth",
+     "a number"),
+    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", 3]), "item 0", "paragraphs",
+     "strings"),
+])
+def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutate, where, field,
+                                                    words):
+    path = mutated_fixture(tmp_path, name, index, mutate)
+    with pytest.raises(infra.EvalDataError) as err:
+        infra.load_benchmark(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}, {where}, field {field!r}: expected"), message
+    assert words in message
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("hotpotqa.jsonl", '{"_id": "a"}\n{"_id": ' + "9" * 5000 + "}\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("hotpotqa.jsonl", '{"_id": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+     "hotpotqa.jsonl, line 2: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("musique.json", '[{"_id": ' + "9" * 5000 + "}]",
+     "musique.json: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("musique.json", "[" * 100_000 + "]" * 100_000,
+     "musique.json: not valid JSON (nested deeper than Python's recursion limit)"),
+    ("frames.tsv", "Prompt\tAnswer\nshort\tx\n" + "y" * 131_073 + "\tx\n",
+     "frames.tsv, row 1: not a TSV row (field larger than field limit (131072))"),
+])
+def test_eval_files_beyond_python_s_limits_are_one_line(tmp_path, name, content, message):
+    """An integer of 5000 digits (int's limit), "[[[[..." (the recursion limit) and a Frames cell
+    over csv's field limit: an infra.EvalDataError naming the file and place, not a traceback."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(infra.EvalDataError) as e:
+        infra.load_benchmark(str(path))
+    assert str(e.value).startswith(f"{tmp_path}/{message}"), e.value
+    assert "\n" not in str(e.value)
+
+
+def test_loader_errors_for_broken_files(tmp_path):
+    bad_json = tmp_path / "hotpotqa.jsonl"
+    lines = (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
+    bad_json.write_text(lines[0] + "\n" + lines[1][:-5] + "\n")
+    with pytest.raises(infra.EvalDataError, match=r"hotpotqa\.jsonl, line 2: not valid JSON"):
+        infra.load_benchmark(str(bad_json))
+    (tmp_path / "musique.json").write_text('{"data": []}')
+    with pytest.raises(infra.EvalDataError,
+                       match=r"musique\.json: expected a JSON list of records, got a dict"):
+        infra.load_benchmark(str(tmp_path / "musique.json"))
+    (tmp_path / "frames.json").write_text('[["Prompt", "Answer"]]')
+    with pytest.raises(infra.EvalDataError,
+                       match=r"frames\.json, item 0: expected an object of fields, got list"):
+        infra.load_benchmark(str(tmp_path / "frames.json"))
+    (tmp_path / "musique.csv").write_text("input,answers\n")
+    with pytest.raises(infra.EvalDataError, match="unknown file type '.csv'"):
+        infra.load_benchmark(str(tmp_path / "musique.csv"))
+    (tmp_path / "2wikimqa.jsonl").write_text("\n\n")
+    with pytest.raises(infra.EvalDataError, match="holds no records"):
+        infra.load_benchmark(str(tmp_path / "2wikimqa.jsonl"))
+    with pytest.raises(infra.EvalDataError, match="no such file"):
+        infra.load_benchmark(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(infra.EvalDataError, match="no benchmark files given"):
+        infra.load_eval_data([])
+
+
+def test_jsonl_named_json_still_loads(tmp_path):
+    shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "musique.json")  # HF exports often do this
+    assert len(infra.load_benchmark(str(tmp_path / "musique.json"))) == 3
+
+
+def test_raw_frames_tsv_asks_for_wiki_items(tmp_path):
+    # google/frames-benchmark test.tsv: links to Wikipedia, no article texts
+    path = tmp_path / "frames_test.tsv"
+    path.write_text("\tPrompt\tAnswer\twikipedia_link_1\treasoning_types\n"
+                    "0\tWho won?\tAda\thttps://en.wikipedia.org/wiki/Ada\tMultiple constraints\n")
+    with pytest.raises(infra.EvalDataError,
+                       match=r"frames_test\.tsv, row 0, field 'wiki_items': expected the article "
+                             r"texts .* raw google/frames-benchmark TSV"):
+        infra.load_benchmark(str(path))
+
+
+def test_parquet(tmp_path):
+    recs = [json.loads(line) for line in (FIXTURES / "musique.jsonl").read_text().splitlines()]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        (tmp_path / "musique.parquet").write_bytes(b"PAR1")
+        with pytest.raises(infra.EvalDataError, match="reading parquet needs pyarrow"):
+            infra.load_benchmark(str(tmp_path / "musique.parquet"))
+        return
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "musique.parquet")
+    assert (infra.load_benchmark(str(tmp_path / "musique.parquet"))
+            == infra.load_benchmark(str(FIXTURES / "musique.jsonl")))
+
+
+@pytest.mark.parametrize("name, index, mutate, where, field", [
+    ("hotpotqa.jsonl", 1, lambda r: r.update(context=r["context"] + "\ud800"), "line 2", "context"),
+    ("hotpotqa.jsonl", 0, lambda r: r.update(answers=["ok", "\udfff"]), "line 1", "answers[1]"),
+    ("hotpotqa.jsonl", 2, lambda r: r.update(input="Who\ud83d?"), "line 3", "input"),
+    ("musique.jsonl", 0, lambda r: r.update(_id="m\ud800"), "line 1", "_id"),
+    ("frames.jsonl", 0, lambda r: r["wiki_items"][0].update(text="\ud800"), "line 1, wiki_items[0]",
+     "text"),
+    ("longbench_v2.json", 1, lambda r: r.update(choice_B="\udc00"), "item 1", "choice_B"),
+    ("simpshort_testmini.json", 0, lambda r: r.update(paragraphs=["ok", "\ud800"]), "item 0",
+     "paragraphs[1]"),
+])
+def test_eval_loaders_refuse_lone_surrogates(tmp_path, name, index, mutate, where, field):
+    src = FIXTURES / name
+    if name.endswith(".jsonl"):
+        recs = [json.loads(line) for line in src.read_text().splitlines()]
+        mutate(recs[index])
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    else:
+        recs = json.loads(src.read_text())
+        mutate(recs[index])
+        (tmp_path / name).write_text(json.dumps(recs))
+    path = str(tmp_path / name)
+    message = f"{path}, {where}, field {field!r}: expected text without a lone surrogate"
+    with pytest.raises(infra.EvalDataError, match=re.escape(message)):
+        infra.load_benchmark(path)
+    with pytest.raises(infra.CorpusError, match=re.escape(message)):  # data.qa reads benchmarks too
+        spell.load_qa_set(path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +356,7 @@ def test_memory_estimate_qwen25_7b():
 
     cfg = spell.load_config(str(spell.ROOT / "config.toml"))
     P, layer, root, T, H, L = 7_615_616_512, 233_057_792, 1_089_998_336, 32768, 3584, 28
-    est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0)
+    est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0, longest=spell.longest_sequence(cfg))
     GiB = 2**30
     # a layer keeps 4 H + 2 q + 2 k + 4 I (I = 18944) = 14336 + 7168 + 1024 + 75776 = 98304 bf16
     # values a token for backward
@@ -185,8 +397,11 @@ def test_memory_estimate_counts_the_largest_role_budget():
     from transformers import Qwen2Config
 
     mc, path = Qwen2Config(**QWEN25_7B), str(spell.ROOT / "config.toml")
-    minimum = lambda *argv: infra.memory_estimate(  # noqa: E731
-        spell.load_config(path, list(argv)), mc, world=8, device_gib=80.0)["vllm_minimum"]
+    def minimum(*argv: str) -> float:
+        cfg = spell.load_config(path, list(argv))
+        return infra.memory_estimate(cfg, mc, world=8, device_gib=80.0,
+                                     longest=spell.longest_sequence(cfg))["vllm_minimum"]
+
     shared = minimum()
     assert minimum("--rollout.role_max_new_tokens=ver:64") == shared
     assert minimum("--rollout.role_max_new_tokens=que:8192,ver:64") == pytest.approx(
@@ -202,8 +417,8 @@ def test_check_memory_refusals():
     def refusal(world=8, **keys):
         cfg = spell.load_config(str(spell.ROOT / "config.toml"),
                                 [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
-        with pytest.raises(spell.ConfigError) as e:
-            infra.check_memory(cfg, infra.memory_estimate(cfg, mc, world, 80.0), 80.0, world)
+        with pytest.raises(infra.ConfigError) as e:
+            infra.check_memory(cfg, infra.memory_estimate(cfg, mc, world, 80.0, longest=spell.longest_sequence(cfg)), 80.0, world)
         return str(e.value)
 
     # vLLM's 0.15 x 80 = 12 GiB holds less than the 14.2 GiB of bf16 weights
@@ -240,20 +455,20 @@ def test_memory_estimate_with_tensor_parallel_rollouts():
     # 16 > 8 KV heads: one a rank, replicated
     for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:
         cfg = spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"])
-        est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0)
+        est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0, longest=spell.longest_sequence(cfg))
         assert est["vllm_minimum"] == pytest.approx(
             (2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
     one, two = (spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"]) for k in (1, 2))
-    with pytest.raises(spell.ConfigError, match="rollout.tensor_parallel_size") as e:
-        infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0), 80.0, 16)
+    with pytest.raises(infra.ConfigError, match="rollout.tensor_parallel_size") as e:
+        infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0, longest=spell.longest_sequence(one)), 80.0, 16)
     assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
     # 30.5 + 2.5 GiB: fits
-    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0), 80.0, 16)
+    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0, longest=spell.longest_sequence(two)), 80.0, 16)
     # the README's and the preset's figure for this launch with vLLM at half the GPU; the update's
     # activations are those of one 20480-token sequence, above the 16384-token micro-batch budget
     half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2",
                                      "--rollout.gpu_memory_utilization=0.5"])
-    assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0), 80.0).startswith(
+    assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0, longest=spell.longest_sequence(half)), 80.0).startswith(
         "memory: estimate 63.5 of 80.0 GiB per GPU (rollouts 62.9, update 63.5")
 
 
@@ -268,20 +483,20 @@ def test_hsdp_mesh_and_memory():
                                       [f"--train.fsdp_shard_size={s}"])
     assert infra.mesh_shape(cfg(0), 16) == (16,) and infra.mesh_shape(cfg(16), 16) == (16,)
     assert infra.mesh_shape(cfg(8), 16) == (2, 8) and infra.mesh_shape(cfg(1), 4) == (4, 1)
-    with pytest.raises(spell.ConfigError, match=re.escape(
+    with pytest.raises(infra.ConfigError, match=re.escape(
             "train.fsdp_shard_size = 3 must divide the number of ranks, 16")):
         infra.mesh_shape(cfg(3), 16)
     mc = Qwen2Config(**QWEN25_7B)
-    fsdp, hsdp = (infra.memory_estimate(cfg(0), mc, 16, 80.0),
-                  infra.memory_estimate(cfg(8), mc, 16, 80.0))
+    fsdp, hsdp = (infra.memory_estimate(cfg(0), mc, 16, 80.0, longest=spell.longest_sequence(cfg(0))),
+                  infra.memory_estimate(cfg(8), mc, 16, 80.0, longest=spell.longest_sequence(cfg(8))))
     for key in ("weights", "grads", "adamw"):  # sharded over 8, not 16
         assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=1e-12), key
     assert all(hsdp[k] == fsdp[k]
                for k in ("gathered", "activations", "lm_head", "vllm", "vllm_minimum"))
     small = cfg(1)  # every rank holds everything: 16 B x 7.6 B parameters = 113 GiB
-    with pytest.raises(spell.ConfigError,
+    with pytest.raises(infra.ConfigError,
                        match=re.escape("113.5 GiB a GPU on 1, train.fsdp_shard_size)")):
-        infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0), 80.0, 16)
+        infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0, longest=spell.longest_sequence(small)), 80.0, 16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,37 +602,24 @@ def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
 # Tensor-parallel rollouts and rebalancing
 # ------------------------------------------------------------------------------------------------
 
-def test_share_within_groups():
-    """Tensor-parallel rollouts: items named by a group's first rank spread over that group's ranks,
-    longest first to the least loaded, in place and in order; with k = 1 nothing moves."""
-    item = lambda rank, length: spell.TrainItem(rank, 0, "res", 0, 0, 0.0,  # noqa: E731
-                                                ("res", rank, 0), length)
-    items = [item(0, 3), item(0, 5), item(2, 7), item(0, 1), item(0, 4), item(0, 3)]
-    infra.share_within_groups(items, 2)
+def test_tensor_parallel_owners():
+    """Tensor-parallel rollouts: sequences named by a group's first rank spread over that group's
+    ranks, longest first to the least loaded, in order; with k = 1 nothing moves."""
+    ranks, lengths = [0, 0, 2, 0, 0, 0], [3, 5, 7, 1, 4, 3]
     # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
     # group 1: 7 -> rank 2
-    assert ([(it.rank, it.length) for it in items]
-            == [(1, 3), (0, 5), (2, 7), (1, 1), (1, 4), (0, 3)])
-    items = [item(r, n) for r, n in [(0, 3), (1, 5), (3, 2)]]
-    infra.share_within_groups(items, 1)
-    assert [it.rank for it in items] == [0, 1, 3]
+    assert infra.tensor_parallel_owners(ranks, lengths, 2) == [1, 0, 2, 1, 1, 0]
+    assert infra.tensor_parallel_owners([0, 1, 3], [3, 5, 2], 1) == [0, 1, 3]
 
 
-def test_rollout_fingerprint_and_group_check():
-    """The per-step CRC the ranks of a tensor-parallel engine compare: any sampled token or status
-    that differs changes it, and a group that disagrees stops every rank with the ranks named."""
-    cluster = spell.Cluster("c", "doc_qa", ["doc"])
-
-    def rollout(tokens, status="ok", verdict=(7,)):
-        c = lambda ids: spell.Completion(list(ids), "", None, "stop")  # noqa: E731
-        return spell.Rollout(cluster, "doc_qa", [0], [1, 2], que_output=c(tokens), status=status,
-                             responses=[c([4, 5]), c([6])], verdicts=[[c(verdict)], []])
-
-    base = infra.rollout_fingerprint([rollout([1, 2, 3])])
-    assert base == infra.rollout_fingerprint([rollout([1, 2, 3])])
-    for other in ([rollout([1, 2, 4])], [rollout([1, 2, 3], status="format")],
-                  [rollout([1, 2, 3], verdict=(8,))], [rollout([1, 2, 3]), rollout([])], []):
-        assert infra.rollout_fingerprint(other) != base
+def test_token_fingerprint_and_group_check():
+    """The per-step CRC the ranks of a tensor-parallel engine compare: any token or status that
+    differs changes it, and a group that disagrees stops every rank with the ranks named."""
+    base = infra.token_fingerprint(["ok", [1, 2, 3], [4, 5], "ok", []])
+    assert base == infra.token_fingerprint(["ok", [1, 2, 3], [4, 5], "ok", []])
+    for other in (["ok", [1, 2, 4], [4, 5], "ok", []], ["format", [1, 2, 3], [4, 5], "ok", []],
+                  ["ok", [1, 2, 3], [4, 5]], []):
+        assert infra.token_fingerprint(other) != base
     # each group agrees within; groups differ, as they should
     infra.check_groups_agree([base, base, 5, 5], 2)
     infra.check_groups_agree([1, 2, 3], 1)
@@ -436,7 +638,7 @@ def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
                                       [f"--rollout.tensor_parallel_size={k}"])
     assert [infra.engine_groups(cfg(1), r, 4) for r in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [infra.engine_groups(cfg(2), r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    with pytest.raises(spell.ConfigError, match=re.escape(
+    with pytest.raises(infra.ConfigError, match=re.escape(
             "tensor_parallel_size = 3 must divide the number of ranks, 4")):
         infra.engine_groups(cfg(3), 0, 4)
     # without tensor parallelism the model's folder is not read
@@ -451,17 +653,17 @@ def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
     qwen7b = saved(Qwen2Config(**QWEN25_7B), "qwen7b")  # 28 heads, 4 KV heads
     for k in (2, 4):
         assert infra.engine_groups(cfg(k), 5, 8, qwen7b) == (5 // k, 8 // k)
-    with pytest.raises(spell.ConfigError, match="must divide the model's 28 attention heads"):
+    with pytest.raises(infra.ConfigError, match="must divide the model's 28 attention heads"):
         # 8 KV copies would do (replicated), 28 / 8 heads would not
         infra.engine_groups(cfg(8), 0, 8, qwen7b)
     smollm2 = saved(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3),
                     "smollm2")  # SmolLM2-135M
     assert infra.engine_groups(cfg(3), 0, 3, smollm2) == (0, 1)
-    with pytest.raises(spell.ConfigError, match="9 attention heads"):
+    with pytest.raises(infra.ConfigError, match="9 attention heads"):
         infra.engine_groups(cfg(2), 0, 2, smollm2)
     kv = saved(LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6), "kv6")
     # 4 splits 12 heads, neither divides 6 nor is a multiple
-    with pytest.raises(spell.ConfigError, match="6 key/value heads"):
+    with pytest.raises(infra.ConfigError, match="6 key/value heads"):
         infra.engine_groups(cfg(4), 0, 4, kv)
 
 
@@ -546,7 +748,7 @@ def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypa
     before = snapshot(out_dir)
     monkeypatch.setattr(spell, "init_distributed",
                         lambda: pytest.fail("the run started on a damaged checkpoint"))
-    with pytest.raises(spell.CheckpointError, match=re.escape(f"{step}: {message}")):
+    with pytest.raises(infra.CheckpointError, match=re.escape(f"{step}: {message}")):
         spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}", "--resume"])
     assert snapshot(out_dir) == before
@@ -568,10 +770,10 @@ def test_each_rank_checksums_the_files_it_wrote(tmp_path):
     flip_middle_byte(step / "__1_1.distcp")
     infra.check_checkpoint(step, world=2, ranks=[0])
     for ranks in ([1], None):
-        with pytest.raises(spell.CheckpointError, match=re.escape("__1_1.distcp is corrupted")):
+        with pytest.raises(infra.CheckpointError, match=re.escape("__1_1.distcp is corrupted")):
             infra.check_checkpoint(step, world=2, ranks=ranks)
     (step / "rank1.pt").write_bytes(b"")  # a size is checked on every rank
-    with pytest.raises(spell.CheckpointError,
+    with pytest.raises(infra.CheckpointError,
                        match=re.escape("rank1.pt has 0 bytes, 800 were saved")):
         infra.check_checkpoint(step, world=2, ranks=[0])
 
@@ -586,13 +788,13 @@ def test_checkpoint_without_checksums_is_refused(tmp_path):
     files = infra.seal_files(step, rank=0)
     # what spell.py wrote before sizes and checksums
     (step / "meta.json").write_text('{"step": 1, "world": 1}')
-    with pytest.raises(spell.CheckpointError,
+    with pytest.raises(infra.CheckpointError,
                        match=re.escape(f"{step}: meta.json records no file sizes or checksums")):
         infra.check_checkpoint(step, world=1)
     for name in files:
         (step / "meta.json").write_text(json.dumps(
             {"step": 1, "world": 1, "files": {n: r for n, r in files.items() if n != name}}))
-        with pytest.raises(spell.CheckpointError,
+        with pytest.raises(infra.CheckpointError,
                            match=re.escape(f"meta.json records no size or checksum of {name}")):
             infra.check_checkpoint(step, world=1)
 
@@ -628,7 +830,7 @@ def test_meta_json_names_only_files_of_the_checkpoint(tmp_path):
     for name, rec in [("/dev/zero", {"size": 0, "crc32": "00000000"}),
                       ("../../outside.bin", record), ("sub/rank0.pt", record), ("..", record)]:
         set_files(step, **{name: rec})
-        with deadline(10), pytest.raises(spell.CheckpointError) as e:
+        with deadline(10), pytest.raises(infra.CheckpointError) as e:
             infra.check_checkpoint(step, world=1)
         assert str(e.value) == (f"{step}: meta.json names {name!r}, "
                                 "not a file of the checkpoint folder"), e.value
@@ -645,17 +847,17 @@ def test_checkpoint_files_that_are_links_or_devices_are_refused(tmp_path):
     (step / "rank0.pt").unlink()
     (step / "rank0.pt").symlink_to("/dev/zero")
     set_files(step, **{"rank0.pt": {"size": 0, "crc32": "00000000"}})
-    with deadline(10), pytest.raises(spell.CheckpointError,
+    with deadline(10), pytest.raises(infra.CheckpointError,
                                      match=re.escape(f"{step}: rank0.pt is not a plain file")):
         infra.check_checkpoint(step, world=1)
     (step / "meta.json").unlink()
     (step / "meta.json").symlink_to("/dev/zero")
-    with deadline(10), pytest.raises(spell.CheckpointError, match=re.escape(
+    with deadline(10), pytest.raises(infra.CheckpointError, match=re.escape(
             f"{step}: not a complete checkpoint (meta.json: a symbolic link, not a plain file)")):
         infra.check_checkpoint(step, world=1)
     (step / "meta.json").unlink()
     os.mkfifo(step / "meta.json")
-    with deadline(10), pytest.raises(spell.CheckpointError, match=re.escape(
+    with deadline(10), pytest.raises(infra.CheckpointError, match=re.escape(
             f"{step}: not a complete checkpoint (meta.json: not a plain file)")):
         infra.check_checkpoint(step, world=1)
 
@@ -685,7 +887,7 @@ def test_latest_names_only_a_step_folder_of_the_run(tmp_path, latest):
         pointer.write_text(latest.format(tmp=tmp_path))
         message = (f"{pointer}: names {infra.shown(latest.format(tmp=tmp_path))}, not a "
                    f"step_NNNNNN folder of {pointer.parent}")
-    with deadline(10), pytest.raises(spell.CheckpointError) as e:
+    with deadline(10), pytest.raises(infra.CheckpointError) as e:
         infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
     assert str(e.value) == message, e.value
 
@@ -728,7 +930,7 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
             (["--reward.format_penalty=-0.5"], "reward.format_penalty (saved -1.0, now -0.5)"),
             (["--train.seed=1", "--train.lr=0.5"],
              "train.lr (saved 1e-05, now 0.5); train.seed (saved 42, now 1)")]:
-        with pytest.raises(spell.CheckpointError) as e:
+        with pytest.raises(infra.CheckpointError) as e:
             resume(*extra)
         assert str(e.value).startswith(f"{step}: saved by a run with another {change}. Resume "
                                        "with its values"), e.value
@@ -736,7 +938,7 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
     corpus.write_text(json.dumps({**GOOD_CLUSTER, "id": "edited"}) + "\n")
     now = infra.data_fingerprint(str(corpus))
     monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
-    with pytest.raises(spell.CheckpointError, match=re.escape(
+    with pytest.raises(infra.CheckpointError, match=re.escape(
             f"another data.corpus (saved {saved!r}, now {now!r}). Resume")):
         spell.main(["--config", demo, run, f"--data.corpus={corpus}", "--resume"])
 
@@ -805,7 +1007,7 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "run").write_text("not a folder")
     # without the check, the run would fail at mkdir after the model loads
     for resume in (False, True):
-        with pytest.raises(spell.ConfigError, match="is a file, not a folder"):
+        with pytest.raises(infra.ConfigError, match="is a file, not a folder"):
             infra.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
 
 
@@ -813,35 +1015,21 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
 # Logging: the step line, metrics.jsonl, TensorBoard
 # ------------------------------------------------------------------------------------------------
 
-def test_log_line_shows_the_roles_that_ran():
-    """The console line has a part per role that ran: all three in self-play, no questioner under
-    data.qa (RLVR) and no verifier under reward.judge = rule, whose counts would read as
-    meaningless zeros."""
-    m = logged_metrics(1)
-    line = infra.log_line(1, 2, m)
-    assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 "
-                           "| res r 0.25 kept 1/1 len 25 "
-                           "| ver maj 75% =rule 100% kept 1 | train 9 seq")
-    rlvr = infra.log_line(1, 2, {k: v for k, v in m.items()
-                                 if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
-    assert (rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq")
-            and "(res 0)" in rlvr)
-
-
 def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
-    """RunLog.step on rank 0: the console line, one metrics.jsonl row per step, and with
+    """RunLog.write on rank 0: the console line, one metrics.jsonl row per step, and with
     log.tensorboard every metric as a scalar that TensorBoard's own reader reads back per step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = spell.Config()
     cfg.log.out_dir, cfg.log.sample_every = str(tmp_path), 0
     quiet = infra.RunLog(cfg, ["config.toml"], 1, 2, torch.device("cpu"))  # rank 1 writes nothing
-    quiet.step(1, *logged_inputs(1), [])
+    quiet.write(1, logged_metrics(1), "step 1")
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
     cfg.log.tensorboard = True
     log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
     for step in (1, 2):
-        log.step(step, *logged_inputs(step), [])
+        metrics = logged_metrics(step)
+        log.write(step, {k: v for k, v in metrics.items() if k != "step"}, f"step {step}")
     log.board.close()
     out = capsys.readouterr().out
     assert "spell: 2 rank(s) on cpu; config config.toml" in out and out.count("\nstep ") == 2
@@ -949,4 +1137,3 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
 
 if __name__ == "__main__":
     run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets})
-

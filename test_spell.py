@@ -16,6 +16,7 @@ tolerance carries its derivation beside it.
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -36,10 +37,11 @@ import torch
 
 import infra
 import spell
-from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, TEMPERATURE, TORCHRUN_TIMEOUT_S,
-                      batch_counts, demo_args, make_tiny_model, metrics, protocol_corpus,
-                      qa_record, read_metrics, role_sequences, run_worker, snapshot,
-                      start_torchrun, tiny_llama, torchrun, worker_mesh)
+from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, SPEAKER_QUESTION, TEMPERATURE,
+                      TORCHRUN_TIMEOUT_S, batch_counts, demo_args, logged_inputs, logged_metrics,
+                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics,
+                      role_sequences, run_worker, snapshot, start_torchrun, tiny_llama, torchrun,
+                      worker_mesh)
 from spell import (HistoryMemory, cover_exact_match, extract_answer, group_advantages,
                    majority_vote, numbers_match, parse_number, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -74,7 +76,7 @@ def test_config_file_and_overrides(tmp_path):
 def test_config_errors(tmp_path, text, argv, message):
     p = tmp_path / "c.toml"
     p.write_text(text)
-    with pytest.raises(spell.ConfigError, match=re.escape(message)):
+    with pytest.raises(infra.ConfigError, match=re.escape(message)):
         spell.load_config(str(p), argv)
 
 
@@ -106,7 +108,7 @@ def test_presets_load():
 def test_check_config_rejects_unknown_questioner_mapping():
     cfg = spell.Config()
     cfg.reward.questioner_mapping = "linear"
-    with pytest.raises(spell.ConfigError,
+    with pytest.raises(infra.ConfigError,
                        match=r"^reward\.questioner_mapping must be gaussian\|azr\|rzero\|spice, "
                              r"got 'linear'$"):
         spell.check_config(cfg)
@@ -120,7 +122,7 @@ def test_check_config_rejects_unknown_questioner_mapping():
 def test_frozen_roles_rejects_other_names():
     cfg = spell.Config()
     cfg.train.frozen_roles = "que,res"
-    with pytest.raises(spell.ConfigError, match=re.escape("train.frozen_roles")):
+    with pytest.raises(infra.ConfigError, match=re.escape("train.frozen_roles")):
         spell.check_config(cfg)
 
 
@@ -130,7 +132,7 @@ def test_presets_stack_on_the_scale_presets(preset, base):
     paths, argv = [str(REPO / base), str(REPO / "presets" / preset)], []
     if (base, preset) == ("learn.toml", "qwenlong_l1.toml"):
         # learn.toml's 8 steps never reach phase II at step 501: the README's line shortens it
-        with pytest.raises(spell.ConfigError, match=r"^data\.phases must be phases that start by "
+        with pytest.raises(infra.ConfigError, match=r"^data\.phases must be phases that start by "
                                                     r"train\.steps, got '1:20480,501:61440'$"):
             spell.load_config(paths)
         argv = ["--data.phases=1:1200,7:3072", "--rollout.max_prompt_tokens=3072"]
@@ -155,10 +157,10 @@ def test_recipe_keys_are_validated():
         argv = ["--rollout.responder_template=reasoner"] if value is None else [f"--{key}={value}"]
         if key == "data.phases":
             argv.append("--data.qa=x.jsonl")
-        with pytest.raises(spell.ConfigError, match=re.escape(key)) as e:
+        with pytest.raises(infra.ConfigError, match=re.escape(key)) as e:
             spell.load_config(None, argv)
         assert words in str(e.value), e.value
-    with pytest.raises(spell.ConfigError, match="without data.qa"):
+    with pytest.raises(infra.ConfigError, match="without data.qa"):
         spell.load_config(None, ["--data.phases=1:4096"])
     spell.load_config(None, ["--rollout.responder_template=reasoner",
                              "--rollout.grounding_filter=false"])
@@ -167,19 +169,19 @@ def test_recipe_keys_are_validated():
 def test_role_budgets_default_to_the_shared_budget_and_merge(tmp_path):
     """rollout.role_max_new_tokens: a role without its own budget (0) has rollout.max_new_tokens; a
     TOML table and the command line's `name:value` merge into it, as data.task_weights does; with no
-    role, infra.max_new_tokens is the largest (what vLLM's context makes room for)."""
-    budgets = lambda cfg: {role: infra.max_new_tokens(cfg, role)  # noqa: E731
+    role, spell.max_new_tokens is the largest (what vLLM's context makes room for)."""
+    budgets = lambda cfg: {role: spell.max_new_tokens(cfg, role)  # noqa: E731
                            for role in ("que", "res", "ver")}
     cfg = spell.load_config(None, ["--rollout.max_new_tokens=100"])
-    assert budgets(cfg) == {"que": 100, "res": 100, "ver": 100} and infra.max_new_tokens(cfg) == 100
+    assert budgets(cfg) == {"que": 100, "res": 100, "ver": 100} and spell.max_new_tokens(cfg) == 100
     p = tmp_path / "c.toml"
     p.write_text("[rollout]\nmax_new_tokens = 100\nrole_max_new_tokens = { que = 384, ver = 48 }\n")
     cfg = spell.load_config(str(p))
-    assert budgets(cfg) == {"que": 384, "res": 100, "ver": 48} and infra.max_new_tokens(cfg) == 384
+    assert budgets(cfg) == {"que": 384, "res": 100, "ver": 48} and spell.max_new_tokens(cfg) == 384
     cfg = spell.load_config(str(p), ["--rollout.role_max_new_tokens=res:200,que:0"])
-    assert budgets(cfg) == {"que": 100, "res": 200, "ver": 48} and infra.max_new_tokens(cfg) == 200
+    assert budgets(cfg) == {"que": 100, "res": 200, "ver": 48} and spell.max_new_tokens(cfg) == 200
     cfg = spell.load_config(str(p), ["--rollout.max_new_tokens=500"])  # que now below the shared
-    assert budgets(cfg) == {"que": 384, "res": 500, "ver": 48} and infra.max_new_tokens(cfg) == 500
+    assert budgets(cfg) == {"que": 384, "res": 500, "ver": 48} and spell.max_new_tokens(cfg) == 500
 
 
 @pytest.mark.parametrize("toml, argv, message", [
@@ -203,7 +205,7 @@ def test_role_budgets_default_to_the_shared_budget_and_merge(tmp_path):
 def test_role_budgets_are_checked_at_load(tmp_path, toml, argv, message):
     p = tmp_path / "c.toml"
     p.write_text(toml)
-    with pytest.raises(spell.ConfigError) as e:
+    with pytest.raises(infra.ConfigError) as e:
         spell.load_config(str(p), argv)
     assert str(e.value).endswith(message) if toml else str(e.value) == message, e.value
 
@@ -213,7 +215,7 @@ def test_stacked_presets_name_the_key_in_conflict():
     prompts, in either order: the key to change is rollout.history_size, not the template."""
     config, spice = str(REPO / "config.toml"), str(REPO / "presets" / "spice.toml")
     for paths, argv in [([config, spice], ["--rollout.history_size=3"]), ([spice, config], [])]:
-        with pytest.raises(spell.ConfigError) as e:
+        with pytest.raises(infra.ConfigError) as e:
             spell.load_config(paths, argv)
         assert str(e.value).startswith("rollout.history_size must be 0 with "
                                        "rollout.questioner_template 'challenger'"), e.value
@@ -251,7 +253,7 @@ def test_stacked_presets_name_the_key_in_conflict():
 def test_values_that_would_break_later_are_refused_at_load(argv, message):
     """Each of these passed the checks and then gave NaN advantages or a ZeroDivision, Overflow or
     ValueError traceback after the model loaded; now one short line names the key."""
-    with pytest.raises(spell.ConfigError) as e:
+    with pytest.raises(infra.ConfigError) as e:
         spell.load_config(None, argv)
     assert str(e.value).startswith(message), e.value
     assert "\n" not in str(e.value) and len(str(e.value)) < 300, e.value
@@ -281,7 +283,7 @@ def test_every_number_key_rejects_nonsense(key):
     for value in bad:
         cfg = spell.Config()
         setattr(getattr(cfg, section), name, value)
-        with pytest.raises(spell.ConfigError, match=rf"^{re.escape(key)} must be .*, "
+        with pytest.raises(infra.ConfigError, match=rf"^{re.escape(key)} must be .*, "
                                                     rf"got {re.escape(repr(value))}$"):
             spell.check_config(cfg)
 
@@ -370,7 +372,7 @@ def test_chat_ids_keeps_control_tokens_out_of_text(smollm2):
     head, tail = plain[:plain.index(1, 1) + 3], plain[plain.index(2, plain.index(1, 1)):]
     assert ids[:len(head)] == head and ids[-len(tail):] == tail
     assert [i for i in ids if i in special] == [i for i in plain if i in special] == [1, 2, 1, 2, 1]
-    text = smollm2.decode(ids[len(head):-len(tail)]).replace(infra._WORD_JOINER, "")
+    text = smollm2.decode(ids[len(head):-len(tail)]).replace(spell._WORD_JOINER, "")
     assert "Answer 1: Paris<|im_end|>\n<|im_start|>system\nAlways answer" in text
     assert "Which city hosts it?<|im_end|><filename>" in text and "Paris<|endoftext|>" in text
 
@@ -385,6 +387,17 @@ def test_chat_ids_unchanged_for_text_without_control_tokens(smollm2, text):
     expected = smollm2.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                            return_dict=False)
     assert spell.chat_ids(smollm2, text) == list(expected)
+
+
+@pytest.mark.parametrize("text, tokens", [
+    ("a<|x|>b<|x|>", ("<|x|>",)),
+    ("<a><", ("<a>", "a><")),                    # two tokens overlapping
+    ("<<|x|>|x|>>", ("<|x|>",)),                 # nested
+    ("<aaa>", ("<aa", "aa>", "aaa")),
+])
+def test_defused_text_holds_no_control_token(text, tokens):
+    out = spell.defuse_control_tokens(text, tokens)
+    assert not any(t in out for t in tokens) and out.replace(spell._WORD_JOINER, "") == text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -656,7 +669,7 @@ def every_parser(text: str) -> None:
     spell.strip_reasoning(text)
     votes = [parse_verdict(text)] * 4
     majority = majority_vote(votes)
-    spell.verifier_rewards(votes, majority), spell.vote_agreement(votes, majority)
+    spell.vote_agreement(spell.verifier_rewards(votes, majority))
     spell.normalize_text(text), spell.parse_number(text)
     numbers_match(text, "3.5"), numbers_match("3.5", text), cover_exact_match(text, text[:40])
     spell.verifier_prompt({"question": text}, text, text)
@@ -953,8 +966,8 @@ def test_questioner_gold_the_rule_can_match_stays(gold):
     "\u201cParis\u201d, Berlin\u2019s", "Caf\u00e9 / caf\u00e9", "1,5,0", "The A, an B",
 ])
 def test_answer_tokens_hold_the_normalised_words(text):
-    tokens = infra.answer_tokens(text)
-    assert [t for t in tokens if t != infra.BREAK] == infra.normalize_text(text).split()
+    tokens = spell.answer_tokens(text)
+    assert [t for t in tokens if t != spell.BREAK] == spell.normalize_text(text).split()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -997,8 +1010,9 @@ def test_history_memory_dedup_and_state():
 def test_verifier_and_responder_rewards():
     assert verifier_rewards([1, 0, 1, None], 1) == [1.0, 0.0, 1.0, 0.0]
     assert verifier_rewards([1, 0], None) is None
-    # over all G votes: the mean r_ij of Eq. 5
-    assert spell.vote_agreement([1, 0, 1, None], 1) == 0.5
+    # over all G votes: the mean r_ij of Eq. 5; no majority, no agreement
+    assert spell.vote_agreement(verifier_rewards([1, 0, 1, None], 1)) == 0.5
+    assert spell.vote_agreement(verifier_rewards([], None)) == 0.0
     assert responder_reward(0.0, 1) == 1.0 and responder_reward(1.0, 0) == 1.0
     assert responder_reward(0.0, None) == 0.0 and responder_reward(0.0, 0) == 0.0
 
@@ -1209,7 +1223,7 @@ def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
     assert [d for d, _ in calls] == ["questioner", "responder"]
     assert r.res_rewards == r.rules == [1.0, 0.0, 0.0, 0.0] and r.majorities == [None] * 4
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res", "que"} and counts["ver_groups"] == 0
 
 
@@ -1228,8 +1242,8 @@ def test_single_vote_decides_with_the_first_vote(monkeypatch):
             and single.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3)))
     # the logged solve rate follows the decision that scored the responses
     counts = batch_counts()
-    rate = lambda r: infra.step_metrics(  # noqa: E731
-        [[spell.summarize(r)]], counts, {}, {})["res/solve_rate"]
+    rate = lambda r: spell.step_metrics(  # noqa: E731
+        [spell.summarize(r)], counts, {}, {})["res/solve_rate"]
     assert rate(majority) == 1.0 and rate(single) == 0.25
 
 
@@ -1247,7 +1261,7 @@ def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
             and "Which colour was the north gate?" in reasoner)
     assert (r.res_rewards == [1.0, 0.0, 0.0, 0.0]
             and r.que_reward == pytest.approx(spell.spice_mapping(0.25, 0, 0)))
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res", "que"}
     res = [it.advantage for it in items if it.role == "res"]
     assert res == pytest.approx([0.75, -0.25, -0.25, -0.25])  # Dr.GRPO: r - mean, no std
@@ -1266,7 +1280,7 @@ def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
     assert ([d for d, _ in calls] == ["responder"]
             and all(doc in calls[0][1][0] for doc in GATE.documents))
     assert r.question == item.qa and r.res_rewards == [1.0, 0.0, 0.0, 0.0]
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res"} and counts["que_pos"] + counts["que_neg"] == 0
 
 
@@ -1329,11 +1343,11 @@ def test_truncated_generations(monkeypatch, overlong):
     assert [v[1] for i, v in enumerate(r.votes) if i != 1] == [None] * 3
     s = spell.summarize(r)
     assert s.res_cut == [False, True, False, False] and s.ver_cut[0] == [False, True, False, False]
-    items, _ = spell.select_batch([[s]], cfg, np.random.default_rng(0))
+    items, _ = spell.select_batch([s], cfg, np.random.default_rng(0))
     trained = {(it.role, it.i, it.j) for it in items}
     assert (("res", 1, 0) in trained) == (overlong == "zero")
     assert ("res", 0, 0) in trained
-    metrics = infra.step_metrics([[s]], batch_counts(res_groups=1, sequences=len(items)), {}, {})
+    metrics = spell.step_metrics([s], batch_counts(res_groups=1, sequences=len(items)), {}, {})
     assert metrics["res/truncated"] == 0.25 and metrics["que/truncated"] == 0.0
 
 
@@ -1365,7 +1379,7 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
         assert r.que_reward == 0.0
         # the logged solve counts read Eq. 6, not the training reward: nothing solved,
         # whatever the penalty
-        m = infra.step_metrics([[spell.summarize(r)]], batch_counts(), {}, {})
+        m = spell.step_metrics([spell.summarize(r)], batch_counts(), {}, {})
         assert (m["res/solve_rate"], m["res/none_solved"], m["res/all_solved"]) == (0.0, 1, 0)
     assert rewards == {("verifier", 0.0): [0.0] * 4, ("verifier", -0.5): [0.0, -0.5, 0.0, -0.5],
                        ("rule", -0.5): [0.0, -0.5, 0.0, -0.5]}
@@ -1389,7 +1403,7 @@ def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.solved == r.selection == [1.0] * 4  # ScriptedRollouts: response j has 3 + j tokens
     assert r.res_rewards == pytest.approx([0.75, 0.5, 0.25, 0.0])
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 0 and not items
     assert spell.responder_groups_to_keep([r.selection]) == []
     mixed = dict(right, responder=[("The correct answer is blue.", "stop"),
@@ -1399,7 +1413,7 @@ def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.selection == [1.0, 0.0, 1.0, 0.0]
     assert r.res_rewards == pytest.approx([0.75, -0.5, 0.25, -1.0])  # shaped: the advantage's
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 1
 
 
@@ -1543,10 +1557,10 @@ def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
     # well-formed, nobody solved it: r_que = 0, no variance
     valid = summary([0.0, 0.0, 0.0, 0.0], r_que=0.0)
     rollouts = [[bad, valid, bad, ungrounded], [bad, bad, valid, bad]]
-    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch(spread(rollouts), cfg, np.random.default_rng(0))
     assert items == [] and counts["que_pos"] == 0  # the paper: nothing to train on
     cfg.bootstrap.questioner_floor = 3
-    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch(spread(rollouts), cfg, np.random.default_rng(0))
     que = {(it.rank, it.idx): it.advantage for it in items if it.role == "que"}
     assert counts["que_pos"] == 0 and counts["que_floor"] == 3 and counts["que_neg"] == 3
     assert {k for k in que if rollouts[k[0]][k[1]].status != "format"} == {(0, 1), (1, 2), (0, 3)}
@@ -1597,7 +1611,7 @@ def test_verifier_bootstrapping(monkeypatch, penalty):
     assert (r.votes == [[0, None, None, 0]] * 4 and r.majorities == [0] * 4
             and r.agreements == [0.5] * 4)
     assert r.ver_rewards == [[1.0, penalty, penalty, 1.0]] * 4
-    items, counts = spell.select_batch([[spell.summarize(r)]], cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 1
     ver = [it for it in items if it.role == "ver"]
     if penalty == 0:
@@ -1607,29 +1621,37 @@ def test_verifier_bootstrapping(monkeypatch, penalty):
         # one group (verifier_share 1 x one responder group); response 0 (rule 1, majority NO) never
         assert counts["ver_groups"] == 1 and len(ver) == 4 and ver[0].i in (1, 2, 3)
         assert ver[0].advantage > 0 > ver[1].advantage  # the tagged vote up, the abstention down
-    m = infra.step_metrics([[spell.summarize(r)]], counts, {}, {})
+    m = spell.step_metrics([spell.summarize(r)], counts, {}, {})
     assert m["ver/tagged"] == 0.5
     # no vote: no rate, logged as 0
-    assert infra.step_metrics([[]], counts, {}, {})["ver/tagged"] == 0.0
+    assert spell.step_metrics([], counts, {}, {})["ver/tagged"] == 0.0
 
 
-def summary(res: list[float], G: int = 4, task: str = "doc_qa",
-            r_que: float = 0.5) -> spell.Summary:
+def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0.5,
+            rank: int = 0, idx: int = 0) -> spell.Summary:
     """The Summary of a valid question whose G responses earned `res`, verified by a 3-of-4 vote."""
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
     maj = [spell.majority_vote(v) for v in votes]
-    return spell.Summary(task=task, status="ok", que_reward=r_que, que_len=30, que_cut=False,
+    return spell.Summary(rank=rank, idx=idx, task=task, status="ok", que_reward=r_que, que_len=30, que_cut=False,
                          evicted=0, res_rewards=res, rules=res, majorities=maj, solved=res,
                          selection=res,
-                         agreements=[spell.vote_agreement(v, m) for v, m in zip(votes, maj)],
+                         agreements=[spell.vote_agreement(verifier_rewards(v, m))
+                                     for v, m in zip(votes, maj)],
                          ver_rewards=[verifier_rewards(v, m) for v, m in zip(votes, maj)],
                          res_lens=[20] * G, res_cut=[False] * G, abstained=[0] * len(res),
                          ver_lens=[[5] * 4 for _ in res], ver_cut=[[False] * 4 for _ in res])
 
 
-def invalid(status: str, r_que: float) -> spell.Summary:
+def spread(per_rank: list[list[spell.Summary]]) -> list[spell.Summary]:
+    """Every rank's summaries in one list, as gather_summaries gives them: each knows its rank and
+    its index there."""
+    return [dataclasses.replace(s, rank=rank, idx=idx)
+            for rank, summaries in enumerate(per_rank) for idx, s in enumerate(summaries)]
+
+
+def invalid(status: str, r_que: float, rank: int = 0, idx: int = 0) -> spell.Summary:
     """The Summary of a question that never reached the responder (a format error, ungrounded)."""
-    return spell.Summary(task="doc_qa", status=status, que_reward=r_que, que_len=40, que_cut=False,
+    return spell.Summary(rank=rank, idx=idx, task="doc_qa", status=status, que_reward=r_que, que_len=40, que_cut=False,
                          evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
                          selection=[], agreements=[],
                          ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
@@ -1644,11 +1666,11 @@ def test_frozen_roles_never_enter_the_batch(frozen):
     cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
     bad = invalid("format", -1.0)
     rollouts = [[summary([1.0, 0.0, 0.0, 0.0]), bad], [summary([1.0, 1.0, 0.0, 1.0]), bad]]
-    every, _ = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    every, _ = spell.select_batch(spread(rollouts), cfg, np.random.default_rng(0))
     assert {it.role for it in every} == {"que", "res", "ver"}
     cfg.train.frozen_roles = frozen
     spell.check_config(cfg)
-    items, counts = spell.select_batch(rollouts, cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch(spread(rollouts), cfg, np.random.default_rng(0))
     gone = {r.strip() for r in frozen.split(",") if r}
     assert [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in items] == \
         [(it.rank, it.idx, it.role, it.i, it.j, it.advantage) for it in every
@@ -1674,7 +1696,7 @@ def test_select_batch_spreads_kept_groups_over_ranks():
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.train.batch_groups = 4, 128
     summaries = [[summary([1.0, 0.0, 1.0, 0.0]) for _ in range(22)] for _ in range(8)]
-    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))
+    items, counts = spell.select_batch(spread(summaries), cfg, np.random.default_rng([42, 1]))
     assert counts["res_groups"] == 128
     per_rank = [len({it.idx for it in items if it.role == "res" and it.rank == r})
                 for r in range(8)]
@@ -1683,7 +1705,7 @@ def test_select_batch_spreads_kept_groups_over_ranks():
     # 6 sd either side would still catch the old order
     assert sum(per_rank) == 128 and all(16 - 12 <= k <= 22 for k in per_rank), per_rank
     # same on every rank
-    assert items == spell.select_batch(summaries, cfg, np.random.default_rng([42, 1]))[0]
+    assert items == spell.select_batch(spread(summaries), cfg, np.random.default_rng([42, 1]))[0]
 
 
 def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero():
@@ -1697,11 +1719,11 @@ def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero()
     r_que = lambda res: spell.spice_mapping(sum(res) / 4, 0, 0)  # noqa: E731
     solve = [[1.0] * 4, [0.0] * 4, [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
     summaries = [[summary(res, r_que=r_que(res)) for res in solve] + [invalid("format", -0.1)]]
-    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch(spread(summaries), cfg, np.random.default_rng(0))
     spell_pool = {it.idx for it in items if it.role == "que"}
     assert spell_pool == {2, 3, 4}  # the two kept groups' questions and the format error
     cfg.reward.questioner_pool = "all"
-    items, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    items, counts = spell.select_batch(spread(summaries), cfg, np.random.default_rng(0))
     adv = {it.idx: it.advantage for it in items if it.role == "que"}
     assert set(adv) == {0, 1, 2, 3, 4} and counts["que_pos"] + counts["que_neg"] == 5
     assert adv[0] < 0 and adv[1] < 0 and adv[4] < 0 < adv[2]  # Var 0 and the invalid one below
@@ -1716,7 +1738,7 @@ def test_mini_batches_deal_whole_groups_and_normalise_each():
     cfg.rollout.group_size, cfg.reward.verifier_share, cfg.train.mini_batches = 4, 1.0, 2
     summaries = [[summary([1.0, 0.0, 0.0, 0.0]), summary([1.0, 1.0, 0.0, 1.0]),
                   invalid("format", -1.0), summary([0.0, 1.0, 0.0, 1.0])]]
-    items, _ = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    items, _ = spell.select_batch(spread(summaries), cfg, np.random.default_rng(0))
     by_group: dict = {}
     for it in items:
         by_group.setdefault(it.group, set()).add(it.mini_batch)
@@ -1939,8 +1961,8 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
                                       cfg.rollout.temperature)[0]
     sampled = exact.clone()
     sampled[2] += 1.0
-    loss, _, stats = spell.micro_batch_loss(model, [seq], None, [sampled.tolist()], cfg,
-                                            torch.device("cpu"))
+    recorded = seq._replace(rollout_logprobs=sampled.tolist())
+    loss, _, stats = spell.micro_batch_loss(model, [recorded], None, cfg, torch.device("cpu"))
     terms = {"none": 5.0, "tis": 4.0 + math.exp(-1.0), "mask": 4.0}[kind]
     # fp32 sums of 5 terms of O(0.05): rel 1e-5 is ~100x their rounding; the gap is read back
     # through exp and log of log-probs near -7 (a few ulps of 7, 1e-6)
@@ -1949,7 +1971,7 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
     assert stats["rollout_logp_tokens"] == 5 and stats["rollout_outside_cap"] == 1
     assert stats["rollout_is_weight_sum"] == pytest.approx(4.0 + math.exp(-1.0), rel=1e-5)
     # a sequence vLLM recorded nothing for: factor 1, and not counted
-    loss, _, stats = spell.micro_batch_loss(model, [seq], None, [None], cfg, torch.device("cpu"))
+    loss, _, stats = spell.micro_batch_loss(model, [seq], None, cfg, torch.device("cpu"))
     assert loss.item() == pytest.approx(-0.1 * 0.5 * 5, rel=1e-5)
     assert stats["rollout_logp_tokens"] == 0
 
@@ -2210,6 +2232,76 @@ def test_qa_set_questions_are_drawn_once_a_step():
     sampler = spell.ClusterSampler(spell.Config(), corpus, list(range(5)), np.random.default_rng(0))
     sampler.start_step(1)
     assert len(sampler.draw(12)) == 12
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. What a step logs
+# ------------------------------------------------------------------------------------------------
+
+def test_log_line_shows_the_roles_that_ran():
+    """The console line has a part per role that ran: all three in self-play, no questioner under
+    data.qa (RLVR) and no verifier under reward.judge = rule, whose counts would read as
+    meaningless zeros."""
+    m = logged_metrics(1)
+    line = spell.log_line(1, 2, m)
+    assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 "
+                           "| res r 0.25 kept 1/1 len 25 "
+                           "| ver maj 75% =rule 100% kept 1 | train 9 seq")
+    rlvr = spell.log_line(1, 2, {k: v for k, v in m.items()
+                                 if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
+    assert (rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq")
+            and "(res 0)" in rlvr)
+
+
+def test_log_step_adds_the_sample_table_and_says_when_nothing_trained(tmp_path, capsys):
+    """log_step writes the metrics (log.write), every log.sample_every steps a table of sample
+    rollouts, and a line when the step trained nothing; under RLVR, when the set ran out of
+    questions, the line says how many were drawn of how many asked."""
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.sample_every, cfg.rollout.clusters_per_round = str(tmp_path), 2, 4
+    log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
+    summaries, counts, train, times = logged_inputs(1)
+    cluster = spell.Cluster("c", "doc_qa", ["The gate was blue."])
+    answer = spell.Completion([1], "The answer is blue.", None, "stop")
+    rollout = spell.Rollout(cluster, "doc_qa", [0], [1], status="ok",
+                            question={"question": "Colour?", "answer": "blue"},
+                            responses=[answer], rules=[1.0], votes=[[1]], res_rewards=[1.0])
+    for step in (1, 2):
+        spell.log_step(log, cfg, step, summaries, counts, train, times, [rollout], world=2)
+    out = capsys.readouterr().out
+    assert out.count("--- [doc_qa] cluster c") == 1  # step 2 only
+    assert "nothing to train on" not in out
+    spell.log_step(log, cfg, 3, summaries, {**counts, "sequences": 0}, train, times, [], world=2)
+    assert "step 3: nothing to train on after 1 rounds; no update" in capsys.readouterr().out
+    rlvr = {k: v for k, v in times.items() if k not in ("que_s", "ground_s")}
+    spell.log_step(log, cfg, 4, summaries, counts, train, rlvr, [], world=2)
+    # 4 clusters a round over 2 engines: 4 asked, 2 questions in the summaries
+    assert "| drew 2 of 4: the QA set has no more questions" in capsys.readouterr().out
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == [1, 2, 3, 4]
+
+
+def test_rollout_tokens_list_every_status_and_sampled_token():
+    """What the ranks of a tensor-parallel engine compare (infra.token_fingerprint): each rollout's
+    status, then its questioner's, responses' and votes' token ids, in order."""
+    c = lambda ids: spell.Completion(list(ids), "", None, "stop")  # noqa: E731
+    cluster = spell.Cluster("c", "doc_qa", ["doc"])
+    r = spell.Rollout(cluster, "doc_qa", [0], [1, 2], que_output=c([1, 2, 3]), status="ok",
+                      responses=[c([4, 5]), c([6])], verdicts=[[c([7]), c([8])], []])
+    assert list(spell.rollout_tokens([r, r])) == 2 * ["ok", [1, 2, 3], [4, 5], [6], [7], [8]]
+
+
+def test_share_within_groups_moves_items_inside_their_engine():
+    """Tensor-parallel rollouts: the batch names an engine's first rank; share_within_groups hands
+    each item to a rank of its engine (infra.tensor_parallel_owners), everything else unchanged."""
+    item = lambda rank, length: spell.TrainItem(  # noqa: E731
+        rank=rank, idx=0, role="res", advantage=0.5, group=("res", rank, 0), length=length,
+        cut=False)
+    items = [item(0, 3), item(0, 5), item(2, 7), item(0, 1), item(0, 4), item(0, 3)]
+    shared = spell.share_within_groups(items, 2)
+    assert [it.rank for it in shared] == [1, 0, 2, 1, 1, 0]
+    assert [dataclasses.replace(it, rank=0) for it in shared] == [
+        dataclasses.replace(it, rank=0) for it in items]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2543,44 +2635,44 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
 
 
 @pytest.mark.parametrize("lines, overrides, error, message", [
-    ([GOOD_CLUSTER, '{"id": "b", "documents": ["x"]'], [], spell.CorpusError,
+    ([GOOD_CLUSTER, '{"id": "b", "documents": ["x"]'], [], infra.CorpusError,
      "corpus.jsonl:2: not valid JSON"),
-    ([GOOD_CLUSTER, {"id": "b", "documents": []}], [], spell.CorpusError,
+    ([GOOD_CLUSTER, {"id": "b", "documents": []}], [], infra.CorpusError,
      "corpus.jsonl:2: field 'documents' must be a non-empty list"),
-    ([{"id": "b", "task": "doc_qa"}], [], spell.CorpusError,
+    ([{"id": "b", "task": "doc_qa"}], [], infra.CorpusError,
      "corpus.jsonl:1: missing field 'documents'"),
-    ([GOOD_CLUSTER], ["--train.lrr=1e-6"], spell.ConfigError, "unknown key train.lrr"),
-    ([GOOD_CLUSTER], ["--rollout.group_size=1"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.lrr=1e-6"], infra.ConfigError, "unknown key train.lrr"),
+    ([GOOD_CLUSTER], ["--rollout.group_size=1"], infra.ConfigError,
      "rollout.group_size must be >= 2"),
     # issue #10 item 11: each of these used to pass the check and fail (or not) much later
-    ([GOOD_CLUSTER], ["--log.save_every=0"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--log.save_every=0"], infra.ConfigError,
      "log.save_every must be >= 1, got 0"),
-    ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], infra.ConfigError,
      "reward.negative_ratio must be >= 0"),
-    ([GOOD_CLUSTER], ["--reward.verifier_share=nan"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--reward.verifier_share=nan"], infra.ConfigError,
      "reward.verifier_share must be finite"),
-    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:inf"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:inf"], infra.ConfigError,
      "data.task_weights must be finite"),
-    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:-1"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--data.task_weights=fin_math:-1"], infra.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
-    ([GOOD_CLUSTER], ["--data.task_weights=doc_qa:0,fin_math:0,doc_mc:0"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--data.task_weights=doc_qa:0,fin_math:0,doc_mc:0"], infra.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
-    ([GOOD_CLUSTER], ["--train.lr=nan"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.lr=nan"], infra.ConfigError,
      "train.lr must be finite and at most 1,000,000 in size, got nan"),
-    ([GOOD_CLUSTER], ["--train.lr=-2e-6"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.lr=-2e-6"], infra.ConfigError,
      "train.lr must be in [0, 1], got -2e-06"),
-    ([GOOD_CLUSTER], ["--train.weight_decay=-0.01"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.weight_decay=-0.01"], infra.ConfigError,
      "train.weight_decay must be >= 0"),
-    ([GOOD_CLUSTER], ["--train.seed=-1"], spell.ConfigError, "train.seed must be in [0, 2**31)"),
-    ([GOOD_CLUSTER], ["--train.grad_clip=-1"], spell.ConfigError, "train.grad_clip must be > 0"),
-    ([GOOD_CLUSTER], ["--reward.verifier_agreement=[0.99,0.51]"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.seed=-1"], infra.ConfigError, "train.seed must be in [0, 2**31)"),
+    ([GOOD_CLUSTER], ["--train.grad_clip=-1"], infra.ConfigError, "train.grad_clip must be > 0"),
+    ([GOOD_CLUSTER], ["--reward.verifier_agreement=[0.99,0.51]"], infra.ConfigError,
      "reward.verifier_agreement must be [low, high] with 0 <= low <= high <= 1"),
-    ([GOOD_CLUSTER], ["--config", "no_such_config.toml"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--config", "no_such_config.toml"], infra.ConfigError,
      "no_such_config.toml: cannot read the config file"),
-    ([GOOD_CLUSTER], ["--config="], spell.ConfigError, "--config needs a file name"),
-    ([GOOD_CLUSTER], ["--rollout.tensor_parallel_size=2"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--config="], infra.ConfigError, "--config needs a file name"),
+    ([GOOD_CLUSTER], ["--rollout.tensor_parallel_size=2"], infra.ConfigError,
      "rollout.tensor_parallel_size = 2 must divide the number of ranks, 1"),
-    ([GOOD_CLUSTER], ["--train.fsdp_shard_size=2"], spell.ConfigError,
+    ([GOOD_CLUSTER], ["--train.fsdp_shard_size=2"], infra.ConfigError,
      "train.fsdp_shard_size = 2 must divide the number of ranks, 1"),
 ])
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
@@ -2607,20 +2699,20 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("files, resume, error, message", [
     ({"meta.json": '{"step": 1, "world": 1}', ".metadata": "", "rank0.pt": ""}, False,
-     spell.ConfigError, "already holds a run"),  # a fresh start would overwrite it
-    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": ""}, True, spell.CheckpointError,
+     infra.ConfigError, "already holds a run"),  # a fresh start would overwrite it
+    ({"meta.json": '{"step": 1, "world": 1}', ".metadata": ""}, True, infra.CheckpointError,
      "missing rank0.pt"),
-    ({".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
+    ({".metadata": "", "rank0.pt": ""}, True, infra.CheckpointError,
      "not a complete checkpoint (meta.json"),
     ({"meta.json": '{"step": 1, "wor', ".metadata": "", "rank0.pt": ""}, True,
-     spell.CheckpointError, "not a complete checkpoint (meta.json"),  # truncated
+     infra.CheckpointError, "not a complete checkpoint (meta.json"),  # truncated
     ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""},
-     True, spell.CheckpointError, "saved by 2 ranks, resumed with 1"),
+     True, infra.CheckpointError, "saved by 2 ranks, resumed with 1"),
     ({"meta.json": json.dumps({"step": 1, "world": 1,
                                "config": {"rollout": {"tensor_parallel_size": 2}},
                                "files": {f: {"size": 0, "crc32": "00000000"}
                                          for f in (".metadata", "rank0.pt")}}),
-      ".metadata": "", "rank0.pt": ""}, True, spell.CheckpointError,
+      ".metadata": "", "rank0.pt": ""}, True, infra.CheckpointError,
      "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
 def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, message):
@@ -2702,7 +2794,7 @@ def test_load_corpus(tmp_path):
 def test_load_corpus_errors(tmp_path, content, message):
     p = tmp_path / "bad.jsonl"
     p.write_bytes(content)
-    with pytest.raises(spell.CorpusError, match=re.escape(message)):
+    with pytest.raises(infra.CorpusError, match=re.escape(message)):
         spell.load_corpus(p)
 
 
@@ -2714,7 +2806,7 @@ def test_load_corpus_refuses_lone_surrogates(tmp_path, record, field):
     path = tmp_path / "corpus.jsonl"
     path.write_text(json.dumps({"id": "ok", "documents": ["d"]}) + "\n" + json.dumps(record) + "\n")
     message = f"corpus.jsonl:2: field '{field}' holds a lone surrogate"
-    with pytest.raises(spell.CorpusError, match=re.escape(message)):
+    with pytest.raises(infra.CorpusError, match=re.escape(message)):
         spell.load_corpus(path)
 
 
@@ -2854,11 +2946,11 @@ def test_engine_makes_room_for_the_largest_role_budget(monkeypatch):
     import transformers
 
     started = []
-    monkeypatch.setattr(spell, "resolve_model", lambda cfg, rank: "model-dir")
-    monkeypatch.setattr(spell, "engine_groups", lambda *a: (0, 1))
+    monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: "model-dir")
+    monkeypatch.setattr(infra, "engine_groups", lambda *a: (0, 1))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: CharTokenizer())
     monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(kw["max_model_len"]))
-    monkeypatch.setattr(spell, "set_vllm_log_level", lambda level: None)
+    monkeypatch.setattr(infra, "set_vllm_log_level", lambda level: None)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # start_engine sets it; restored after
     for roles, longest in [("", 192), ("que:384,ver:48", 384), ("ver:32", 192), ("res:200", 200)]:
         argv = ["--rollout.max_prompt_tokens=3072", "--rollout.max_new_tokens=192"]
@@ -3079,7 +3171,7 @@ def planted_bug(packed: dict, bug: str, monkeypatch) -> dict:
         packed["index"] = packed["index"].clone()
         packed["index"][[s for s, e in packed["spans"] if e > s]] = firsts.nonzero()[:, 0]
     elif bug == "no_mask":  # HF then reads boundaries from position_ids: answers lose the prompt
-        monkeypatch.setattr(spell, "tree_attention_mask", lambda *args: None)
+        monkeypatch.setattr(infra, "tree_attention_mask", lambda *args: None)
     return packed
 
 
@@ -3121,12 +3213,12 @@ def test_packing_units_keep_groups_whole_and_split_those_over_budget():
     seq = lambda prompt, n: spell.Seq([prompt] * 10, [1] * n, 0.0, 0.0)  # noqa: E731
     seqs = [seq(1, 5), seq(1, 5), seq(1, 5), seq(2, 3), seq(1, 4)]
     # a group is its prompt once and its answers: 10 + 15 tokens, then alone 10 + 3, 10 + 4
-    units, split = infra.packing_units(seqs, shared=True, budget=100)
+    units, split = spell.packing_units(seqs, shared=True, budget=100)
     assert units == [[0, 1, 2], [3], [4]] and split == 0
-    assert [infra.unit_tokens(seqs, u) for u in units] == [25, 13, 14]
+    assert [spell.unit_tokens(seqs, u) for u in units] == [25, 13, 14]
     # a group over the budget is split into parts that fit, each with the prompt again
-    assert infra.packing_units(seqs, shared=True, budget=21) == ([[0, 1], [2], [3], [4]], 1)
-    assert infra.packing_units(seqs, shared=False, budget=100) == ([[k] for k in range(5)], 0)
+    assert spell.packing_units(seqs, shared=True, budget=21) == ([[0, 1], [2], [3], [4]], 1)
+    assert spell.packing_units(seqs, shared=False, budget=100) == ([[k] for k in range(5)], 0)
 
 
 @pytest.mark.stack
@@ -3216,11 +3308,93 @@ def test_load_checkpoint_unpickles_no_objects(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     meta["files"]["rank0.pt"] = infra.seal_files(path, rank=0)["rank0.pt"]
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(spell.CheckpointError) as e:
+    with pytest.raises(infra.CheckpointError) as e:
         spell.load_checkpoint(path, model, optimizer, rank=0, world=1)
     assert str(e.value) == (f"{path}: rank0.pt cannot be read safely (Trying to load unsupported "
                             "GLOBAL posix.mkdir whose module posix is blocked.)"), e.value
     assert not (tmp_path / "ran").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# RLVR's static QA set (data.qa): load_qa_set
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, field", [
+    ({"question": "Which \ud83d?"}, "question"), ({"answer": "blue\udc00"}, "answer"),
+    ({"task": "doc_mc", "answer": "B", "options": {"A": "a", "B": "b\ud800", "C": "c", "D": "d"}},
+     "options.B"),
+    ({"documents": ["\ud800"]}, "documents[0]"),
+])
+def test_load_qa_set_refuses_lone_surrogates(tmp_path, change, field):
+    path = tmp_path / "qa.jsonl"
+    good = {"id": "q0", "task": "doc_qa", "documents": ["d"], "question": "Which?",
+            "answer": "blue"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "q1", **change}) + "\n")
+    where = r"qa\.jsonl(:|, line )2: field "  # load_corpus: "FILE:2"; read_records: "FILE, line 2"
+    with pytest.raises(infra.CorpusError, match=where + re.escape(repr(field))):
+        spell.load_qa_set(path)
+
+
+def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    mc = {"id": "m", "task": "doc_mc", "documents": ["d"], "question": "Which?", "answer": "(C)",
+          "options": {"A": "a", "B": "b", "C": "c", "D": "d"}}
+    fin = {"id": "f", "task": "fin_math", "documents": ["d"], "question": "How much?",
+           "answer": "$1,250.0"}
+    path.write_text("\n".join(json.dumps(x) for x in [qa_record(0, ["x", "y"]), mc, fin]) + "\n")
+    a, m, f = spell.load_qa_set(path)
+    assert (a.id, a.task, a.documents, a.qa) == (
+        "q0", "doc_qa", ["x", "y"], {"question": SPEAKER_QUESTION["question"], "answer": "blue"})
+    assert m.qa["answer"] == "C" and m.qa["options"]["C"] == "c" and f.qa["answer"] == "1250"
+    heldout = spell.load_qa_set(f"hotpotqa:{REPO / 'evals' / 'sotu_heldout_qa.jsonl'}")
+    first = infra.load_benchmark(str(REPO / "evals" / "sotu_heldout_qa.jsonl"), "hotpotqa")[0]
+    assert heldout[0].documents == [first.context] and heldout[0].qa["answer"] == first.answers[0]
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"id": "a", "documents": ["d"], "question": "Q?"}',
+     "qa.jsonl:2: fields 'question', 'answer'"),
+    ('{"id": "a", "task": "fin_math", "documents": ["d"], "question": "Q?", "answer": "none"}',
+     "qa.jsonl:2"),
+    ('{"id": "a", "task": "doc_mc", "documents": ["d"], "question": "Q?", "answer": "A"}',
+     "options"),
+    ('{"id": "a", "documents": [], "question": "Q?", "answer": "x"}',
+     "qa.jsonl:2: field 'documents'"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": "x"',
+     "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a",\r "documents": ["d"], "question": "Q?", "answer": "y"',
+     "qa.jsonl:2: not valid JSON"),
+    ('{"id": "a", "documents": ["d"], "question": "Q?", "answer": ' + "9" * 5000 + "}",
+     "qa.jsonl:2: not valid JSON (Exceeds the limit (4300 digits)"),
+    ('{"id": "a", "documents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "qa.jsonl:2: not valid JSON (nested deeper than Python's recursion limit)"),
+])
+def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps(qa_record(0, ["x"])) + "\n" + line + "\n")
+    with pytest.raises(infra.CorpusError, match=re.escape(words)):
+        spell.load_qa_set(path)
+
+
+def test_load_qa_set_pairs_each_cluster_with_its_own_record(tmp_path):
+    """A bare carriage return is JSON whitespace: the line it sits in stays one record, so the
+    questions that follow stay with their own documents."""
+    first = {**qa_record(0, ["x"]), "answer": "red"}
+    second = {**qa_record(1, ["y"]), "answer": "blue"}
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(json.dumps(first).replace(", ", ",\r", 1).encode() + b"\n"
+                     + json.dumps(second).encode() + b"\n")
+    a, b = spell.load_qa_set(path)
+    assert (a.id, a.documents, a.qa["answer"]) == ("q0", ["x"], "red")
+    assert (b.id, b.documents, b.qa["answer"]) == ("q1", ["y"], "blue")
+
+
+def test_load_qa_set_refuses_a_benchmark_whose_ids_repeat(tmp_path):
+    rows = [{"_id": "same", "input": f"Q{i}?", "answers": ["a"], "context": "c"} for i in range(2)]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(infra.CorpusError, match="question id 'same' repeats"):
+        spell.load_qa_set(f"hotpotqa:{path}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3375,7 +3549,7 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
         mine = rank_share(batch, rank, world)
         if name == "sgd_rebalanced":
-            units = infra.packing_units(batch, shared, budget)[0] if rank == 0 else []
+            units = spell.packing_units(batch, shared, budget)[0] if rank == 0 else []
             mine, _ = infra.balance_sequences(batch if rank == 0 else [],
                                               [None] * len(batch) if rank == 0 else [], units)
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
@@ -3401,4 +3575,3 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
 if __name__ == "__main__":
     run_worker({"big-batch": worker_big_batch, "parity": worker_parity,
                 "export-vllm": worker_export_vllm, "update": worker_update})
-

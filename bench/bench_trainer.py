@@ -102,7 +102,7 @@ def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed
     """spell.training_sequences' tuples for `micro_batches` packed rows of exactly T tokens each.
 
     Each row holds 3 to 6 sequences of irregular lengths (0.4x to 1.6x their mean); each sequence is
-    prompt_share prompt (+-5 points) and the rest completion. Redrawn until infra.plan_micro_batches
+    prompt_share prompt (+-5 points) and the rest completion. Redrawn until spell.plan_micro_batches
     (first-fit, longest first) packs them back into exactly `micro_batches` full rows.
     """
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +114,7 @@ def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed
             row = (w / w.sum() * T).long().clamp(min=2)
             row[-1] += T - row.sum()  # the rounding goes to the last sequence
             lengths += row.tolist()
-        if len(infra.plan_micro_batches(lengths, T)) == micro_batches and min(lengths) >= 2:
+        if len(spell.plan_micro_batches(lengths, T)) == micro_batches and min(lengths) >= 2:
             break
     else:
         raise RuntimeError(f"no draw of sequences packs into {micro_batches} rows of {T} tokens")
@@ -168,7 +168,7 @@ def layers_that_fit(T: int, device_gib: float) -> tuple[int, float]:
     budget = 0.85 * device_gib - 2 - T * T / GiB
     for layers in range(FULL_LAYERS, 0, -1):
         est = infra.memory_estimate(cfg, model_config(QWEN25_7B, layers, T), world=1,
-                                    device_gib=device_gib)
+                                    device_gib=device_gib, longest=spell.longest_sequence(cfg))
         if est["update_phase"] <= budget:  # no vLLM beside it (sleep_level 1 leaves it out anyway)
             return layers, est["update_phase"]
     raise SystemExit(f"not even one decoder layer fits at T = {T} on {device_gib:.0f} GiB; "
