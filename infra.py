@@ -1,15 +1,17 @@
 """The machine room of spell.py: what a forker of the algorithm never needs to edit.
 
-spell.py holds SPELL itself (config, the three roles, rewards, §4.3's batch, the loss, the update,
-main) and the simple, obviously correct versions of the machinery it runs on. This file holds the
-rest: one-line errors and the checked readers of data files (JSON Lines, the corpus), config
-loading mechanics (TOML stacking, coercion, generic checks, command-line parsing), the linear-time
-text readers the parsers build on, the start-up memory estimate, the export of the embedded
-SmolLM2 model, the bucketed weight sync (the fast twin of spell.gathered_state_dict),
-tensor-parallel rollout helpers, rebalancing sequences over ranks, small collective helpers,
-checkpoint integrity (CRC-32, fsync, atomic writes, trimming metrics on resume, the run's
-fingerprint) and the run log. It never imports spell: every function here takes plain values or
-the config object, so spell.py reads top to bottom without it, like kernels/.
+spell.py holds SPELL itself: everything that decides what a prompt, a parse, a reward, an
+advantage, a batch, a loss weight or a logged metric is, in the paper's order, then main() and the
+simple, obviously correct versions of the machinery it runs on. This file holds the rest: one-line
+errors and the checked readers of data files (JSON Lines, the corpus, the benchmarks' native
+layouts), config mechanics (TOML stacking, coercion, generic checks, the command line, the keys'
+documentation), processes and collectives, the export of the embedded SmolLM2 model, vLLM's
+platform settings, the start-up memory estimate, meshes, the bucketed weight sync (the fast twin
+of spell.gathered_state_dict), tensor-parallel rollout helpers, shared-prefix packing (the fast
+twin of spell.pack_sequences), rebalancing, checkpoint integrity (CRC-32, fsync, atomic writes,
+trimming metrics on resume, the run's fingerprint) and the run log's writer. It never imports
+spell, reads no config key of the algorithm and no field of spell's records: its callers hand it
+plain values.
 """
 
 from __future__ import annotations
@@ -344,6 +346,49 @@ def config_changes(cfg) -> list[str]:
 
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def field_docs(section_class) -> dict[str, str]:
+    """Each field of a config dataclass with its documentation: the comment lines right above the
+    field and the comment on its own line(s), read from the class's source (one source of truth:
+    the dataclass documents its keys where they are declared)."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    source = inspect.getsource(section_class)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.split("\n")
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        above, line = [], node.lineno - 1
+        while line >= 1 and lines[line - 1].strip().startswith("#"):
+            above.insert(0, comments[line])
+            line -= 1
+        beside = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        docs[node.target.id] = " ".join(above + beside)
+    return docs
+
+
+def config_reference(cfg) -> str:
+    """Every key of the config as `section.key = default`, with its documentation (field_docs):
+    what `spell.py --help` prints."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        docs = field_docs(type(sub))
+        out.append(f"[{section.name}]")
+        for f in dataclasses.fields(sub):
+            default = json.dumps(getattr(sub, f.name))
+            out.append(f"  {section.name}.{f.name} = {default}")
+            out.append(f"      {docs.get(f.name, '')}")
+    return "\n".join(out)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:

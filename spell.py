@@ -36,27 +36,31 @@ The paper in this file, top to bottom:
   line 25, §4.3: dynamic sampling ........ select_batch: select_responder, select_questioner,
                                            select_verifier
   Eq. 8, Eq. 9: advantages ............... group_advantages, ADVANTAGES
-  Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS
+  Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS, loss_weights
   line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
                                            vLLM vs trainer: rollout_correction)
+  what a step logs ....................... step_metrics, log_line
   Algorithm 1: the loop .................. main
   Eq. 11, App. C.2: evaluation ........... evaluation.py
 
 To fork, edit here (all above main(); the recipe presets in presets/ show keys composing):
   a reward ............... verifier_rewards, responder_reward, questioner_reward,
-                           QUESTIONER_MAPPINGS
+                           QUESTIONER_MAPPINGS, the rule checks (rule_doc_qa, ...)
   a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
   advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES
+  a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
-  a config key ........... the dataclasses below, and a range rule in check_config
+  a config key ........... the dataclasses below (a comment on the field documents it for
+                           `spell.py --help`), and a range rule in check_config
 Below main() is the machine room: the simple, obviously correct versions of processes, vLLM, FSDP2,
-weight sync, packing, corpus reading, checkpoints and logging. Their fast or defensive twins (config
-mechanics, the corpus checks, memory estimate, bucketed sync, tensor-parallel helpers, checkpoint
-integrity) are in infra.py, which never imports this file.
+weight sync, packing, data reading, checkpoints. Their fast or defensive twins and everything else
+a forker never edits (config mechanics, file formats, the memory estimate, meshes, bucketed sync,
+tensor-parallel helpers, packing's fast twin, rebalancing, checkpoint integrity, the log's writer)
+are in infra.py, called as infra.X; it never imports this file and takes plain values.
 
-Departures from the paper and from the authors' code (a VeRL fork), on purpose (README,
+Departures from the paper and from the authors' code (a VeRL fork), on purpose (docs/reference.md,
 "Departures", gives each one's reasons and numbers):
   1. Cover exact match is on word boundaries ("5" is not in "1995"; the authors test substrings),
      Unicode punctuation counts as punctuation, a decimal point stays ("35" is not "3.5"). A doc_qa
@@ -147,7 +151,7 @@ class ModelConfig:
     # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
     # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
     attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
 
 
 @dataclass
@@ -170,7 +174,7 @@ class RolloutConfig:
     docs_per_question: int = 5  # m: new documents drawn for the questioner (§5.1)
     history_size: int = 3  # L: solvable (docs, q, a) kept per cluster and task (§5.1)
     temperature: float = 0.7  # sampling and log-prob temperature, all roles (§5.1)
-    top_p: float = 0.95
+    top_p: float = 0.95  # nucleus sampling, all roles (§5.1)
     max_prompt_tokens: int = 16384  # longer prompts are skipped without penalty (§5.1)
     max_new_tokens: int = 4096  # each role's generation budget (§5.1; 20K for reasoning models)
     # a role's own budget instead: que, res (and the grounding check), ver; 0 = max_new_tokens
@@ -181,7 +185,7 @@ class RolloutConfig:
     # prompt families, prompts/<family>_<task>.txt: questioner (SPELL's, m documents) or challenger
     # (SPICE's, one document); responder (the whole cluster) or reasoner (SPICE's, no document)
     questioner_template: str = "questioner"
-    responder_template: str = "responder"
+    responder_template: str = "responder"  # see questioner_template
     grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding"
     gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
     tensor_parallel_size: int = 1  # ranks per vLLM engine, consecutive (infra.engine_groups)
@@ -236,13 +240,13 @@ class BootstrapConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 1000  # updates (Algorithm 1's outer loop)
     batch_groups: int = 128  # responder groups per update (§5.1 "batch size 128")
     lr: float = 2e-6  # constant (§5.1)
-    weight_decay: float = 0.01  # [code]
-    grad_clip: float = 1.0  # [code]
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay [code]
+    grad_clip: float = 1.0  # the bound on the gradient's global norm [code]
     clip_low: float = 0.2  # PPO clip range (Eq. 2): binds only off-policy (below)
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # its upper side, 1 + clip_high (DAPO's clip-higher: 0.28)
     ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
     # optimiser steps per pass, each on a mini-batch of whole groups with its own Eq. 12 objective
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
@@ -257,17 +261,17 @@ class TrainConfig:
     # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs (rollout_correction): none, the
     # paper's on-policy loss | tis | mask; C = rollout_correction_cap
     rollout_correction: Literal["none", "tis", "mask"] = "none"
-    rollout_correction_cap: float = 2.0
+    rollout_correction_cap: float = 2.0  # C >= 1 of rollout_correction's tis and mask
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
-    seed: int = 42
+    seed: int = 42  # every draw and vLLM's sampling derive from it (a run repeats)
 
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs/spell"
+    out_dir: str = "runs/spell"  # metrics.jsonl, config.json, checkpoints/, hf/
     save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
     sample_every: int = 5  # print a table of sample rollouts every N steps
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
@@ -279,8 +283,8 @@ class EvalConfig:
     data: str = ""  # comma-separated benchmark files, each PATH or BENCHMARK:PATH (evaluation.py)
     out_dir: str = ""  # "" = <log.out_dir>/eval-<max_input_len>
     n: int = 8  # samples per question (Appendix C.2)
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float = 0.7  # sampling of the n answers (Appendix C.2)
+    top_p: float = 0.95  # and its nucleus
     max_input_len: int = 16384  # middle-truncated to this; the paper also reports 100000
     max_output_len: int = 4096  # 20000 for reasoning models (Appendix C.2); also the judge's budget
     judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
@@ -492,6 +496,11 @@ def rule_doc_qa(prediction: str, gold: str) -> bool:
     return candidate_count(tokens, {at[k]: at[k + len(g) - 1] + 1 for k in starts}) < 2
 
 
+def rule_fin_math(predicted: str, gold: str) -> bool:
+    """The same number: within 0.15 %, up to a scale of 100 / 1e3 / 1e6 / 1e9 (numbers_match)."""
+    return numbers_match(predicted, gold)
+
+
 def rule_doc_mc(predicted: str, gold: str) -> bool:
     """The same letter."""
     return predicted == gold.strip().strip("()").upper()
@@ -512,11 +521,11 @@ class Task(NamedTuple):
 
 # §5.1's three task types; data.task_weights draws among them in this order
 TASKS: dict[str, Task] = {
-    "doc_qa": Task(check_doc_qa, extract_text_answer, rule_doc_qa),
-    "fin_math": Task(check_fin_math, extract_number_answer, lambda p, g: numbers_match(p, g),
+    "doc_qa": Task(check=check_doc_qa, extract=extract_text_answer, rule=rule_doc_qa),
+    "fin_math": Task(check=check_fin_math, extract=extract_number_answer, rule=rule_fin_math,
                      rule_decides=True),
-    "doc_mc": Task(check_doc_mc, extract_letter_answer, rule_doc_mc, multiple_choice=True,
-                   rule_decides=True),
+    "doc_mc": Task(check=check_doc_mc, extract=extract_letter_answer, rule=rule_doc_mc,
+                   multiple_choice=True, rule_decides=True),
 }
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -1139,7 +1148,8 @@ class HistoryMemory:
         norm = normalize_text(question)
         if any(normalize_text(e.question) == norm for e in entries):
             return False
-        entries.append(HistoryEntry(sorted(int(i) for i in doc_ids), question, answer))
+        doc_ids = sorted(int(i) for i in doc_ids)
+        entries.append(HistoryEntry(doc_ids=doc_ids, question=question, answer=answer))
         del entries[:-self.size]  # keep the L latest
         return True
 
@@ -1299,7 +1309,8 @@ class Rollout:
     task: str
     doc_ids: list[int]  # the documents the questioner saw
     que_prompt: list[int]
-    que_output: Completion = Completion([], "", None, "stop")  # the questioner's generation
+    # the questioner's generation
+    que_output: Completion = Completion(token_ids=[], text="", logprobs=None, finish_reason="stop")
     question: dict | None = None  # parsed (q, a); None = format error
     status: str = "format"  # format | ungrounded | skipped (prompt too long) | ok
     res_prompt: list[int] = field(default_factory=list)
@@ -1386,7 +1397,8 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
                 break
         if not fits:
             continue  # m documents alone are too long: skip this draw, no penalty
-        rollouts.append(Rollout(cluster, task, doc_ids, ids, evicted=evicted))
+        rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
+                                evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
@@ -1401,7 +1413,8 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
 def pose_dataset_questions(drawn: list[tuple[Cluster, str]]) -> list[Rollout]:
     """RLVR (data.qa): the drawn items' own questions take the questioner's place; nothing is
     generated."""
-    return [Rollout(c, c.task, list(range(len(c.documents))), [], question=c.qa, status="ok")
+    return [Rollout(cluster=c, task=c.task, doc_ids=list(range(len(c.documents))), que_prompt=[],
+                    question=c.qa, status="ok")
             for c, _ in drawn]
 
 
@@ -1460,37 +1473,51 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
         r.verdicts[i] = [c._replace(text=prefix + c.text) for c in cs] if prefix else cs
 
 
+def score_votes(r: Rollout, cfg: Config) -> None:
+    """Eq. 4-5 for one question: each response's votes (a vote cut at its budget abstains, unless
+    reward.overlong = "keep"), their majority, the verifier's rewards and their agreement. With
+    reward.judge = "rule" no verifier ran: no votes, no majority."""
+    r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs]
+               for vs in r.verdicts]
+    r.majorities = [majority_vote(votes) for votes in r.votes]  # Eq. 4
+    r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
+    r.agreements = [vote_agreement(rewards) for rewards in r.ver_rewards]
+
+
+def score_responses(r: Rollout, cfg: Config) -> None:
+    """Eq. 6 for one question's responses (r.solved), then their training rewards: the bootstrap
+    penalties, what §4.3's variance test reads (r.selection), and DAPO's length shaping."""
+    if cfg.reward.verifier_decision == "majority":
+        decisions = r.majorities
+    else:  # Table 2 "w/o majority voting": the first vote decides
+        decisions = [votes[0] if votes else None for votes in r.votes]
+    rule_decides = TASKS[r.task].rule_decides
+    r.solved = [responder_reward(rule, v, rule_decides) for rule, v in zip(r.rules, decisions)]
+    r.res_rewards = list(r.solved)
+    bootstrap_rewards(r, cfg)
+    r.selection = list(r.res_rewards)
+    if buffer := cfg.reward.overlong_buffer:  # DAPO's soft overlong punishment, training only
+        budget = max_new_tokens(cfg, "res")
+        r.res_rewards = [x + overlong_penalty(len(c.token_ids), budget, buffer)
+                         for x, c in zip(r.res_rewards, r.responses)]
+
+
 def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory) -> None:
     """Rewards (lines 18-19, Eq. 4-7), then the history push of solvable questions (lines 20-21)."""
     rc = cfg.reward
     for r in rollouts:
         if r.status == "skipped":
             continue
-        if r.status != "ok":
+        if r.status != "ok":  # a format error or an ungrounded question: Eq. 7's penalties
             r.que_reward = questioner_reward(None, well_formed=r.status != "format", grounded=False,
                                              ungrounded_penalty=rc.ungrounded_penalty,
                                              format_penalty=rc.format_penalty)
             continue
-        # with reward.judge = "rule" no verifier ran: no votes, no majority, Eq. 6 is the rule alone
-        r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs]
-                   for vs in r.verdicts]
-        r.majorities = [majority_vote(v) for v in r.votes]  # Eq. 4
-        r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
-        r.agreements = [vote_agreement(rewards) for rewards in r.ver_rewards]
-        decisions = (r.majorities if rc.verifier_decision == "majority"
-                     else [v[0] if v else None for v in r.votes])
-        r.solved = [responder_reward(rule, v, TASKS[r.task].rule_decides)  # Eq. 6
-                    for rule, v in zip(r.rules, decisions)]
+        score_votes(r, cfg)
+        score_responses(r, cfg)
         solve_rate = float(np.mean(r.solved))
         r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
                                          sigma=rc.sigma)  # Eq. 7
-        r.res_rewards = list(r.solved)  # the responder's training reward: Eq. 6, then shaping
-        bootstrap_rewards(r, cfg)
-        r.selection = list(r.res_rewards)
-        if rc.overlong_buffer:  # DAPO's soft overlong punishment, the responder's training reward
-            r.res_rewards = [x + overlong_penalty(len(c.token_ids), max_new_tokens(cfg, "res"),
-                                                  rc.overlong_buffer)
-                             for x, c in zip(r.res_rewards, r.responses)]
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
         # and written by the questioner (not RLVR's set)
         if 0 < solve_rate < 1 and r.que_prompt:
@@ -1890,7 +1917,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # The loss normaliser of Eq. 12, computed once over the global batch before backward (departure 8):
 # each function maps the batch's sequences to per-sequence token weights, 1 / normaliser. The role
 # split of each on the paper's batch shape is printed by
-# test_loss_norms_role_split_of_a_paper_shaped_batch (and given in the README).
+# test_loss_norms_role_split_of_a_paper_shaped_batch (and given in docs/reference.md, departure 8).
 
 
 def role_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
@@ -2416,74 +2443,113 @@ def log_step(log: infra.RunLog, cfg: Config, step: int, summaries: list[Summary]
         infra.print0(f"step {step}: nothing to train on after {times['rounds']} rounds; no update")
 
 
-def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) -> dict:
-    """Namespaced metrics (que/ res/ ver/ train/ perf/) from every rank's rollout summaries."""
-    rate = lambda flags: sum(flags) / max(len(flags), 1)  # noqa: E731
-    ok = [s for s in flat if s.status == "ok"]
-    res = [x for s in ok for x in s.res_rewards]
-    maj = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
-    lens = [n for s in ok for n in s.res_lens]
-    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
-    m = {
+def mean(values: Sequence[float]) -> float:
+    """The mean, 0.0 for no values (a step may have no valid question)."""
+    return float(np.mean(values)) if len(values) else 0.0
+
+
+def questioner_metrics(flat: list[Summary], counts: dict) -> dict:
+    """que/: the questions of the step, their reward (Eq. 7) and what the batch kept (§4.3)."""
+    played = [s for s in flat if s.status != "skipped"]
+    return {
         "que/questions": len(flat),
-        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
-        "que/evicted": sum(s.evicted for s in flat),
         "que/format_error": sum(s.status == "format" for s in flat) / max(len(flat), 1),
         "que/ungrounded": sum(s.status == "ungrounded" for s in flat) / max(len(flat), 1),
         "que/skipped": sum(s.status == "skipped" for s in flat),
-        "que/reward": float(np.mean([s.que_reward for s in flat if s.status != "skipped"]
-                                    or [0.0])),
-        "que/pos": counts["que_pos"], "que/floor": counts["que_floor"],
+        # history entries forgotten so that the questioner's prompt fit rollout.max_prompt_tokens
+        "que/evicted": sum(s.evicted for s in flat),
+        "que/reward": mean([s.que_reward for s in played]),
+        "que/pos": counts["que_pos"],
+        "que/floor": counts["que_floor"],
         "que/neg": counts["que_neg"],
         # trained questions that every response or none solved, and their mean advantage
         # (reward.questioner_pool = "all"; §4.3's pool takes them only as negatives)
         "que/all_or_none": counts["que_all_or_none"],
         "que/all_or_none_adv": counts["que_all_or_none_adv"],
-        "res/groups": len(ok), "res/kept_groups": counts["res_groups"],
-        "res/reward": float(np.mean(res)) if res else 0.0,
-        "res/rule_pass": float(np.mean([x for s in ok for x in s.rules])) if ok else 0.0,
+        # generations cut at the questioner's budget (scored as reward.overlong says)
+        "que/truncated": mean([s.que_cut for s in played]),
+    }
+
+
+def responder_metrics(ok: list[Summary], counts: dict) -> dict:
+    """res/: the responses to the valid questions, their rewards (Eq. 6) and the kept groups."""
+    lengths = [n for s in ok for n in s.res_lens]
+    return {
+        "res/groups": len(ok),
+        "res/kept_groups": counts["res_groups"],
+        "res/reward": mean([x for s in ok for x in s.res_rewards]),
+        "res/rule_pass": mean([x for s in ok for x in s.rules]),
         # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the
-        # training-only penalties: pass@1 on the questioner's valid questions
-        # (1 - this is Figure 4's difficulty)
-        "res/solve_rate": float(np.mean([x for s in ok for x in s.solved]))
-        if ok else 0.0,
+        # training-only penalties: pass@1 on the questioner's valid questions (1 - this is
+        # Figure 4's difficulty)
+        "res/solve_rate": mean([x for s in ok for x in s.solved]),
         "res/all_solved": sum(min(s.solved) == 1 for s in ok),
         "res/none_solved": sum(max(s.solved) == 0 for s in ok),
         # groups whose training rewards vary by length shaping alone (never kept, departure 14)
         "res/length_only": sum(len(set(s.selection)) == 1 < len(set(s.res_rewards)) for s in ok),
-        "res/length": float(np.mean(lens)) if lens else 0.0,
-        "ver/majority_rate": len(maj) / max(sum(len(s.majorities) for s in ok), 1),
-        "ver/agrees_with_rule": float(np.mean([m == r for m, r in maj])) if maj else 0.0,
-        "ver/kept_groups": counts["ver_groups"], "ver/candidates": counts["ver_candidates"],
-        # share of verifier votes that carry a verdict tag (the rest abstain)
-        "ver/tagged": 1 - sum(n for s in ok for n in s.abstained) / votes if votes else 0.0,
-        # share of generations cut at their role's budget (rollout.role_max_new_tokens), per role
-        # (scored as reward.overlong says)
-        "que/truncated": rate([s.que_cut for s in flat if s.status != "skipped"]),
-        "res/truncated": rate([c for s in ok for c in s.res_cut]),
-        "ver/truncated": rate([c for s in ok for cs in s.ver_cut for c in cs]),
-        "train/sequences": counts["sequences"],
+        "res/length": mean(lengths),
+        "res/truncated": mean([c for s in ok for c in s.res_cut]),
     }
-    sums = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
-            "rollout_outside_cap")
-    m.update({f"train/{k}": v for k, v in train.items() if k not in sums})
+
+
+def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
+    """ver/: the votes (Eq. 4), how often their majority agrees with the rule, the kept groups."""
+    decided = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
+    verified = sum(len(s.majorities) for s in ok)
+    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
+    abstained = sum(n for s in ok for n in s.abstained)
+    return {
+        "ver/majority_rate": len(decided) / max(verified, 1),
+        "ver/agrees_with_rule": mean([m == r for m, r in decided]),
+        "ver/kept_groups": counts["ver_groups"],
+        "ver/candidates": counts["ver_candidates"],
+        # share of votes that carry a verdict tag (the rest abstain)
+        "ver/tagged": 1 - abstained / votes if votes else 0.0,
+        "ver/truncated": mean([c for s in ok for cs in s.ver_cut for c in cs]),
+    }
+
+
+# update_policy's sums that the metrics turn into means (train_metrics)
+PER_TOKEN_SUMS = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens",
+                  "rollout_is_weight_sum", "rollout_outside_cap")
+
+
+def train_metrics(train: dict, sequences: int) -> dict:
+    """train/: the update's stats (update_policy), its sums per token as means."""
+    m = {"train/sequences": sequences}
+    m.update({f"train/{k}": v for k, v in train.items() if k not in PER_TOKEN_SUMS})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
-    # per token sampled by vLLM (update_policy): mean |log pi_trainer - log pi_vLLM|, the mean
-    # truncated ratio min(rho, C) and the share outside [1/C, C] (train.rollout_correction: what the
-    # correction does, or would do)
-    if train.get("rollout_logp_tokens"):
-        n = train["rollout_logp_tokens"]
+    # per token vLLM recorded: mean |log pi_trainer - log pi_vLLM|, the mean truncated ratio
+    # min(rho, C) and the share outside [1/C, C] (what train.rollout_correction does, or would do)
+    if n := train.get("rollout_logp_tokens"):
         m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
         m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
         m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
-    m.update({f"perf/{k}": v for k, v in times.items()})
-    generated = {"que": sum(s.que_len for s in flat), "res": sum(lens),
+    return m
+
+
+def perf_metrics(flat: list[Summary], times: dict) -> dict:
+    """perf/: seconds per phase (StepClock) and each role's generated tokens per second, all
+    ranks' tokens over the slowest rank's time."""
+    ok = [s for s in flat if s.status == "ok"]
+    generated = {"que": sum(s.que_len for s in flat),
+                 "res": sum(n for s in ok for n in s.res_lens),
                  "ver": sum(n for s in ok for ns in s.ver_lens for n in ns)}
-    for phase, n in generated.items():  # all ranks' tokens over the slowest rank's time
+    m = {f"perf/{k}": v for k, v in times.items()}
+    for phase, n in generated.items():
         if times.get(f"{phase}_s"):
             m[f"perf/{phase}_tokens_per_s"] = n / times[f"{phase}_s"]
     return m
+
+
+def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) -> dict:
+    """The step's metrics, namespaced by role (que/ res/ ver/), update (train/) and clock
+    (perf/), from every rank's rollout summaries and the counts of select_batch."""
+    ok = [s for s in flat if s.status == "ok"]
+    return {**questioner_metrics(flat, counts), **responder_metrics(ok, counts),
+            **verifier_metrics(ok, counts), **train_metrics(train, counts["sequences"]),
+            **perf_metrics(flat, times)}
 
 
 def log_line(step: int, steps: int, m: dict) -> str:
@@ -2532,6 +2598,11 @@ STOP = {"requested": False}
 def main(argv: Sequence[str] | None = None) -> None:
     """Algorithm 1. Each line is a step of the paper or one named piece of the machine room."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):  # the launch lines, then every config key documented
+        print(__doc__[__doc__.index("Launch:"):__doc__.index("Symbols")].rstrip())
+        print("  any key: --section.key=value (several --config files stack, later ones win)\n")
+        print(infra.config_reference(Config()))
+        return
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
         import evaluation
         return evaluation.main(argv)
@@ -2745,7 +2816,8 @@ def to_completion(output, with_logprobs: bool) -> Completion:
     lps = None
     if with_logprobs:
         lps = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs)]
-    return Completion(token_ids, output.text, lps, str(output.finish_reason))
+    return Completion(token_ids=token_ids, text=output.text, logprobs=lps,
+                      finish_reason=str(output.finish_reason))
 
 
 def shard_policy(model, mesh, *, param_dtype: torch.dtype,
@@ -2936,7 +3008,8 @@ def load_data(cfg: Config) -> list[Cluster]:
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
     """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
     each line checked by infra.corpus_records (errors name the file, line and field)."""
-    return [Cluster(cid, task, docs) for cid, task, docs in infra.corpus_records(Path(path), TASKS)]
+    records = infra.corpus_records(Path(path), TASKS)
+    return [Cluster(id=cid, task=task, documents=docs) for cid, task, docs in records]
 
 
 def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
@@ -2961,10 +3034,13 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
         for i, it in enumerate(items):
             if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
                 raise infra.CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
-        return [Cluster(it.id, it.task, [it.context],
-                        {"question": it.question, "answer": it.answers[0],
-                         **({"options": dict(zip(LETTERS, it.choices))} if it.choices else {})})
-                for it in items]
+        clusters = []
+        for it in items:
+            qa = {"question": it.question, "answer": it.answers[0]}
+            if it.choices:
+                qa["options"] = dict(zip(LETTERS, it.choices))
+            clusters.append(Cluster(id=it.id, task=it.task, documents=[it.context], qa=qa))
+        return clusters
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
     # its records, split into lines as load_corpus splits them, so each cluster meets its own
     records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
