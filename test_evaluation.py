@@ -549,9 +549,9 @@ def judge_folder(path: Path, *, chat_template: bool = True, context: int = 4096,
 ])
 def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkeypatch, judge,
                                                                 settings, message):
-    """Without a chat template, with too short a context or with heads the tensor-parallel size
-    does not divide, a separate judge failed after the whole sampling pass; now run_eval reads its
-    config and tokenizer first, and no engine starts."""
+    """A separate judge without a chat template, with too short a context or with heads the
+    tensor-parallel size does not divide would fail after the whole sampling pass: run_eval reads
+    its config and tokenizer first, and no engine starts."""
     import torch.distributed as dist
 
     model, bad = judge_folder(tmp_path / "model"), judge_folder(tmp_path / "judge", **judge)

@@ -50,12 +50,13 @@ def test_tuples_from_the_command_line(tmp_path, text):
 def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     """A table key (data.task_weights) takes named values; the names it leaves out keep theirs, in
     TOML files as on the command line, so stacked files override key by key."""
+    every = dict.fromkeys(spell.TASKS, 1.0)
     cfg = spell.load_config(None, [f"--data.task_weights={text}"])
-    assert cfg.data.task_weights == {"doc_qa": 1.0, "fin_math": 2.0, "doc_mc": 0.5}
+    assert cfg.data.task_weights == {**every, "fin_math": 2.0, "doc_mc": 0.5}
     toml = tmp_path / "w.toml"
     toml.write_text("[data]\ntask_weights = { doc_mc = 0.0 }\n")
     cfg = spell.load_config(str(toml), ["--data.task_weights=doc_qa:3"])
-    assert cfg.data.task_weights == {"doc_qa": 3.0, "fin_math": 1.0, "doc_mc": 0.0}
+    assert cfg.data.task_weights == {**every, "doc_qa": 3.0, "doc_mc": 0.0}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -821,8 +822,8 @@ def set_files(step: Path, **files: dict) -> None:
 
 
 def test_meta_json_names_only_files_of_the_checkpoint(tmp_path):
-    """meta.json's file names are plain names inside the folder. "/dev/zero" made --resume hang
-    (checksummed for ever), "../" read outside the run; both are now refused, at once."""
+    """meta.json's file names are plain names inside the folder: "/dev/zero" would make --resume
+    hang (checksummed for ever) and "../" would read outside the run; both are refused at once."""
     step = tiny_checkpoint(tmp_path / "run")
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not the run's")
@@ -893,8 +894,8 @@ def test_latest_names_only_a_step_folder_of_the_run(tmp_path, latest):
 
 
 def test_write_atomic_does_not_follow_a_planted_link(tmp_path):
-    """A link planted where write_atomic puts its temporary file wrote through it, to the file it
-    named; now the temporary is made anew, and the link's target is left alone."""
+    """A link planted where write_atomic puts its temporary file must not be written through:
+    the temporary is made anew, and the link's target is left alone."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     run = tmp_path / "run"
@@ -908,7 +909,7 @@ def test_write_atomic_does_not_follow_a_planted_link(tmp_path):
 
 def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch):
     """meta.json holds the run's fingerprint: the keys that change what it samples or trains and
-    its data's size and CRC-32. A changed corpus, group size or model resumed silently; now
+    its data's size and CRC-32. A changed corpus, group size or model must not resume silently:
     --resume names each key that differs, before anything starts. The keys of
     infra.RESUMABLE_KEYS, [log] and [eval] may change, and the corpus may move."""
     corpus, moved = tmp_path / "corpus.jsonl", tmp_path / "moved.jsonl"

@@ -198,7 +198,7 @@ def test_side_by_side_draws_the_keys_any_run_logs(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Hostile input files (#20 item 21)
+# Hostile input files
 # ------------------------------------------------------------------------------------------------
 
 DEEP = "[" * 100_000          # json.loads raises RecursionError

@@ -258,8 +258,8 @@ def test_stacked_presets_name_the_key_in_conflict():
      "data.phases must be phases that start by train.steps, got '1:1024,2000:2048'"),
 ])
 def test_values_that_would_break_later_are_refused_at_load(argv, message):
-    """Each of these passed the checks and then gave NaN advantages or a ZeroDivision, Overflow or
-    ValueError traceback after the model loaded; now one short line names the key."""
+    """Values that pass a plain type check but would give NaN advantages or a ZeroDivision,
+    Overflow or ValueError traceback after the model loaded: one short line names the key."""
     with pytest.raises(infra.ConfigError) as e:
         spell.load_config(None, argv)
     assert str(e.value).startswith(message), e.value
@@ -777,8 +777,8 @@ def test_fuzz_parsers_never_raise():
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Parsing, round 3 of hostile model output (#20): hedges, negations, the answer's number,
-# options, unclosed braces, golds the rule cannot match
+# 2. Parsing hostile model output: hedges, negations, the answer's number, options, unclosed
+# braces, golds the rule cannot match
 # ------------------------------------------------------------------------------------------------
 
 def answer(text: str) -> str:
@@ -1059,16 +1059,25 @@ MAPPING_EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("mapping", sorted(MAPPING_EXPECTED))
+@pytest.mark.parametrize("mapping", list(spell.QUESTIONER_MAPPINGS))
 def test_questioner_reward_mapping_grid(mapping):
-    assert set(MAPPING_EXPECTED) == set(spell.QUESTIONER_MAPPINGS)
+    """Every mapping gives a finite reward on the grid, and its name and its function give the
+    same; those worked by hand above give exactly those values (a new mapping needs no entry here
+    to pass, but gets its worked values checked once it has one)."""
     got = [questioner_reward(r, mapping=mapping) for r in MAPPING_GRID]
-    exact = mapping in ("azr", "rzero")
-    for r, g, e in zip(MAPPING_GRID, got, MAPPING_EXPECTED[mapping]):
-        assert g == e if exact else abs(g - e) <= 1e-12, (mapping, r, g, e)
+    assert all(math.isfinite(g) for g in got), (mapping, got)
     # the function itself is accepted in place of its name
     assert [questioner_reward(r, mapping=spell.QUESTIONER_MAPPINGS[mapping])
             for r in MAPPING_GRID] == got
+    if mapping in MAPPING_EXPECTED:
+        exact = mapping in ("azr", "rzero")
+        for r, g, e in zip(MAPPING_GRID, got, MAPPING_EXPECTED[mapping]):
+            assert g == e if exact else abs(g - e) <= 1e-12, (mapping, r, g, e)
+
+
+def test_every_worked_mapping_is_a_mapping():
+    """No worked case outlives its mapping (a renamed entry would otherwise go unchecked)."""
+    assert set(MAPPING_EXPECTED) <= set(spell.QUESTIONER_MAPPINGS)
 
 
 def test_questioner_reward_mapping_custom_and_gaussian_params():
@@ -1398,8 +1407,8 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
 def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
     """Four correct answers of 3 to 6 tokens under DAPO's overlong shaping: the shaped rewards
     differ (1 - 0.25 ... 1 - 1), Eq. 6's do not, so §4.3 keeps no group and the round loop does
-    not count one; the shaping stays in the advantage of a group kept for its accuracy (#20 item
-    2: the shaped reward decided before, and kept this group)."""
+    not count one; the shaping stays in the advantage of a group kept for its accuracy
+    (departure 14)."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer = 4, 6, 4
     cfg.reward.judge = "rule"
@@ -1473,8 +1482,8 @@ def test_overlong_shaping_counts_back_from_the_responders_budget(monkeypatch):
 
 def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(monkeypatch):
     """A history whose documents no longer fit rollout.max_prompt_tokens: the oldest entries go
-    until the questioner's prompt fits, and the rollout counts them; the cluster was skipped for
-    ever before (#20 item 14)."""
+    until the questioner's prompt fits, and the rollout counts them (the cluster would otherwise
+    be skipped for ever)."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.rollout.docs_per_question, cfg.reward.judge = 4, 1, "rule"
     cluster = spell.Cluster("long", "doc_qa", [f"Document {i}: " + "word " * 200 for i in range(4)])
@@ -1502,7 +1511,7 @@ def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(mo
 
 def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeypatch):
     """Under SPICE's mapping a question all four responses solved earns 0.044 > 0; it is still not
-    solvable, so it stays out of history memory (#20 item 1)."""
+    solvable, so it stays out of history memory."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.judge, cfg.reward.questioner_mapping = 4, "rule", "spice"
     script = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
@@ -1521,8 +1530,9 @@ def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeyp
 
 
 def test_generators_of_each_purpose_never_coincide():
-    """The step's selection generator and an engine's were both default_rng([seed, n]): step 3's
-    selection drew engine 3's numbers (#20 item 12). Each purpose has its own stream now."""
+    """The step's selection generator and an engine's must not coincide (with default_rng([seed,
+    n]) for both, step 3's selection would draw engine 3's numbers): each purpose has its own
+    stream."""
     cfg = spell.Config()
     draws = lambda g: g.integers(0, 2**31, 8).tolist()  # noqa: E731
     assert draws(spell.generator(cfg, "batch", 3)) != draws(spell.generator(cfg, "engine", 3))
@@ -1718,8 +1728,7 @@ def test_select_batch_spreads_kept_groups_over_ranks():
 def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero():
     """reward.questioner_pool = "all" (SPICE's Algorithm 1): every question of the step trains,
     and under SPICE's mapping with Dr.GRPO's mean baseline the ones every or no response solved
-    get A < 0. §4.3's pool left them out: neither a kept group's question nor r_que <= 0 (#20
-    item 1)."""
+    get A < 0. §4.3's pool leaves them out: neither a kept group's question nor r_que <= 0."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.questioner_mapping = 4, "spice"
     cfg.train.advantage = "mean"
@@ -1770,11 +1779,15 @@ ADVANTAGE_CASES = {
 
 @pytest.mark.parametrize("kind", list(spell.ADVANTAGES))
 def test_advantages_each_variant_on_a_worked_group(kind):
-    """Every key of ADVANTAGES has its worked case; a group of one gets no signal under z-scores."""
-    assert set(ADVANTAGE_CASES) == set(spell.ADVANTAGES)
-    a = spell.ADVANTAGES[kind](torch.tensor([0.0, 0.0, 0.0, 1.0]))
-    # fp32, a mean, a std and a division of O(1) values: ~10 roundings, 10 u = 6e-7 < rtol 1e-5
-    assert torch.allclose(a, torch.tensor(ADVANTAGE_CASES[kind]))
+    """Every variant of ADVANTAGES: a group of one, or of equal rewards, gets no signal, and a
+    better reward never gets a lower advantage; the variants worked by hand above match them."""
+    rewards = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    a = spell.ADVANTAGES[kind](rewards)
+    assert a.shape == rewards.shape and bool(torch.isfinite(a).all())
+    assert a[3] > a[0] and a[0] < 0 < a[3], a  # below the baseline: a negative advantage
+    if kind in ADVANTAGE_CASES:
+        # fp32, a mean, a std and a division of O(1) values: ~10 roundings, 10 u = 6e-7 < 1e-5
+        assert torch.allclose(a, torch.tensor(ADVANTAGE_CASES[kind]))
     assert torch.equal(spell.ADVANTAGES[kind](torch.tensor([3.0])), torch.zeros(1))  # alone
     assert torch.equal(spell.ADVANTAGES[kind](torch.ones(4)), torch.zeros(4))  # all equal
 
@@ -1901,46 +1914,68 @@ LOSS_NORM_CASES = {
 
 @pytest.mark.parametrize("mode", list(spell.LOSS_NORMS))
 def test_loss_norms_each_on_a_worked_batch(mode):
-    assert set(LOSS_NORM_CASES) == set(spell.LOSS_NORMS)
+    """Every normaliser gives one positive, finite weight per sequence; those worked by hand above
+    give exactly those weights."""
     w = spell.LOSS_NORMS[mode]([3, 5, 2], ["a", "a", "b"], ["res", "res", "que"], 6)
-    assert w == pytest.approx(LOSS_NORM_CASES[mode])
+    assert len(w) == 3 and all(0 < x < math.inf for x in w), w
+    if mode in LOSS_NORM_CASES:
+        assert w == pytest.approx(LOSS_NORM_CASES[mode])
 
 
 # Each objective of POLICY_LOSSES on one worked micro-batch: two sequences of two tokens, weights
-# 1/4, advantages +1, clip 0.2. log-probs now -1, -2, -1, -3; ratios to the behaviour policy 1.5,
-# 1, 0.5, 0.5, so GSPO's sequence ratios are sqrt(1.5) = 1.22 and 0.5. Per objective: the loss,
-# d loss / d log-prob of each token, and the share of clipped tokens, worked by hand.
+# 1/4, clip 0.2 (ratios clipped to [0.8, 1.2]). log-probs now -1, -2, -1, -3; ratios to the behaviour
+# policy 1.5, 1, 0.5, 0.5, so GSPO's sequence ratios are sqrt(1.5) = 1.22 and 0.5. Two advantage
+# patterns: +1 on every token, and +1 on the first sequence, -1 on the second (a ratio below 1 - clip
+# with a negative advantage is clipped by Eq. 2's min; with a positive one it is not). Per objective
+# and pattern: the loss, d loss / d log-prob of each token, and the share of clipped tokens.
 POLICY_LOSS_CASES = {
-    # min(rho A, clip(rho) A): 1.2 (clipped), 1, 0.5, 0.5; only unclipped tokens carry a gradient
-    "grpo": (-0.25 * (1.2 + 1 + 0.5 + 0.5), [0.0, -0.25, -0.125, -0.125], 1 / 4),
-    # sequence 0 clipped at 1.2 (no gradient); sequence 1: d(0.5)/d lp_t = 0.5 / 2 tokens
-    "gspo": (-0.25 * (1.2 * 2 + 0.5 * 2), [0.0, 0.0, -0.125, -0.125], 2 / 4),
-    # sg(clip(rho)) A log pi: weights 1.2, 1, 0.8, 0.8 on every token's gradient
-    "cispo": (-0.25 * (1.2 * -1 + 1 * -2 + 0.8 * -1 + 0.8 * -3), [-0.3, -0.25, -0.2, -0.2], 3 / 4),
+    ("grpo", "+"): (  # min(rho A, clip(rho) A): 1.2 (clipped), 1, 0.5, 0.5
+        -0.25 * (1.2 + 1 + 0.5 + 0.5), [0.0, -0.25, -0.125, -0.125], 1 / 4),
+    ("grpo", "+-"): (  # 1.2 (clipped), 1, then min(-0.5, -0.8) = -0.8 twice (clipped: no gradient)
+        -0.25 * (1.2 + 1 - 0.8 - 0.8), [0.0, -0.25, 0.0, 0.0], 3 / 4),
+    ("gspo", "+"): (  # sequence 0 clipped at 1.2 (no gradient); sequence 1: d(0.5)/d lp = 0.5 / 2
+        -0.25 * (1.2 * 2 + 0.5 * 2), [0.0, 0.0, -0.125, -0.125], 2 / 4),
+    ("gspo", "+-"): (  # 1.2 (clipped); min(-0.5, -0.8) = -0.8 (clipped): both sequences bound
+        -0.25 * (1.2 * 2 - 0.8 * 2), [0.0, 0.0, 0.0, 0.0], 4 / 4),
+    ("cispo", "+"): (  # sg(clip(rho)) A log pi: weights 1.2, 1, 0.8, 0.8 on every token's gradient
+        -0.25 * (1.2 * -1 + 1 * -2 + 0.8 * -1 + 0.8 * -3), [-0.3, -0.25, -0.2, -0.2], 3 / 4),
+    ("cispo", "+-"): (  # the same weights, the second sequence's gradient pushes down
+        -0.25 * (1.2 * -1 + 1 * -2 - 0.8 * -1 - 0.8 * -3), [-0.3, -0.25, 0.2, 0.2], 3 / 4),
 }
+ADVANTAGE_PATTERNS = {"+": [1.0, 1.0, 1.0, 1.0], "+-": [1.0, 1.0, -1.0, -1.0]}
 
 
+@pytest.mark.parametrize("pattern", list(ADVANTAGE_PATTERNS))
 @pytest.mark.parametrize("name", list(spell.POLICY_LOSSES))
-def test_policy_losses_each_on_a_worked_batch(name):
-    """Off-policy the three objectives differ as worked above; on-policy (ratio 1) all three give
-    the same gradient, -w A at every token (the docstring's claim)."""
-    assert set(POLICY_LOSS_CASES) == set(spell.POLICY_LOSSES)
-    fn, (loss_expected, grad_expected, clipfrac_expected) = (spell.POLICY_LOSSES[name],
-                                                             POLICY_LOSS_CASES[name])
+def test_policy_losses_each_on_a_worked_batch(name, pattern):
+    """On-policy (ratio 1) every objective gives the same gradient, -w A at every token (the
+    docstring's claim), for positive and negative advantages alike; off-policy the objectives
+    worked by hand above give exactly those values."""
+    fn = spell.POLICY_LOSSES[name]
     logp = torch.tensor([-1.0, -2.0, -1.0, -3.0], dtype=torch.float64, requires_grad=True)
-    old = logp.detach() - torch.tensor([1.5, 1.0, 0.5, 0.5], dtype=torch.float64).log()
-    adv, weights = torch.ones(4, dtype=torch.float64), torch.full((4,), 0.25, dtype=torch.float64)
+    adv = torch.tensor(ADVANTAGE_PATTERNS[pattern], dtype=torch.float64)
+    weights = torch.full((4,), 0.25, dtype=torch.float64)
     seq_ids = torch.tensor([0, 0, 1, 1])
-    loss, stats = fn(logp, old, adv, weights, seq_ids, 0.2, 0.2)
-    stats["clipfrac"] = stats["clipped"] / stats["active"]
-    (grad,) = torch.autograd.grad(loss, logp)
-    # float64 and a few operations on O(1) values: approx's relative 1e-6 is far above the rounding
-    assert loss.item() == pytest.approx(loss_expected)
-    assert grad.tolist() == pytest.approx(grad_expected, abs=1e-12)
-    assert stats["clipfrac"] == pytest.approx(clipfrac_expected)
     loss, _ = fn(logp, logp.detach(), adv, weights, seq_ids, 0.2, 0.2)  # on-policy
     (grad,) = torch.autograd.grad(loss, logp)
-    assert grad.tolist() == pytest.approx([-0.25] * 4, abs=1e-12)
+    assert grad.tolist() == pytest.approx((-weights * adv).tolist(), abs=1e-12)
+    if (name, pattern) not in POLICY_LOSS_CASES:
+        return
+    loss_expected, grad_expected, clipfrac_expected = POLICY_LOSS_CASES[name, pattern]
+    old = logp.detach() - torch.tensor([1.5, 1.0, 0.5, 0.5], dtype=torch.float64).log()
+    loss, stats = fn(logp, old, adv, weights, seq_ids, 0.2, 0.2)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # float64 and a few operations on O(1) values: 1e-12 is ~1e4 ulps
+    assert loss.item() == pytest.approx(loss_expected, abs=1e-12)
+    assert grad.tolist() == pytest.approx(grad_expected, abs=1e-12)
+    assert stats["clipped"] / stats["active"] == pytest.approx(clipfrac_expected)
+
+
+def test_every_worked_loss_case_is_a_policy_loss():
+    """No worked case outlives its objective (a renamed entry would otherwise go unchecked)."""
+    assert {name for name, _ in POLICY_LOSS_CASES} <= set(spell.POLICY_LOSSES)
+    assert set(ADVANTAGE_CASES) <= set(spell.ADVANTAGES)
+    assert set(LOSS_NORM_CASES) <= set(spell.LOSS_NORMS)
 
 
 def test_rollout_correction_on_worked_ratios():
@@ -2145,7 +2180,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     assert results[1]["grad_norm"] > 0.05, \
         "the clip at 0.05 must bind, or the test does not cover it"
     # what train/loss, train/entropy and train/clipfrac log: the batch's, summed over the ranks, the
-    # same on 1, 2 and 4 ranks (#20 item 13: rank 0's share was logged). Sums of ~100 fp32 terms
+    # same on 1, 2 and 4 ranks (not rank 0's share). Sums of ~100 fp32 terms
     # in another order: 1e-5 relative is ~100x their rounding
     for nproc in (2, 4):
         for name, logged in results[nproc]["logged"].items():
@@ -2159,7 +2194,7 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
     """update_policy in one process on a plain tiny model (no process group: the collectives are a
     world of one). One mini-batch: the ratio is exactly 1 and nothing clips, as Eq. 12 says. Two:
     the second optimiser step's ratio is to the policy before the first, and with a step of SGD at
-    lr 30 the clip binds (#20 item 5: clip_high could never bind at ppo_epochs = 1)."""
+    lr 30 the clip binds."""
     cfg = spell.Config()
     cfg.train.mini_batches, cfg.train.micro_batch_tokens = mini_batches, 4096
     cfg.train.grad_clip = 1e9
@@ -2179,7 +2214,7 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
 def test_phase_plan_and_retrospective_sampling():
     """data.phases switches the sampler's pool at the configured step (QwenLong-L1 Eq. 9), and with
     data.retrospective the previous phase's questions whose average accuracy was zero come along:
-    one solved 4 of 4 at a later visit stays behind (it was carried before, #20 item 3)."""
+    one solved 4 of 4 at a later visit stays behind."""
     assert spell.phase_plan("1:100, 3:200") == [(1, 100), (3, 200)] and spell.phase_plan("") == []
     assert spell.phase_plan("1:100,3:50") is None and spell.phase_plan("1-100") is None
     corpus = [spell.Cluster(str(i), "doc_qa", ["d"]) for i in range(10)]
@@ -2223,9 +2258,8 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
 
 
 def test_qa_set_questions_are_drawn_once_a_step():
-    """RLVR: 12 draws from a pool of 5 questions drew 7 duplicates, each trained as its own group
-    (#20 item 4). A question of a QA set now comes once a step, so the step draws 5; the next step
-    may draw them all again. A self-play cluster may still come twice (other documents, a new
+    """RLVR: a question of a QA set comes at most once a step (twice, it would train as two
+    groups), so 12 draws from a pool of 5 give 5; the next step may draw them all again. A self-play cluster may still come twice (other documents, a new
     question)."""
     qa = {"question": "Q?", "answer": "a"}
     corpus = [spell.Cluster(f"q{i}", "doc_qa", ["d"], qa) for i in range(5)]
@@ -2651,7 +2685,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     ([GOOD_CLUSTER], ["--train.lrr=1e-6"], infra.ConfigError, "unknown key train.lrr"),
     ([GOOD_CLUSTER], ["--rollout.group_size=1"], infra.ConfigError,
      "rollout.group_size must be >= 2"),
-    # issue #10 item 11: each of these used to pass the check and fail (or not) much later
+    # each of these would pass a plain type check and fail (or not) much later
     ([GOOD_CLUSTER], ["--log.save_every=0"], infra.ConfigError,
      "log.save_every must be >= 1, got 0"),
     ([GOOD_CLUSTER], ["--reward.negative_ratio=-1"], infra.ConfigError,
@@ -3302,8 +3336,8 @@ class Planted:
 
 
 def test_load_checkpoint_unpickles_no_objects(tmp_path):
-    """torch.load(weights_only=False) of rank0.pt ran whatever a planted pickle said (its checksum
-    re-recorded to match); load_checkpoint now refuses it, having run nothing."""
+    """A planted pickle in rank0.pt (its checksum re-recorded to match) must not run:
+    load_checkpoint reads with weights_only=True and refuses it, having run nothing."""
     cfg = spell.Config()
     cfg.log.out_dir = str(tmp_path / "run")
     model = torch.nn.Linear(8, 2)
