@@ -1,7 +1,7 @@
-"""Tests of evals/sotu_verify_set.jsonl, the held-out items that measure the verifier (§4.1, Eq. 4):
-the file is what its build script writes, every item points at a real held-out question with its
-reference, the kinds are what they claim, and a report of how many items the rule of Eq. 6 already
-decides."""
+"""Tests of evals/sotu_verify_set.jsonl, the held-out items that measure the verifier (§4.1,
+Eq. 4): the file is what its build script writes, every item points at a real held-out question
+with its reference, the kinds are what they claim, and a report of how many items the rule of
+Eq. 6 already decides."""
 
 import importlib.util
 import json
