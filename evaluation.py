@@ -80,14 +80,15 @@ def eval_prompt(item: infra.EvalItem) -> str:
 
 
 def judge_prompt(item: infra.EvalItem, prediction: str | None) -> str:
-    """The LLM-judge prompt for one extracted answer against the first gold answer
-    (Appendix C.2, Table 3)."""
-    # as in verifier_prompt: a tag in a field (the prediction is the model's) must not read as the
-    # judge's decision, so each field loses its [[YES]] / [[NO]]; a bare tag is no answer
-    shown = spell.strip_verdict_tags(prediction or "")
-    return spell.render_prompt("judge", question=spell.strip_verdict_tags(item.question),
-                         prediction=shown if shown.strip() else NO_ANSWER,
-                         reference=spell.strip_verdict_tags(item.answers[0]))
+    """The LLM-judge prompt for one extracted answer against the first gold answer (Appendix C.2,
+    Table 3), each field fenced as in spell.verifier_prompt (one line, capped, no verdict tag)."""
+    reference = item.answers[0]
+    shown = spell.fence(prediction or "", spell.answer_cap(reference))
+    if not spell.strip_verdict_tags(prediction or "").strip():  # a bare tag is no answer either
+        shown = NO_ANSWER
+    return spell.render_prompt("judge", question=spell.fence(item.question, one_line=False),
+                               prediction=shown,
+                               reference=spell.fence(reference, spell.REFERENCE_CAP))
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
@@ -126,6 +127,12 @@ def rule_score(response: str, item: infra.EvalItem) -> float:
     return max(spell.rule_reward(response, answer, item.task) for answer in item.answers)
 
 
+def paper_rule_score(response: str, item: infra.EvalItem) -> float:
+    """The paper's rule score of one response, without the hedge guards (spell.paper_score), best
+    over the gold answers: the cem@1 column beside rule@1."""
+    return max(spell.paper_score(response, answer, item.task) for answer in item.answers)
+
+
 def needs_judge(item: infra.EvalItem, rule: float) -> bool:
     """The judge is asked only where the rule said wrong, and never for multiple choice
     (Appendix C.2)."""
@@ -137,7 +144,8 @@ def score_sample(item: infra.EvalItem, index: int, completion) -> dict:
     judge filled in later if asked."""
     rule = rule_score(completion.text, item)
     return {"id": item.id, "benchmark": item.benchmark, "sample": index,
-            "answer": spell.extract_answer(completion.text, item.task), "rule": rule, "judge": None,
+            "answer": spell.extract_answer(completion.text, item.task), "rule": rule,
+            "cem": paper_rule_score(completion.text, item), "judge": None,
             "score": rule, "finish_reason": completion.finish_reason, "judge_output": None,
             "response": completion.text}
 
@@ -197,11 +205,12 @@ def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
         # pass@1 = c/n = the mean score over the n samples, the paper's headline number
         for k in ks:
             row[f"pass@{k}"] = _mean(pass_at_k(n, _n_correct(r, n), k) for r in recs)
-        # pass@1 without judge
+        # pass@1 without judge: the paper's rule (cem), and ours, which pays no hedge (rule)
+        row["cem@1"] = _mean(_mean(s["cem"] for s in r["samples"]) for r in recs)
         row["rule@1"] = _mean(_mean(s["rule"] for s in r["samples"]) for r in recs)
         rows[bench] = row
     average = {key: _mean(rows[b][key] for b in order)
-               for key in [f"pass@{k}" for k in ks] + ["rule@1"]}
+               for key in [f"pass@{k}" for k in ks] + ["cem@1", "rule@1"]}
     average.update(items=sum(rows[b]["items"] for b in order),
                    truncated=sum(rows[b]["truncated"] for b in order))
     return {"benchmarks": rows, "average": average}
@@ -218,7 +227,7 @@ def _n_correct(record: dict, n: int) -> int:
 
 def eval_table(metrics: dict) -> str:
     """The metrics as a Markdown table in percent: one row per benchmark, then the average."""
-    keys = [key for key in metrics["average"] if key.startswith("pass@")] + ["rule@1"]
+    keys = [key for key in metrics["average"] if key.startswith("pass@")] + ["cem@1", "rule@1"]
     lines = ["| benchmark | items | " + " | ".join(keys) + " | truncated |",
              "|---|---:|" + "---:|" * len(keys) + "---:|"]
     rows = list(metrics["benchmarks"].items()) + [("**average**", metrics["average"])]
@@ -236,8 +245,9 @@ def eval_header(settings: dict) -> str:
             f"n={s['n']}, temperature={s['temperature']}, top_p={s['top_p']}, "
             f"max input {s['max_input_len']} tokens (middle-truncated), "
             f"max output {s['max_output_len']}, judge max output {s['judge_max_tokens']}.\n"
-            "Scores in percent; pass@k unbiased (Eq. 11); rule@1 = pass@1 of the rule score alone; "
-            "truncated = prompts cut to the max input.\n\n")
+            "Scores in percent; pass@k unbiased (Eq. 11); cem@1 = pass@1 of the paper's rule "
+            "alone (cover exact match, no hedge guard); rule@1 = pass@1 of our rule alone, which "
+            "pays no hedge; truncated = prompts cut to the max input.\n\n")
 
 
 def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None:

@@ -176,36 +176,40 @@ def test_docmath_rule_reads_the_answer_number():
 # Metrics and the table
 # ------------------------------------------------------------------------------------------------
 
-def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None) -> dict:
+def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None,
+            cems: list[int] | None = None) -> dict:
     rules = scores if rules is None else rules
+    cems = rules if cems is None else cems
     return {"index": index, "benchmark": bench, "id": str(index), "prompt_tokens": 10,
             "truncated": index == 0,
-            "samples": [{"score": s, "rule": r} for s, r in zip(scores, rules)]}
+            "samples": [{"score": s, "rule": r, "cem": c} for s, r, c in zip(scores, rules, cems)]}
 
 
 def test_eval_metrics_hand_computed():
-    records = [_record("musique", 0, [1, 0, 0, 0], [0, 0, 0, 0]),  # c = 1, only the judge said yes
+    # c = 1: the judge said yes, and so did the paper's rule (a hedge ours refuses)
+    records = [_record("musique", 0, [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]),
                _record("musique", 1, [1, 1, 0, 0]),                # c = 2
                _record("longbench_v2", 2, [0, 0, 0, 0])]           # c = 0
     m = eval_metrics(records, n=4)
     mus, lb2 = m["benchmarks"]["musique"], m["benchmarks"]["longbench_v2"]
     assert list(m["benchmarks"]) == ["longbench_v2", "musique"]  # canonical order
     # no pass@8 with n = 4
-    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "rule@1"]
+    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "cem@1", "rule@1"]
     assert mus["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     # C(3,2)/C(4,2), C(2,2)/C(4,2)
     assert mus["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
     assert mus["pass@4"] == 1.0 and mus["rule@1"] == pytest.approx(1 / 4)
+    assert mus["cem@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     assert lb2 == {"items": 1, "truncated": 0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0,
-                   "rule@1": 0.0}
+                   "cem@1": 0.0, "rule@1": 0.0}
     avg = m["average"]  # unweighted over benchmarks, not over questions
     assert (avg["pass@1"] == pytest.approx(mus["pass@1"] / 2) and avg["items"] == 3
             and avg["truncated"] == 1)
     table = eval_table(m)
     assert (table.splitlines()[0]
-            == "| benchmark | items | pass@1 | pass@2 | pass@4 | rule@1 | truncated |")
-    assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 25.0 | 1 |"
-    assert table.splitlines()[4] == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 12.5 | 1 |"
+            == "| benchmark | items | pass@1 | pass@2 | pass@4 | cem@1 | rule@1 | truncated |")
+    assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 37.5 | 25.0 | 1 |"
+    assert table.splitlines()[4] == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 18.8 | 12.5 | 1 |"
 
 
 def test_eval_metrics_guards():
@@ -245,7 +249,7 @@ def scripted_engine(items: list[infra.EvalItem], calls: list):
             text = "".join(map(chr, ids))
             if "Predicted answer:" in text:  # the judge prompt
                 calls.append(("judge", text, n, temperature, top_p, max_tokens))
-                verdict = ("Decision: [[YES]]" if f"Predicted answer: {PARAPHRASE}\n" in text
+                verdict = ("Decision: [[YES]]" if f"Predicted answer: \u27e6{PARAPHRASE}\u27e7" in text
                            else "zzz garbage")
                 outs.append([FakeCompletion([1], verdict, "stop")])
                 continue
@@ -313,7 +317,7 @@ def test_evaluate_scripted(tmp_path, monkeypatch, capsys):
     # exactly the rule-0 samples of the non-MC questions
     assert len(judge) == n_qa * (n - RULE_RIGHT)
     assert all(f"Predicted answer: {evaluation.NO_ANSWER}\n" in c[1]
-               or f"Predicted answer: {PARAPHRASE}\n" in c[1]
+               or f"Predicted answer: \u27e6{PARAPHRASE}\u27e7\n" in c[1]
                for c in judge)
 
     # metrics: c = 3 of 4 for QA (rule 2 + judge 1), c = 2 of 4 for MC
