@@ -33,6 +33,7 @@ import stat
 import tempfile
 import time
 import tomllib
+import types
 import typing
 import warnings
 import zlib
@@ -315,6 +316,7 @@ def check_every_key(cfg) -> None:
         ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
         ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
         ("train.fsdp_shard_size", t.fsdp_shard_size >= 0, ">= 0 (0: shard over every rank)"),
+        ("train.sequence_parallel", t.sequence_parallel >= 1, ">= 1 (1: off)"),
         ("train.seed", 0 <= t.seed < 2**31,
          "in [0, 2**31) (seed + engine group seeds NumPy, torch and vLLM)"),
         ("log.out_dir", lg.out_dir != "", "a folder name"),
@@ -747,10 +749,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; for small metadata only)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] of the world (or of `group`, in its ranks' order) on
+    each of its ranks (pickled; for metadata and small batches of token ids)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -1071,8 +1074,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
     # shared group over the budget splits down to its prompt and one answer): sharing changes how
     # many tokens a step trains, not the longest micro-batch. `longest`: the longest prompt plus
-    # the largest role's budget (spell.longest_sequence)
-    T = max(cfg.train.micro_batch_tokens, longest)
+    # the largest role's budget (spell.longest_sequence). Under sequence parallelism (SP ranks a
+    # row) a row holds SP x micro_batch_tokens and each rank keeps the activations of its 1/SP
+    sp = cfg.train.sequence_parallel
+    T = -(-max(cfg.train.micro_batch_tokens * sp, longest) // sp)
     H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
@@ -1187,6 +1192,13 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
     attn = attention_implementation(cfg, torch.cuda.is_available())
+    sp = cfg.train.sequence_parallel
+    if world % sp:
+        raise ConfigError(f"train.sequence_parallel = {sp} must divide the number of ranks, "
+                          f"{world}")
+    if sp > 1 and attn not in ("sdpa", "flex_attention"):
+        raise ConfigError(f"train.sequence_parallel = {sp} needs model.attn_implementation sdpa "
+                          f"or flex_attention (a mask over the whole row), not {attn}")
     if cfg.train.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
             print(f"train.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
@@ -1555,6 +1567,243 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
             build = _compiled_block_mask
         return build(mask_mod, 1, None, len(group), len(group), device=device)
     raise ValueError(f"train.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
+
+
+# ==================================================================================================
+# Ulysses sequence parallelism (train.sequence_parallel): a row's tokens over k ranks, its heads
+# swapped in around attention
+# ==================================================================================================
+# Ulysses sequence parallelism for the packed update (DeepSpeed-Ulysses, arXiv 2309.14509).
+#
+# train.sequence_parallel = k: ranks form groups of k consecutive ranks; a group trains one packed
+# micro-batch together, each rank holding a contiguous 1/k of the row's tokens. Everything outside
+# attention (embedding, norms, MLP, LM head, loss) is per token and runs on the local shard. Around
+# attention two all-to-alls trade tokens for heads: a rank gives away (T/k tokens, all heads) and
+# gets (all T tokens, heads/k), attends over the whole row with the full-row mask, and trades back.
+#
+# Shapes (one packed row, B = 1; T the row padded to a multiple of k, S = T/k, D the head dim,
+# Hq query heads, Hkv KV heads, Hk = max(Hkv, k) after replication), per layer, per rank:
+#     q (1, Hq, S, D), k v (1, Hkv, S, D)    HF's projections of the local tokens, RoPE applied at
+#                                            their global row positions
+#     k v (1, Hk, S, D)                      KV heads replicated when Hkv < k (GQA)
+#     q (1, Hq/k, T, D), k v (1, Hk/k, T, D) after the first all-to-all (q, k, v in one buffer)
+#     out (1, T, Hq/k, D)                    the inner attention (SDPA or FlexAttention), full mask
+#     out (1, S, Hq, D)                      after the second all-to-all, into o_proj
+# All-to-all volume per layer per rank and per forward: S D (2 Hq + 2 Hk) elements, i.e.
+# 2 T hidden / k + 2 T Hk D / k, which is 4 T hidden / k without grouped KV heads and less with them
+# (exchange_elements); (k - 1)/k of it leaves the rank. The backward moves the same again, and
+# gradient checkpointing repeats the forward's share.
+#
+# The model's own attention module is untouched: `enable_sequence_parallel` registers
+# `ulysses_attention` in transformers' AttentionInterface and selects it by name, so HF's q/k/v
+# projections, RoPE and o_proj run as usual and only the attention call is wrapped.
+#
+# Masks: transformers builds its causal / packing mask from the local shapes (S tokens), which is
+# wrong for attention over the whole row, and gives a registered attention function no mask at all.
+# A 4-D mask (dense tensor or BlockMask) is the one thing it passes on unchanged
+# (masking_utils._preprocess_mask_arguments), so the caller builds the full-row mask from the
+# (group, segment) ids with infra.tree_visible, for plain packed rows as well as shared-prefix ones:
+# in a plain row segment 0 is a prompt and 1 its completion, and the tree rule is then exactly
+# "causal within each sequence".
+
+ULYSSES = "ulysses_"  # registered attention names: ulysses_sdpa, ulysses_flex_attention
+PAD_GROUP = -1  # the padding's group id: no real token's, so neither sees the other
+
+
+# ---- layout: which ranks share a row
+
+
+def sp_layout(rank: int, k: int) -> tuple[int, int]:
+    """(data-parallel rank, rank inside the SP group): groups are k consecutive ranks."""
+    return rank // k, rank % k
+
+
+def sp_group(world: int, k: int):
+    """This rank's SP process group. dist.new_group is collective over the world, so every rank
+    creates every group, in the same order, and keeps its own."""
+    if k < 1 or world % k:
+        raise ConfigError(f"train.sequence_parallel = {k} must divide the number of ranks, {world}")
+    rank, mine = dist.get_rank(), None
+    for start in range(0, world, k):
+        group = dist.new_group(list(range(start, start + k)))
+        if start <= rank < start + k:
+            mine = group
+    return mine
+
+
+def check_heads(num_q: int, num_kv: int, k: int) -> None:
+    """Each rank attends with Hq/k query heads and the KV heads they read: Hq must divide by k, and
+    k must divide Hkv (each rank a slice of them) or be a multiple of it (each KV head replicated
+    k/Hkv times)."""
+    if num_q % k:
+        raise ConfigError(f"train.sequence_parallel = {k} must divide the model's {num_q} "
+                         f"query heads")
+    if num_kv % k and k % num_kv:
+        raise ConfigError(f"train.sequence_parallel = {k} must divide, or be a multiple of, the "
+                         f"model's {num_kv} KV heads")
+
+
+def replicate_kv(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(1, Hkv, S, D) -> (1, max(Hkv, k), S, D): with fewer KV heads than ranks, each KV head
+    repeated k/Hkv times in place, so that rank j gets KV head j // (k/Hkv), the one its query
+    heads j Hq/k ... (j+1) Hq/k - 1 read (GQA: query head h reads KV head h // (Hq/Hkv))."""
+    return x if x.shape[1] >= k else x.repeat_interleave(k // x.shape[1], dim=1)
+
+
+def rank_heads(num_q: int, num_kv: int, k: int, sp_rank: int) -> tuple[list[int], list[int]]:
+    """The query heads and the (original) KV heads a rank of the group attends with, as the
+    all-to-all deals them: contiguous blocks of Hq/k query heads and of max(Hkv, k)/k KV heads."""
+    q = list(range(sp_rank * num_q // k, (sp_rank + 1) * num_q // k))
+    per_kv = max(1, k // num_kv)  # replicas of each KV head
+    kv_after = max(num_kv, k) // k  # KV heads per rank after replication
+    return q, [h // per_kv for h in range(sp_rank * kv_after, (sp_rank + 1) * kv_after)]
+
+
+def exchange_elements(tokens: int, k: int, num_q: int, num_kv: int, head_dim: int) -> int:
+    """Elements one rank puts into the two all-to-alls of one layer's forward, the row padded to a
+    multiple of k: q, k, v in (S (Hq + 2 Hk) D), the output back (S Hq D)."""
+    s = -(-tokens // k)
+    return s * head_dim * (2 * num_q + 2 * max(num_kv, k))
+
+
+# ---- the row: this rank's tokens, and what the whole row's attention needs
+
+
+def shard_row(packed: dict, k: int, sp_rank: int) -> dict:
+    """This rank's part of a packed row (spell.pack_sequences' dict), padded to a multiple of k.
+
+    input_ids, position_ids (1, S): the rank's contiguous S = T/k tokens, with their global
+    positions (RoPE sees the true position in the row). index, targets, which (n,): the targets
+    whose predicting row position falls in this shard, that position made local, and which of the
+    (N,) targets they are: a target predicted by a shard's last token is computed on that rank, not
+    on the rank holding the target token ("shift before you split"). group_ids, segment_ids (T,):
+    the whole padded row's, for full_row_mask; padding gets group PAD_GROUP, so it sees only
+    padding (never an empty row, never a NaN) and no real token sees it.
+    """
+    ids, pos = packed["input_ids"][0], packed["position_ids"][0]  # (T0,)
+    s = -(-len(ids) // k)
+    pad = s * k - len(ids)
+    pad_with = lambda x, value: torch.cat([x, x.new_full((pad,), value)])  # noqa: E731
+    lo, hi = sp_rank * s, (sp_rank + 1) * s
+    index = packed["index"]  # (N,) row positions predicting each target
+    which = ((index >= lo) & (index < hi)).nonzero()[:, 0]  # (n,)
+    return {"input_ids": pad_with(ids, 0)[lo:hi][None],
+            "position_ids": pad_with(pos, 0)[lo:hi][None], "index": index[which] - lo,
+            "targets": packed["targets"][which], "which": which,
+            "group_ids": pad_with(packed["group_ids"], PAD_GROUP),
+            "segment_ids": pad_with(packed["segment_ids"], 0), "start": lo}
+
+
+def full_row_mask(shard: dict, impl: str, device: torch.device, dtype: torch.dtype):
+    """The whole padded row's attention mask for the inner attention `impl`: sdpa, a dense additive
+    (1, 1, T, T); flex_attention, a BlockMask. Always given, even for a plain row: HF would
+    otherwise derive one from the local position_ids, S tokens long (see the module docstring)."""
+    ids = {"group_ids": shard["group_ids"], "segment_ids": shard["segment_ids"], "shared": True}
+    return tree_attention_mask(ids, impl, device, dtype)
+
+
+# ---- the two all-to-alls and the attention around them
+
+
+def exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all over dim 0 (k equal chunks: chunk j goes to group rank j, and the j-th chunk of
+    the result came from it), differentiable: its backward is the reverse all-to-all."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    x = x.contiguous()
+    return all_to_all_single(torch.empty_like(x), x, group=group)
+
+
+def heads_to_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group):
+    """First all-to-all, q, k, v in one buffer: (1, H, S, D) each -> (1, H/k, T, D) each, the heads
+    of this rank for every token of the row, tokens in row order (rank 0's shard first)."""
+    k = group.size()
+    _, _, s, d = query.shape
+    chunks = [x[0].reshape(k, x.shape[1] // k, s, d) for x in (query, key, value)]
+    sizes = [c.shape[1] for c in chunks]
+    received = exchange(torch.cat(chunks, dim=1), group)  # (k, Hq/k + 2 Hk/k, S, D), by sender
+    row = received.transpose(0, 1).reshape(sum(sizes), k * s, d)  # (Hq/k + 2 Hk/k, T, D)
+    return [x[None] for x in row.split(sizes)]
+
+
+def tokens_to_heads(out: torch.Tensor, group) -> torch.Tensor:
+    """Second all-to-all: (1, T, Hq/k, D) -> (1, S, Hq, D), every head of this rank's tokens."""
+    k = group.size()
+    _, t, h, d = out.shape
+    received = exchange(out[0].reshape(k, t // k, h, d), group)  # (k, S, Hq/k, D), by sender
+    return received.permute(1, 0, 2, 3).reshape(1, t // k, k * h, d)
+
+
+class LocalHeads:
+    """The attention module as the inner attention function sees it after the first all-to-all:
+    its attributes, but num_key_value_groups of this rank's heads (HF's SDPA repeats KV heads by
+    it; with replicated KV heads it is no longer the model's Hq/Hkv)."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self._module, self.num_key_value_groups = module, num_key_value_groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, **kwargs):
+    """The AttentionInterface function: q (1, Hq, S, D), k v (1, Hkv, S, D) of this rank's tokens,
+    attention_mask the full row's; returns (1, S, Hq, D), None like every HF attention function.
+    The inner function (HF's sdpa or flex_attention) sees (1, Hq/k, T, D) and the whole row."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    group = module.sp_group
+    assert query.shape[0] == 1, "sequence parallelism trains one packed row at a time"
+    k = group.size()
+    assert attention_mask is not None and attention_mask.shape[-1] == k * query.shape[2], \
+        "sequence parallelism needs the full row's 4-D mask (full_row_mask)"
+    key, value = replicate_kv(key, k), replicate_kv(value, k)  # (1, Hk, S, D)
+    query, key, value = heads_to_tokens(query, key, value, group)  # (1, Hq/k or Hk/k, T, D)
+    out, _ = ALL_ATTENTION_FUNCTIONS[inner](LocalHeads(module, query.shape[1] // key.shape[1]),
+                                            query, key, value, attention_mask, **kwargs)
+    return tokens_to_heads(out, group), None  # (1, S, Hq, D)
+
+
+def enable_sequence_parallel(model, group, inner: str) -> None:
+    """Make `model` attend through ulysses_attention over `group` (this rank's sp_group), with HF
+    attention `inner` (sdpa, flex_attention) over the whole row. Works on a plain HF model and on
+    one sharded by spell.shard_policy; call it on every rank."""
+    from transformers import AttentionInterface
+
+    if inner not in ("sdpa", "flex_attention"):
+        raise ConfigError(f"train.sequence_parallel needs model.attn_implementation sdpa or "
+                          f"flex_attention (a full-row mask), not {inner!r}")
+    config = model.config
+    check_heads(config.num_attention_heads, config.num_key_value_heads, group.size())
+    AttentionInterface.register(ULYSSES + inner, functools.partial(ulysses_attention, inner=inner))
+    model.set_attn_implementation(ULYSSES + inner)
+    for layer in model.model.layers:
+        layer.self_attn.sp_group = group
+    model.sp_group = group
+
+
+def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
+                           forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """spell.packed_logprobs under sequence parallelism: this rank's share of the row's targets.
+    Returns log pi(target) and entropy (detached), (n,) fp32, and `which`, (n,): the (N,) targets
+    they belong to. The group's ranks together cover every target once. Every rank of the group
+    must call it (the all-to-alls are collectives), with the same packed row.
+
+    forward: the decoder-plus-LM-head function (spell.completion_logprobs' signature); by default
+    the FSDP2-registered model.completion_logprobs that spell.shard_policy installs.
+    """
+    group = model.sp_group
+    shard = shard_row(packed, group.size(), dist.get_rank(group))
+    weight = model.lm_head.weight
+    device = weight.device
+    inner = model.config._attn_implementation.removeprefix(ULYSSES)
+    mask = full_row_mask(shard, inner, device, weight.dtype)
+    forward = forward or model.completion_logprobs
+    if isinstance(forward, types.FunctionType):  # a plain function: bind it to the model
+        forward = types.MethodType(forward, model)
+    lp, ent = forward(shard["input_ids"].to(device), shard["position_ids"].to(device), mask,
+                      shard["index"].to(device), shard["targets"].to(device), temperature, impl)
+    return lp, ent.detach(), shard["which"].to(device)
 
 
 # ==================================================================================================

@@ -267,6 +267,9 @@ class TrainConfig:
     rollout_correction: Literal["none", "tis", "mask"] = "none"
     rollout_correction_cap: float = 2.0  # C >= 1 of rollout_correction's tis and mask
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
+    # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
+    # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
+    sequence_parallel: int = 1
     logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
@@ -385,6 +388,12 @@ def check_config(cfg: Config) -> None:
         ("train.clip_low", 0 <= t.clip_low < 1,
          "in [0, 1) (the ratio's lower bound 1 - clip_low must stay > 0)"),
         ("train.policy_loss", t.policy_loss in POLICY_LOSSES, "|".join(POLICY_LOSSES)),
+        # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
+        # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
+        ("train.policy_loss", t.policy_loss != "gspo" or t.sequence_parallel == 1
+         or t.ppo_epochs * t.mini_batches == 1,
+         "grpo or cispo with train.sequence_parallel > 1 past one optimiser step a batch (gspo's "
+         "sequence ratio would read one rank's share of each sequence)"),
         ("train.loss_norm", t.loss_norm in LOSS_NORMS, "|".join(LOSS_NORMS)),
         ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"},
@@ -2397,11 +2406,26 @@ def balance_sequences(seqs: list[Seq], cfg: Config) -> list[Seq]:
     varies, and the slowest rank sets the update's time; any split of the batch gives the same
     gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less
     (infra.rebalance). A packing unit moves whole, weighed by its tokens as packed."""
-    t = cfg.train
-    units, _ = packing_units(seqs, t.shared_prefix, t.micro_batch_tokens)
+    units, _ = packing_units(seqs, cfg.train.shared_prefix, row_budget(cfg))
     tokens = [unit_tokens(seqs, u) for u in units]
     moved = infra.rebalance(tokens, [[seqs[k] for k in u] for u in units])
     return [s for unit in moved for s in unit]
+
+
+def row_budget(cfg: Config) -> int:
+    """Tokens of one packed row: train.micro_batch_tokens per rank, and under sequence
+    parallelism k ranks share a row."""
+    return cfg.train.micro_batch_tokens * cfg.train.sequence_parallel
+
+
+def sequence_parallel_batch(seqs: list[Seq], policy) -> list[Seq]:
+    """Under sequence parallelism the k ranks of a group train the same micro-batches, each its
+    shard of every row: the group's sequences, gathered in its ranks' order, on every rank of it
+    (the batch was balanced over all ranks before, so the groups are balanced too)."""
+    group = getattr(policy, "sp_group", None)
+    if group is None:
+        return seqs
+    return [s for part in infra.all_gather_objects(seqs, group) for s in part]
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -2428,15 +2452,15 @@ def plan_update(seqs: list[Seq], cfg: Config,
     in train.micro_batch_tokens, and empty micro-batches up to the busiest rank's count (each FSDP
     forward and backward is a collective, so every rank runs as many). Also returns how many
     groups were split for the budget."""
-    t = cfg.train
     plans, split = [], 0
-    for b in range(t.mini_batches):
+    budget = row_budget(cfg)
+    for b in range(cfg.train.mini_batches):
         mine = [s for s in seqs if s.mini_batch == b]
-        units, n_split = packing_units(mine, t.shared_prefix, t.micro_batch_tokens)
+        units, n_split = packing_units(mine, cfg.train.shared_prefix, budget)
         split += n_split
         lengths = [unit_tokens(mine, u) for u in units]
         plan = [[mine[k] for u in micro for k in units[u]]
-                for micro in plan_micro_batches(lengths, t.micro_batch_tokens)]
+                for micro in plan_micro_batches(lengths, budget)]
         padding = infra.all_reduce_max(len(plan), device) - len(plan)
         plans.append(plan + [[]] * padding)
     return plans, split
@@ -2447,41 +2471,43 @@ def dummy_sequence() -> Seq:
     return Seq(prompt=[0], completion=[0], advantage=0.0, weight=0.0)
 
 
-def micro_batch_loss(policy, seqs: list[Seq], old_logps: list[torch.Tensor] | None, cfg: Config,
-                     device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg: Config,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
-    correction. old_logps: each sequence's log-probs before the update, past its first optimiser
-    step (None: on-policy). Returns (loss, per-sequence log-probs, stats)."""
+    correction, over this rank's completion tokens: all of them, or under sequence parallelism
+    the ones its shard of the row predicts (rank_logprobs). old_logp: those tokens' log-probs
+    before the update, past its first optimiser step (None: on-policy). Returns (loss, the
+    tokens' log-probs, detached, stats)."""
     t = cfg.train
     packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
-    # (T,), (T,) over the completion tokens
-    logp, entropy = packed_logprobs(policy, packed, cfg.rollout.temperature, t.logprob_impl)
+    # (n,) each: this rank's tokens, `mine` their places among the row's N completion tokens
+    logp, entropy, mine = rank_logprobs(policy, packed, cfg.rollout.temperature, t.logprob_impl)
     lengths = [len(s.completion) for s in seqs]
 
-    def per_token(values: list[float]) -> torch.Tensor:  # one value per sequence -> (T,)
+    def per_token(values: list[float]) -> torch.Tensor:  # one value per sequence -> (n,)
         per_seq = torch.tensor(values, dtype=torch.float32)
-        return per_seq.repeat_interleave(torch.tensor(lengths)).to(device)
+        return per_seq.repeat_interleave(torch.tensor(lengths)).to(device)[mine]
 
     advantages = per_token([s.advantage for s in seqs])
     weights = per_token([s.weight for s in seqs])
     seq_ids = per_token(list(range(len(seqs)))).long()
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
-    old = logp.detach() if old_logps is None else torch.cat(old_logps)
-    # (T,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
-    sampled = torch.cat([o if s.rollout_logprobs is None
-                         else torch.tensor(s.rollout_logprobs, device=device)
-                         for s, o in zip(seqs, old.split(lengths))])
+    old = logp.detach() if old_logp is None else old_logp
+    # (n,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
+    behaviour = torch.cat([torch.tensor(s.rollout_logprobs if s.rollout_logprobs is not None
+                                        else [0.0] * len(s.completion)) for s in seqs])  # (N,)
+    recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
+    sampled = torch.where(recorded, behaviour.to(device)[mine], old)
     weights = weights * rollout_correction(old, sampled, t.rollout_correction,
                                            t.rollout_correction_cap)
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
                                                t.clip_low, t.clip_high)
-    recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
     gap = rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap)
     stats.update(entropy_sum=float(entropy.sum()),
                  tokens=len(logp),  # trained
-                 row_tokens=packed["input_ids"].shape[1],  # encoded
+                 row_tokens=row_share(packed, policy),  # encoded
                  **gap)
-    return loss, list(logp.detach().split(lengths)), stats
+    return loss, logp.detach(), stats
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
@@ -2503,7 +2529,9 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
     t = cfg.train
     plans, split = plan_update(seqs, cfg, device)
     stats = defaultdict(float)
-    stats["split_groups"] = float(split)
+    # under sequence parallelism the k ranks of a group share one plan: its first rank counts it
+    group = getattr(policy, "sp_group", None)
+    stats["split_groups"] = float(split) if group is None or dist.get_rank(group) == 0 else 0.0
     old = None
     if t.ppo_epochs > 1 or len(plans) > 1:  # later steps' ratio: the log-probs of now
         with torch.no_grad():
@@ -2512,15 +2540,16 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
     for epoch in range(t.ppo_epochs):
         for b, plan in enumerate(plans):
             for m, mb in enumerate(plan):
-                old_logps = None if old is None else old[b][m]
-                loss, _, s = micro_batch_loss(policy, mb or [dummy_sequence()], old_logps, cfg,
+                old_logp = None if old is None else old[b][m]
+                loss, _, s = micro_batch_loss(policy, mb or [dummy_sequence()], old_logp, cfg,
                                               device)
                 assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
                 # The weights already divide by the GLOBAL normaliser (loss_weights), so the loss
-                # of the batch is the sum of every rank's micro-batch losses. FSDP averages
-                # gradients over ranks: scaling by the world size turns that average into the
-                # global sum, so the gradient is the same for any micro-batch size and any number
-                # of ranks (departure 8).
+                # of the batch is the sum of every rank's micro-batch losses (under sequence
+                # parallelism each rank's share of its group's tokens). FSDP averages gradients
+                # over ranks: scaling by the world size turns that average into the global sum,
+                # so the gradient is the same for any micro-batch size and any number of ranks
+                # (departure 8).
                 (loss * world).backward()
                 stats["loss"] += loss.item() / t.ppo_epochs
                 stats["clipped"] += s["clipped"]
@@ -2891,6 +2920,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
+        seqs = sequence_parallel_batch(seqs, policy)
         train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
         clock.stage("update")
         # 4. the new weights into every rank's vLLM engine
@@ -2978,7 +3008,8 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
 
 def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     """pi_theta for training: fp32 master weights sharded by FSDP2 (HSDP with
-    train.fsdp_shard_size), computing in bf16 on GPU; and its AdamW (§5.1, weight decay [code])."""
+    train.fsdp_shard_size), computing in bf16 on GPU, attending through Ulysses sequence
+    parallelism with train.sequence_parallel > 1; and its AdamW (§5.1, weight decay [code])."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
@@ -2988,6 +3019,9 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),
                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if (k := cfg.train.sequence_parallel) > 1:  # collective: every rank, the same point
+        attention = infra.attention_implementation(cfg, device.type == "cuda")
+        infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
                                   weight_decay=cfg.train.weight_decay)
     return policy, optimizer
@@ -3238,6 +3272,26 @@ def packed_logprobs(model, packed: dict, temperature: float,
     lp, ent = forward(packed["input_ids"].to(device), packed["position_ids"].to(device), mask,
                       packed["index"].to(device), packed["targets"].to(device), temperature, impl)
     return lp, ent.detach()
+
+
+def rank_logprobs(model, packed: dict, temperature: float,
+                  impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's share of a packed row's completion tokens: log pi, entropy (detached) and their
+    places among the row's N targets, (n,) each. All N of them, or under sequence parallelism
+    (train.sequence_parallel: model.sp_group) those its shard of the row predicts
+    (infra.sp_completion_logprobs; the group's ranks together cover each once)."""
+    if getattr(model, "sp_group", None) is None:
+        logp, entropy = packed_logprobs(model, packed, temperature, impl)
+        return logp, entropy, torch.arange(len(logp), device=logp.device)
+    return infra.sp_completion_logprobs(model, packed, temperature, impl)
+
+
+def row_share(packed: dict, model) -> int:
+    """The tokens of a packed row this rank encodes: all, or its shard under sequence
+    parallelism (the row padded to a multiple of the group)."""
+    group = getattr(model, "sp_group", None)
+    k = 1 if group is None else group.size()
+    return -(-packed["input_ids"].shape[1] // k)
 
 
 # ---- data: the corpus of clusters, or RLVR's QA set

@@ -6,6 +6,7 @@ integrity. Tolerances follow from the arithmetic (see test_spell.py's docstring)
 import contextlib
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -1043,6 +1044,299 @@ def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
+# Ulysses sequence parallelism: the pure pieces on worked cases, then 2 gloo ranks against one
+# ------------------------------------------------------------------------------------------------
+
+def test_shard_row_pads_and_keeps_global_positions():
+    """Two sequences, 5 + 4 = 9 tokens, on k = 2: padded to 10, 5 tokens a rank, positions
+    global, the padding in a group of its own."""
+    packed = spell.pack_sequences([([1, 2], [3, 4, 5]), ([6], [7, 8, 9])])
+    # row  0 1 2 3 4 | 5 6 7 8 (9 = padding); index 1 2 3 | 5 6 7 predict 3 4 5 | 7 8 9
+    assert packed["index"].tolist() == [1, 2, 3, 5, 6, 7]
+    first, second = (infra.shard_row(packed, 2, r) for r in (0, 1))
+    assert first["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
+    assert second["input_ids"].tolist() == [[6, 7, 8, 9, 0]]
+    assert first["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
+    assert second["position_ids"].tolist() == [[0, 1, 2, 3, 0]]  # global; the pad's is unused
+    assert first["group_ids"].tolist() == second["group_ids"].tolist() == [0] * 5 + [1] * 4 + [-1]
+    assert first["segment_ids"].tolist() == [0, 0, 1, 1, 1, 0, 1, 1, 1, 0]
+    assert first["which"].tolist() == [0, 1, 2] and first["index"].tolist() == [1, 2, 3]
+    assert second["which"].tolist() == [3, 4, 5] and second["index"].tolist() == [0, 1, 2]
+    assert first["targets"].tolist() == [3, 4, 5] and second["targets"].tolist() == [7, 8, 9]
+
+
+def test_boundary_target_stays_with_the_rank_that_predicts_it():
+    """Shift before you split: a target whose predicting position is a shard's last token is
+    computed on that rank, at that position; a shared prompt's last position predicts every answer's
+    first token on one rank."""
+    # one sequence of 3 + 5 tokens on k = 2: row 0..7, shards 0-3 | 4-7; position 3 predicts
+    # target 14 (row position 4, the first token of rank 1's shard)
+    packed = spell.pack_sequences([([10, 11, 12], [13, 14, 15, 16, 17])])
+    assert packed["index"].tolist() == [2, 3, 4, 5, 6]
+    first, second = (infra.shard_row(packed, 2, r) for r in (0, 1))
+    assert first["which"].tolist() == [0, 1] and first["index"].tolist() == [2, 3]
+    assert first["targets"].tolist() == [13, 14]
+    assert second["which"].tolist() == [2, 3, 4] and second["index"].tolist() == [0, 1, 2]
+    # shared prompt [5, 6] with answers [7, 8], [9], [4]: row 5 6 7 8 9 4, k = 3; position 1
+    # predicts 7, 9 and 4, all on rank 0
+    packed = spell.pack_sequences([([5, 6], [7, 8]), ([5, 6], [9]), ([5, 6], [4])], shared=True)
+    assert packed["index"].tolist() == [1, 2, 1, 1]
+    shards = [infra.shard_row(packed, 3, r) for r in range(3)]
+    assert [s["which"].tolist() for s in shards] == [[0, 2, 3], [1], []]
+    assert [s["index"].tolist() for s in shards] == [[1, 1, 1], [0], []]
+    # every target once over the group, whatever k
+    for k in (1, 2, 3, 4, 7):
+        which = torch.cat([infra.shard_row(packed, k, r)["which"] for r in range(k)])
+        assert sorted(which.tolist()) == list(range(4)), k
+
+
+def test_row_shorter_than_the_group_and_the_padding_mask():
+    """3 tokens on k = 4: one token a rank, the last rank only padding; in the full-row mask padding
+    sees only padding (itself: no empty softmax row) and no real token sees padding."""
+    packed = spell.pack_sequences([([1], [2, 3])])
+    shards = [infra.shard_row(packed, 4, r) for r in range(4)]
+    assert [s["input_ids"].tolist() for s in shards] == [[[1]], [[2]], [[3]], [[0]]]
+    assert [s["which"].tolist() for s in shards] == [[0], [1], [], []]
+    mask = infra.full_row_mask(shards[0], "sdpa", torch.device("cpu"), torch.float32)[0, 0]  # (4, 4)
+    visible = (mask == 0).int().tolist()
+    assert visible == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    # two pads: causal among themselves, still apart from the row
+    shards = [infra.shard_row(spell.pack_sequences([([1], [2])]), 4, r) for r in range(4)]
+    mask = infra.full_row_mask(shards[0], "sdpa", torch.device("cpu"), torch.float32)[0, 0]
+    assert (mask == 0).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+def test_plain_row_mask_is_causal_within_each_sequence():
+    """The full-row mask of a plain packed row (never shared) is block-diagonal causal: the rule
+    HF derives from restarting position_ids, which SP cannot use on local shapes."""
+    packed = spell.pack_sequences([([1, 2], [3]), ([4], [5, 6])])
+    mask = infra.full_row_mask(infra.shard_row(packed, 1, 0), "sdpa", torch.device("cpu"), torch.float32)
+    starts = torch.tensor([0, 0, 0, 3, 3, 3])
+    rows = torch.arange(6)
+    want = (rows[None] <= rows[:, None]) & (rows[None] >= starts[:, None])
+    assert torch.equal(mask[0, 0] == 0, want)
+
+
+@pytest.mark.parametrize("num_q, num_kv, k, expected", [
+    # Qwen2.5-7B: 28 query heads, 4 KV heads, on k = 4: one KV head a rank, its 7 query heads
+    (28, 4, 4, [(list(range(7 * r, 7 * r + 7)), [r]) for r in range(4)]),
+    # ... and on k = 2: two KV heads a rank (no replication)
+    (28, 4, 2, [(list(range(14)), [0, 1]), (list(range(14, 28)), [2, 3])]),
+    # 4 query heads, 1 KV head, k = 4: the KV head on every rank
+    (4, 1, 4, [([r], [0]) for r in range(4)]),
+    # 8 query heads, 2 KV heads, k = 4: KV head 0 on ranks 0 and 1, KV head 1 on ranks 2 and 3
+    (8, 2, 4, [([0, 1], [0]), ([2, 3], [0]), ([4, 5], [1]), ([6, 7], [1])]),
+])
+def test_kv_heads_follow_their_query_heads(num_q, num_kv, k, expected):
+    """GQA: query head h reads KV head h // (Hq/Hkv). Each rank's query heads (a contiguous block
+    of Hq/k, as the all-to-all deals them) read exactly the KV heads that replicate_kv and the
+    same all-to-all put on that rank."""
+    per_group = num_q // num_kv
+    kv_index = torch.arange(num_kv, dtype=torch.float32).view(1, num_kv, 1, 1)  # (1, Hkv, S, D)
+    dealt = infra.replicate_kv(kv_index, k)[0, :, 0, 0].view(k, -1)  # (k, Hk/k): rank j's KV heads
+    for r, (q_heads, kv_heads) in enumerate(expected):
+        assert infra.rank_heads(num_q, num_kv, k, r) == (q_heads, kv_heads)
+        assert dealt[r].long().tolist() == kv_heads
+        assert sorted({h // per_group for h in q_heads}) == kv_heads
+
+
+@pytest.mark.parametrize("num_q, num_kv, k, message", [
+    (28, 4, 3, "must divide the model's 28 query heads"),
+    (12, 4, 6, "must divide, or be a multiple of, the model's 4 KV heads"),
+    (24, 6, 4, "must divide, or be a multiple of, the model's 6 KV heads")])
+def test_head_counts_that_cannot_be_split_stop_with_a_clear_error(num_q, num_kv, k, message):
+    with pytest.raises(infra.ConfigError, match=rf"train.sequence_parallel = {k} {message}"):
+        infra.check_heads(num_q, num_kv, k)
+    infra.check_heads(28, 4, 4)
+    infra.check_heads(28, 4, 2)
+    infra.check_heads(4, 1, 4)
+
+
+def test_group_size_and_attention_that_cannot_work_stop_with_a_clear_error():
+    """k must divide the world (checked before any group is made); the inner attention must take
+    the full row's mask (flash-attn's varlen kernel takes none)."""
+    with pytest.raises(infra.ConfigError, match="sequence_parallel = 4 must divide the number of ranks"):
+        infra.sp_group(6, 4)
+    with pytest.raises(infra.ConfigError, match="needs model.attn_implementation sdpa or flex_attention"):
+        infra.enable_sequence_parallel(sp_tiny_model("llama"), None, "flash_attention_2")
+
+
+def test_layout_and_volume_formula():
+    """Groups of k consecutive ranks; the all-to-all volume on worked numbers."""
+    assert [infra.sp_layout(r, 4) for r in range(8)] == [(0, 0), (0, 1), (0, 2), (0, 3),
+                                                      (1, 0), (1, 1), (1, 2), (1, 3)]
+    # Qwen2.5-7B (hidden 3584 = 28 x 128, 4 KV heads) at T = 131072 on k = 8: S = 16384, KV heads
+    # replicated to 8: S D (2 28 + 2 8) = 16384 128 72 elements, below 4 T hidden / k (q, k, v,
+    # out at full width) = 16384 128 112
+    assert infra.exchange_elements(131072, 8, 28, 4, 128) == 16384 * 128 * 72
+    assert 4 * 131072 * 3584 // 8 == 16384 * 128 * 112
+    # no GQA: exactly 4 T hidden / k; a row of 9 on k = 2 pays for 10
+    assert infra.exchange_elements(1024, 2, 2, 2, 64) == 4 * 1024 * 128 // 2
+    assert infra.exchange_elements(9, 2, 2, 2, 64) == infra.exchange_elements(10, 2, 2, 2, 64)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2 ranks, SP 2, against 1 rank (one torchrun launch; the tests read what it wrote)
+# ------------------------------------------------------------------------------------------------
+
+# Shapes of the two tiny models: (query heads, KV heads). Both: hidden 128, head_dim 64, 2 layers,
+# MLP 256, vocabulary 1000, tied embeddings.
+ARCHS = {"llama": (2, 1), "qwen2": (4, 2)}
+BUGS = ("exchange_order", "positions_restart", "boundary_target")
+
+
+def sp_tiny_model(arch: str, seed: int = 0):
+    """Llama: 2 query heads, 1 KV head (fewer KV heads than k = 2: replication); Qwen2: q/k/v
+    biases, 4 query heads, 2 KV heads. fp32, SDPA, deterministic given seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    num_q, num_kv = ARCHS[arch]
+    config = config_class(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=num_q,
+                          num_key_value_heads=num_kv, head_dim=64, max_position_embeddings=512,
+                          tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(config).float()
+
+
+def sp_rows() -> list[dict]:
+    """Three packed rows: sequences of irregular lengths, 45 tokens (not a multiple of 2; the
+    shard boundary inside a completion); a shared-prefix group of 3 answers and another pair, 38
+    tokens (the boundary inside the second answer); one sequence whose prompt fills rank 0's
+    shard (rank 0 computes no target but still takes part in every all-to-all)."""
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, 1000, (n,), generator=g).tolist()  # noqa: E731
+    plain = [(ids(p), ids(c)) for p, c in [(7, 5), (3, 11), (12, 2), (1, 4)]]
+    prompt = ids(13)
+    shared = [(prompt, ids(5)), (prompt, ids(9)), (prompt, ids(1)), (ids(4), ids(6))]
+    return [spell.pack_sequences(plain), spell.pack_sequences(shared, shared=True),
+            spell.pack_sequences([(ids(20), ids(3))])]
+
+
+# Tolerance. SP and the 1-rank forward evaluate the same real numbers with the same operations;
+# what differs is the order of some sums (attention over the padded row with masked keys, matrix
+# products over S instead of T rows) and, in the backward, the gradient added up over the two
+# ranks. A k-term sum in another order is off by typically sqrt(k) u sum|terms|, u = 2^-24 (fp32).
+# Along the longest path from an embedding to a log-prob the sums have, per layer: RMSNorm H,
+# q/k/v H, q.k D, softmax and p.v KEYS each, o_proj HQ, RMSNorm H, gate/up H, down I; then the
+# final norm H, the logit H and the log-sum-exp V: K_FWD terms on the scale of the log-prob. The
+# backward retraces that path and sums each weight's gradient over the row's tokens and then over
+# the 2 ranks: K_BWD terms on the gradient's scale. Either side can be off by that much: the
+# factor 2. This is test_spell.py's shared-prefix bound, with Qwen2's wider o_proj (HQ = 4 x 64).
+H, HQ, D, I, LAYERS, V = 128, 256, 64, 256, 2, 1000
+KEYS = ROW = 46  # the longest padded row
+K_FWD = LAYERS * (H + H + D + 2 * KEYS + HQ + H + H + I) + H + H + V  # 3616
+K_BWD = 2 * K_FWD + ROW + 2  # 7280
+U32 = 2.0 ** -24
+
+
+def rounding_bound(k: int, scale: float) -> float:
+    """The typical gap between two fp32 evaluations of a chain of k summed terms on `scale`."""
+    return 2 * math.sqrt(k) * U32 * scale  # K_BWD: 1e-5 of the scale; K_FWD: 5e-5 at -7
+
+
+def logp_check(local: torch.Tensor, which: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(gap, bound) of this rank's log-probs against the 1-rank ones of the same targets."""
+    gap = float((local - ref[which]).abs().max()) if len(which) else 0.0
+    return gap, rounding_bound(K_FWD, float(ref.abs().max()))
+
+
+def gradient_check(grads: dict, ref: dict) -> tuple[float, str]:
+    """The worst gap / bound over the parameter tensors (each on its own scale), and its name."""
+    worst = (0.0, "")
+    for name, r in ref.items():
+        gap = float((grads[name] - r).abs().max())
+        worst = max(worst, (gap / rounding_bound(K_BWD, float(r.abs().max())), name))
+    return worst
+
+
+def sp_reference(arch: str, rows: list[dict], weights: list[torch.Tensor]):
+    """The 1-rank forward: log-probs of every row and the gradients of sum(w * logp)."""
+    model = sp_tiny_model(arch)
+    logps = [spell.packed_logprobs(model, row, TEMPERATURE)[0] for row in rows]  # (N,) each
+    sum((w * lp).sum() for w, lp in zip(weights, logps)).backward()
+    return [lp.detach() for lp in logps], {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def sp_run(tmp_path_factory):
+    """One torchrun of worker_sp_parity on 2 ranks: what rank 0 wrote, and the output."""
+    out = tmp_path_factory.mktemp("sp") / "results.json"
+    result = torchrun(2, __file__, "sp-parity", str(out))
+    return json.loads(out.read_text()), result.stdout
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sharding", ["replicated", "fsdp_checkpointed"])
+def test_sp_matches_one_rank(sp_run, arch, sharding):
+    """SP 2 on 2 ranks: every target computed on exactly one rank, with the 1-rank log-prob; the
+    gradient of sum(w * logp) (summed over the ranks; FSDP2 reduces it) the 1-rank gradient,
+    tensor by tensor. Under FSDP2 with checkpointing each layer's two all-to-alls run again in the
+    backward (the recompute), so the forward's exchanges double. Measured: log-probs bit-identical
+    to the 1-rank ones, gradients at most 0.03 x the bound (3e-7 of a tensor's scale)."""
+    res = sp_run[0][sharding][arch]
+    assert res["covered"], "the two ranks do not cover every target exactly once"
+    for gap, bound in res["logp"]:
+        assert gap <= bound, f"log-probs differ by {gap:.3g} > {bound:.3g}"
+    assert res["grad"][0] <= 1.0, f"{res['grad'][1]}: gradient gap {res['grad'][0]:.3g} x bound"
+    print(f"METRIC {sharding}_{arch}_logp_gap={max(g for g, _ in res['logp']):.3g} "
+          f"grad_gap_over_bound={res['grad'][0]:.3g}")
+    if sharding == "fsdp_checkpointed":
+        calls = res["exchanges"]
+        assert calls["backward"] == calls["forward"] == 2 * LAYERS * 3, calls
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("bug", BUGS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sp_planted_bug_is_caught(sp_run, bug, arch):
+    """Each planted mistake moves some log-prob past the parity bound: the all-to-all's output read
+    with ranks and tokens swapped, positions restarting at 0 on every shard (what HF does when no
+    position_ids are given), a shard's first target computed at its own position instead of the
+    previous rank's last (splitting before shifting). Measured: the smallest, positions restarting,
+    moves a log-prob by 1e-2, 200 x the bound; the others by 1 or more."""
+    gaps = sp_run[0]["bugs"][bug][arch]
+    gap, bound = max(gaps)
+    print(f"METRIC bug_{bug}_{arch}: gap {gap:.3g}, {gap / bound:.3g} x the bound")
+    assert gap > bound
+
+
+@pytest.mark.stack
+def test_sp_exchange_traffic(sp_run):
+    """Bytes the all-to-alls move per layer per forward against the formula (buffer sizes, as
+    counted at the call), and what the process wrote to its sockets meanwhile (/proc/self/io
+    wchar: gloo's writes; the other rank's half of each buffer leaves, the own half stays).
+    Measured (Llama, T = 1024): 1,048,576 bytes a layer put in, 524,576 written."""
+    for arch, t in sp_run[0]["traffic"].items():
+        num_q, num_kv = ARCHS[arch]
+        formula = 4 * infra.exchange_elements(t["tokens"], 2, num_q, num_kv, D)  # fp32 bytes
+        assert t["buffer_bytes_per_layer"] == formula, (arch, t)
+        # of each buffer the other rank's half crosses the socket, plus gloo's headers (measured:
+        # 288 bytes a layer); 1 % leaves room for those, not for a third copy of anything
+        assert formula // 2 <= t["written_bytes_per_layer"] <= 1.01 * formula // 2, (arch, t)
+        print(f"METRIC traffic_{arch}: T={t['tokens']}, formula {formula} B/layer/rank, counted "
+              f"{t['buffer_bytes_per_layer']}, written {t['written_bytes_per_layer']:.0f} "
+              f"(expected (k-1)/k = {formula // 2})")
+
+
+@pytest.mark.stack
+def test_sp_flex_attention_forward_matches_one_rank(tmp_path):
+    """With FlexAttention inside (the GPU path: a BlockMask of the whole padded row, passed through
+    HF unchanged), SP 2 gives the 1-rank SDPA log-probs. Forward only: torch 2.13 has no
+    FlexAttention backward on CPU. About a minute, most of it compiling FlexAttention for CPU."""
+    out = tmp_path / "flex.json"
+    torchrun(2, __file__, "sp-flex", str(out))
+    for arch, checks in json.loads(out.read_text()).items():
+        for gap, bound in checks:
+            assert gap <= bound, f"{arch}: log-probs differ by {gap:.3g} > {bound:.3g}"
+        print(f"METRIC flex_{arch}_logp_gap={max(g for g, _ in checks):.3g}")
+
+
+# ------------------------------------------------------------------------------------------------
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
 
@@ -1136,5 +1430,165 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
     dist.destroy_process_group()
 
 
+def sp_planted(bug: str):
+    """Monkeypatch infra's sequence parallelism with one mistake; returns the undo."""
+    saved = dict(vars(infra))
+    if bug == "exchange_order":  # (k, S, h, D) read as if it were (S, k, h, D)
+        def tokens_to_heads(out, group):
+            k, (_, t, h, d) = group.size(), out.shape
+            received = infra.exchange(out[0].reshape(k, t // k, h, d), group)
+            return received.reshape(1, t // k, k * h, d)
+        infra.tokens_to_heads = tokens_to_heads
+    elif bug == "positions_restart":
+        def shard_row(packed, k, r):
+            shard = saved["shard_row"](packed, k, r)
+            return {**shard, "position_ids": torch.arange(shard["input_ids"].shape[1])[None]}
+        infra.shard_row = shard_row
+    elif bug == "boundary_target":  # targets dealt by their own position, then shifted locally
+        def shard_row(packed, k, r):
+            shard = saved["shard_row"](packed, k, r)
+            s = shard["input_ids"].shape[1]
+            index = packed["index"]
+            which = ((index + 1 >= r * s) & (index + 1 < (r + 1) * s)).nonzero()[:, 0]
+            return {**shard, "which": which, "targets": packed["targets"][which],
+                    "index": (index[which] - r * s).clamp(min=0)}
+        infra.shard_row = shard_row
+    return lambda: vars(infra).update(saved)
+
+
+def wchar() -> int:
+    """Bytes this process has passed to write-like system calls (its sockets among them)."""
+    return int(Path("/proc/self/io").read_text().split("wchar:")[1].split()[0])
+
+
+def worker_sp_parity(out_file: str) -> None:
+    """Each rank: SP 2 over the 2 ranks on sp_rows(), for both models: replicated, planted
+    bugs, traffic, then FSDP2 + checkpointing; rank 0 writes the gaps and bounds."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = infra.sp_group(world, 2)
+    rows = sp_rows()
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(row["targets"]), generator=g) for row in rows]  # (N,) each
+
+    def gather_all(x) -> list:  # every rank's x, in rank order
+        parts = [None] * world
+        dist.all_gather_object(parts, x)
+        return parts
+
+    def gather(x: list) -> list:  # every rank's list, concatenated
+        return [y for part in gather_all(x) for y in part]
+
+    calls = {"n": 0}
+    exchange = infra.exchange
+
+    def counting(x, grp):
+        calls["n"] += 1
+        calls["bytes"] = calls.get("bytes", 0) + x.numel() * x.element_size()
+        return exchange(x, grp)
+
+    infra.exchange = counting
+    results = {"replicated": {}, "fsdp_checkpointed": {}, "bugs": {b: {} for b in BUGS},
+               "traffic": {}}
+    for arch in ARCHS:
+        ref_logps, ref_grads = sp_reference(arch, rows, weights)
+        model = sp_tiny_model(arch)
+        infra.enable_sequence_parallel(model, group, "sdpa")
+        forward = spell.completion_logprobs
+        loss, checks, which_all = 0.0, [], []
+        for row, w, ref in zip(rows, weights, ref_logps):
+            lp, _, which = infra.sp_completion_logprobs(model, row, TEMPERATURE, forward=forward)
+            checks.append(logp_check(lp.detach(), which, ref))
+            which_all.append(gather(which.tolist()))
+            loss = loss + (w[which] * lp).sum()  # this rank's share of the micro-batch loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for t in grads.values():  # each rank holds its tokens' share of every gradient
+            dist.all_reduce(t, group=group)
+        results["replicated"][arch] = {
+            "logp": [max(c) for c in zip(*gather_all(checks))],  # per row, the worse rank
+            "covered": all(sorted(w) == list(range(len(r["targets"])))
+                           for w, r in zip(which_all, rows)),
+            "grad": max(gather_all(gradient_check(grads, ref_grads)))}
+        with torch.no_grad():
+            for bug in BUGS:
+                undo = sp_planted(bug)
+                gaps = [logp_check(*infra.sp_completion_logprobs(model, row, TEMPERATURE,
+                                                              forward=forward)[::2], ref)
+                        for row, ref in zip(rows, ref_logps)]
+                undo()
+                results["bugs"][bug][arch] = gather(gaps)
+            # traffic: one forward of a 1024-token row
+            long_row = spell.pack_sequences([(list(range(1000)), list(range(24)))])
+            calls.update(n=0, bytes=0)
+            dist.barrier()
+            before = wchar()
+            infra.sp_completion_logprobs(model, long_row, TEMPERATURE, forward=forward)
+            written = wchar() - before
+            assert calls["n"] == 2 * LAYERS, calls
+            results["traffic"][arch] = {"tokens": 1024,
+                                        "buffer_bytes_per_layer": calls["bytes"] // LAYERS,
+                                        "written_bytes_per_layer": written / LAYERS}
+    # FSDP2 over the two ranks (DP degree world / k = 1: both train the same micro-batches)
+    mesh = init_device_mesh("cpu", (world,))
+    for arch in ARCHS:
+        ref_logps, ref_grads = sp_reference(arch, rows, weights)
+        policy = spell.shard_policy(sp_tiny_model(arch), mesh, param_dtype=torch.float32,
+                                    gradient_checkpointing=True)
+        infra.enable_sequence_parallel(policy, group, "sdpa")
+        calls.update(n=0)
+        loss, checks, which_all = 0.0, [], []
+        for row, w, ref in zip(rows, weights, ref_logps):
+            lp, _, which = infra.sp_completion_logprobs(policy, row, TEMPERATURE)
+            checks.append(logp_check(lp.detach(), which, ref))
+            which_all.append(gather(which.tolist()))
+            loss = loss + (w[which] * lp).sum()
+        forward_calls = calls["n"]
+        # FSDP2 averages gradients over its ranks: x world makes that the sum, as update_policy
+        (loss * world).backward()
+        grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters()}
+        results["fsdp_checkpointed"][arch] = {
+            "logp": [max(c) for c in zip(*gather_all(checks))],
+            "covered": all(sorted(w) == list(range(len(r["targets"])))
+                           for w, r in zip(which_all, rows)),
+            "grad": max(gather_all(gradient_check(grads, ref_grads))),
+            "exchanges": {"forward": forward_calls, "backward": calls["n"] - forward_calls}}
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_sp_flex(out_file: str) -> None:
+    """Each rank: SP 2 with FlexAttention inside, forward only, on sp_rows(); rank 0 writes
+    every rank's (gap, bound) per row against the 1-rank SDPA forward."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    group = infra.sp_group(dist.get_world_size(), 2)
+    results = {}
+    for arch in ARCHS:
+        ref, model = sp_tiny_model(arch), sp_tiny_model(arch)
+        infra.enable_sequence_parallel(model, group, "flex_attention")
+        checks = []
+        with torch.no_grad():
+            for row in sp_rows():
+                lp, _, which = infra.sp_completion_logprobs(model, row, TEMPERATURE,
+                                                         forward=spell.completion_logprobs)
+                checks.append(logp_check(lp, which, spell.packed_logprobs(ref, row,
+                                                                          TEMPERATURE)[0]))
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, checks)
+        results[arch] = [c for part in parts for c in part]
+    if dist.get_rank() == 0:
+        Path(out_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets})
+    run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets,
+                "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex})

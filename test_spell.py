@@ -2555,14 +2555,16 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 
 @pytest.mark.stack
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
-    """update_policy on 1 and 2 ranks (FSDP) and on 4 (HSDP: train.fsdp_shard_size 2, two shard
-    groups of 2), with different micro-batch sizes and both log-prob paths, gives the gradient of
-    the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
+    groups of 2), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
+    with different micro-batch sizes, both log-prob paths, shared prefixes and checkpointing, gives
+    the gradient of the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
     results = {}
-    for nproc, shard in ((1, 0), (2, 0), (4, 2)):
-        out = tmp_path / f"update{nproc}.pt"
-        torchrun(nproc, __file__, "update", str(out), str(shard))
-        results[nproc] = torch.load(out)
+    for key, nproc, shard, sp in (("1", 1, 0, 1), ("2", 2, 0, 1), ("4", 4, 2, 1),
+                                  ("sp2", 2, 0, 2), ("sp2xdp2", 4, 0, 2)):
+        out = tmp_path / f"update{key}.pt"
+        torchrun(nproc, __file__, "update", str(out), str(shard), str(sp))
+        results[key] = torch.load(out)
     # the reference: plain model, unpacked sequences,
     # the gradient of the same global loss by autograd
     model = tiny_llama()
@@ -2579,7 +2581,9 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # a shared prompt's G answers added at its positions rather than in G rows); its longest sums
     # are the LM head's V = 1000 terms, typically sqrt(V) u32 x scale = 4e-7 here (scale 0.21), and
     # the SGD step's result theta - g rounds to u32 |theta| <= 6e-8 (norm weights are 1). 1e-5 is
-    # ~20x that, and 5e-5 x the scale (measured: at most 1.1e-7).
+    # ~20x that, and 5e-5 x the scale (measured: at most 1.1e-7). Sequence parallelism changes
+    # only where the sums run: attention's over the whole row on each rank, the LM head's per
+    # token, the gradient's over ranks.
     for nproc, res in results.items():
         for name, budget, _, opt, _, _ in UPDATE_VARIANTS:
             if opt != "sgd":
@@ -2597,23 +2601,23 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # whatever the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where
     # |g| ~ eps. Rounding: the gradient's, as for SGD, and the global norm's
     # (torch sums it in O(log N) rounds).
-    a = results[1]["adamw_exp_avg"]
+    a = results["1"]["adamw_exp_avg"]
     moment = max(t.abs().max().item() for t in a.values())
-    for nproc in (2, 4):
+    for nproc in ("2", "4", "sp2", "sp2xdp2"):
         b = results[nproc]["adamw_exp_avg"]
         diff = max((a[n] - b[n]).abs().max().item() for n in a)
         print(f"METRIC adamw_clipped_1_vs_{nproc}_ranks_max_abs_diff={diff:.3g} "
               f"(first moment scale {moment:.3g})")
         assert diff < 8 * math.sqrt(1000) * 2.0 ** -24 * moment, nproc
-    assert results[1]["grad_norm"] > 0.05, \
+    assert results["1"]["grad_norm"] > 0.05, \
         "the clip at 0.05 must bind, or the test does not cover it"
     # what train/loss, train/entropy and train/clipfrac log: the batch's, summed over the ranks, the
     # same on 1, 2 and 4 ranks (not rank 0's share). Sums of ~100 fp32 terms
     # in another order: 1e-5 relative is ~100x their rounding
-    for nproc in (2, 4):
+    for nproc in ("2", "4", "sp2", "sp2xdp2"):
         for name, logged in results[nproc]["logged"].items():
             for key, value in logged.items():
-                assert value == pytest.approx(results[1]["logged"][name][key], rel=1e-5,
+                assert value == pytest.approx(results["1"]["logged"][name][key], rel=1e-5,
                                               abs=1e-9), (nproc, name, key)
 
 
@@ -3989,23 +3993,26 @@ def worker_export_vllm(export: str) -> None:
     print(f"METRIC export_question_ok={int(spell.parse_question(out.text, 'doc_qa') is not None)}")
 
 
-def worker_update(out_file: str, shard_size: str = "0") -> None:
+def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str = "1") -> None:
     """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the
-    mesh of train.fsdp_shard_size = shard_size; rank 0 saves the parameter changes (SGD) or the
-    parameters (AdamW) as full tensors."""
+    mesh of train.fsdp_shard_size = shard_size, with train.sequence_parallel ranks to a row (the
+    groups gather their ranks' shares, spell.sequence_parallel_batch); rank 0 saves the parameter
+    changes (SGD) or the parameters (AdamW) as full tensors."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = worker_mesh(shard_size, world)
     assert mesh.ndim == (2 if int(shard_size) not in (0, world) else 1)
+    sp = int(sequence_parallel)
+    sp_group = infra.sp_group(world, sp) if sp > 1 else None  # every rank, once, in order
     batch = update_batch()
     results = {"layer_calls": {}}
     for name, budget, impl, opt, checkpointing, shared in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
         cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
-        cfg.train.shared_prefix = shared
+        cfg.train.shared_prefix, cfg.train.sequence_parallel = shared, sp
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -4014,14 +4021,15 @@ def worker_update(out_file: str, shard_size: str = "0") -> None:
             layer.register_forward_pre_hook(lambda *_: calls.append(1))
         policy = spell.shard_policy(model, mesh, param_dtype=torch.float32,
                                     gradient_checkpointing=checkpointing)
+        if sp_group is not None:
+            infra.enable_sequence_parallel(policy, sp_group, "sdpa")
         optimizer = (torch.optim.SGD(policy.parameters(), lr=1.0) if opt == "sgd" else
                      torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01))
         mine = rank_share(batch, rank, world)
         if name == "sgd_rebalanced":
-            units = spell.packing_units(batch, shared, budget)[0] if rank == 0 else []
-            mine, _ = infra.balance_sequences(batch if rank == 0 else [],
-                                              [None] * len(batch) if rank == 0 else [], units)
+            mine = spell.balance_sequences(batch if rank == 0 else [], cfg)
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
+        mine = spell.sequence_parallel_batch(mine, policy)
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
         results.setdefault("logged", {})[name] = {k: stats[k] for k in ("loss", "entropy_sum",
