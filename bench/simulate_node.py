@@ -15,7 +15,9 @@ Qwen2ForCausalLM built on the meta device. One case is one responder group: a pr
 and G answers of A tokens, packed as one row of P + G A tokens, one micro-batch per rank
 (train.micro_batch_tokens is set to exactly that). The tracker
 (torch.distributed._tools.mem_tracker.MemTracker) watches the second step, after the first has
-created AdamW's state; torch.utils.flop_counter.FlopCounterMode counts the same step's FLOPs.
+created AdamW's state; it labels FSDP2's gathered parameters and its gradients by what they hold
+(Tracker). torch.utils.flop_counter.FlopCounterMode counts the first step's FLOPs, every step's:
+never under the tracker, because the counter's module hooks keep module outputs alive.
 
 CPU, not CUDA: FSDP2 asks the CUDA runtime for the current device, and a CPU-only torch has none,
 so the fake tensors sit on "cpu". They count the same bytes (the tracker rounds a CUDA tensor up to
@@ -33,11 +35,11 @@ gpu_paths install them, and restore everything on exit):
  2. FlexAttention, the project's GPU attention for shared-prefix rows
     (infra.attention_implementation). torch refuses its backward on CPU before any kernel runs,
     and HF and torch compile it; under fake tensors no kernel runs, so the refusal is lifted and
-    flex_attention runs uncompiled. Its fake rule allocates what the fused kernel writes: out (bf16, q's shape), the logsumexp and max score
-    (fp32 per head and token); autograd saves q, k, v, out and the logsumexp, and the backward
-    allocates dq, dk, dv. transformers 5.19 repeats k and v to all heads before calling
-    flex_attention when the head count is not a power of two (Qwen2.5-7B: 28), on GPU as well, so
-    k and v are held at 28 heads, not 4.
+    flex_attention runs uncompiled. Its fake rule allocates what the fused kernel writes: out
+    (bf16, q's shape), the logsumexp and max score (fp32 per head and token); autograd saves q,
+    k, v, out and the logsumexp, and the backward allocates dq, dk, dv. transformers 5.19 repeats
+    k and v to all heads before calling flex_attention when the head count is not a power of two
+    (Qwen2.5-7B: 28), on GPU as well, so k and v are held at 28 heads, not 4.
  3. The BlockMask: infra.tree_attention_mask compiles create_block_mask on GPU, which never holds a
     (T, T) mask; the eager version on CPU evaluates all T^2 pairs at once. block_mask_by_stripes
     evaluates the same mask_mod one 128-row stripe at a time and reduces it with torch's own
@@ -471,12 +473,11 @@ def print_trust(t: dict) -> None:
     print(f"Trust check: Qwen2 {TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}, "
           f"vocab {TINY['vocab_size']}; one rank (gloo), SDPA + dense tree mask; prompt {prompt}, "
           f"G = {group} answers of {answer}; the step after a warm-up step")
-    print(f"  growth above the step's start, real tensors: tracker "
-          f"{t['tracked_growth'] / MiB:.3f} MiB, CPU allocator (torch.profiler) "
-          f"{t['allocator_growth'] / MiB:.3f} MiB, ratio "
-          f"{t['tracked_growth'] / max(t['allocator_growth'], 1):.3f}")
-    print(f"  tracker's peak total: real tensors {t['real']['peak']['total'] / MiB:.3f} MiB, "
-          f"fake tensors {t['fake']['peak']['total'] / MiB:.3f} MiB")
+    print(f"  growth above the step's start, real tensors: tracker {t['tracked_growth']:,} B, "
+          f"CPU allocator (torch.profiler) {t['allocator_growth']:,} B, ratio "
+          f"{t['tracked_growth'] / max(t['allocator_growth'], 1):.4f}")
+    print(f"  tracker's peak total: real tensors {t['real']['peak']['total']:,} B, "
+          f"fake tensors {t['fake']['peak']['total']:,} B")
 
 
 # ==================================================================================================
@@ -503,10 +504,15 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
               + f" | {r['estimate'] / GiB:.2f} | {r['peak']['total'] / r['estimate']:.2f} | "
               f"{r['flops'] / 1e12:.1f} | {r['visible_flops'] / 1e12:.1f} | "
               f"{r['largest'][0] / GiB:.2f} | {r['seconds']:.0f} |")
-    print("estimate: infra.memory_estimate's update phase (trainer only; vLLM sleeps) for the same "
-          "config. TFLOPs: FlopCounterMode over the step, per rank, checkpoint recompute included; "
-          "it counts flex_attention as dense, the 'flex visible' column scales attention to the "
-          "pairs the tree mask lets through. seconds: the whole case on a shared 2-core machine.")
+    print("params: the fp32 shards and the bf16 copies FSDP2 has gathered at that moment; grads: "
+          "the fp32 shards reduced so far and the bf16 unsharded gradients alive; activations: "
+          "made in the forward or a checkpoint's recompute; temporaries: made in the backward "
+          "(FSDP2's fp32 reduce-scatter input among them). estimate: infra.memory_estimate's "
+          "update phase (trainer only; vLLM sleeps) for the same config. TFLOPs: FlopCounterMode "
+          "over one step, per rank, checkpoint recompute included; it counts flex_attention as "
+          "dense, the 'flex visible' column scales attention to the pairs the tree mask lets "
+          "through. largest tensor: the biggest one the step made (no (T, T) mask). seconds: the "
+          "whole case, on a shared 2-core machine.")
 
 
 def main(argv=None) -> None:
