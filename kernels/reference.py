@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 # Bytes of fp32 scratch the chunked twin may hold at once (about four [chunk, V] fp32 slabs).
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -38,10 +39,17 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------
 
 
+def holds_values(t: torch.Tensor) -> bool:
+    """Whether t's values can be read back. A fake tensor (torch._subclasses.fake_tensor, as in
+    bench/simulate_node.py) has shapes only, unless it keeps the constant it was built from."""
+    return not is_fake(t) or getattr(t, "constant", None) is not None
+
+
 def check_inputs(hidden, weight, targets, temperature, *, dtypes, coef=None) -> float:
     """Validate the op's arguments; raise ValueError naming the bad one. Returns 1/temperature.
 
-    The label-range check reads min/max back to the host (one device sync per call).
+    The label-range check reads min/max back to the host (one device sync per call); it is skipped
+    for fake tensors without values, which have no range to check.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
@@ -86,7 +94,7 @@ def check_inputs(hidden, weight, targets, temperature, *, dtypes, coef=None) -> 
         if coef.requires_grad:
             raise ValueError("coef must not require grad: it is a constant per-token loss weight "
                              "(pass coef.detach())")
-    if targets.numel() > 0:
+    if targets.numel() > 0 and holds_values(targets):
         lo, hi = (int(v) for v in torch.aminmax(targets))
         vocab = weight.shape[0]
         if lo < 0 or hi >= vocab:

@@ -1,0 +1,549 @@
+"""A simulated 8-GPU node in one CPU process: per-rank peak memory, by category, and FLOPs of the
+project's update step on a Qwen2.5-7B-shaped policy at 16K-128K prompts, beside
+infra.memory_estimate.
+
+    python bench/simulate_node.py --quick                  # 1 layer, a 1K prompt: seconds
+    python bench/simulate_node.py --layers 28 --prompts 16384,32768,65536,131072
+    python bench/simulate_node.py --trust                  # the tracker against the CPU allocator
+
+What runs. PyTorch's fake tensors (FakeTensorMode: shapes, dtypes and devices, no data) and its fake
+process group (world 8; every collective returns at once with outputs of the right shape) carry
+the project's own code: spell.shard_policy (FSDP2 per decoder layer and at the root, fp32 masters,
+bf16 compute, gradient checkpointing) and spell.update_policy (shared-prefix packing, the packed
+forward with the chunked torch LM head, the GRPO loss, backward, gradient clipping, AdamW) on a
+Qwen2ForCausalLM built on the meta device. One case is one responder group: a prompt of P tokens
+and G answers of A tokens, packed as one row of P + G A tokens, one micro-batch per rank
+(train.micro_batch_tokens is set to exactly that). The tracker
+(torch.distributed._tools.mem_tracker.MemTracker) watches the second step, after the first has
+created AdamW's state; it labels FSDP2's gathered parameters and its gradients by what they hold
+(Tracker). torch.utils.flop_counter.FlopCounterMode counts the first step's FLOPs, every step's:
+never under the tracker, because the counter's module hooks keep module outputs alive.
+
+CPU, not CUDA: FSDP2 asks the CUDA runtime for the current device, and a CPU-only torch has none,
+so the fake tensors sit on "cpu". They count the same bytes (the tracker rounds a CUDA tensor up to
+the caching allocator's 512-byte blocks, which is immaterial at these sizes).
+
+Stand-ins. A fake tensor has no values, and a few CPU code paths allocate differently from the GPU
+ones. Each stand-in makes the simulation allocate what the GPU path allocates (fake_tensors and
+gpu_paths install them, and restore everything on exit):
+ 1. Values read back to the host (the loss, the finiteness assert, the logged entropy and rollout
+    sums, the gradient norm) do not exist: FakeRun answers True / 0 / 0.0. Only logging and that
+    assert read them; no allocation depends on them. Tensors built from Python lists of up to the
+    micro-batch's completion tokens (targets, lengths, per-token weights) keep their values
+    (FakeTensorMode's constants, its limit raised from 1 element), so the loss bookkeeping and
+    kernels' target-range check see real numbers; the row's (T,) tensors stay value-free.
+ 2. FlexAttention, the project's GPU attention for shared-prefix rows
+    (infra.attention_implementation). torch refuses its backward on CPU before any kernel runs,
+    and HF and torch compile it; under fake tensors no kernel runs, so the refusal is lifted and
+    flex_attention runs uncompiled. Its fake rule allocates what the fused kernel writes: out
+    (bf16, q's shape), the logsumexp and max score (fp32 per head and token); autograd saves q,
+    k, v, out and the logsumexp, and the backward allocates dq, dk, dv. transformers 5.19 repeats
+    k and v to all heads before calling flex_attention when the head count is not a power of two
+    (Qwen2.5-7B: 28), on GPU as well, so k and v are held at 28 heads, not 4.
+ 3. The BlockMask: infra.tree_attention_mask compiles create_block_mask on GPU, which never holds a
+    (T, T) mask; the eager version on CPU evaluates all T^2 pairs at once. block_mask_by_stripes
+    evaluates the same mask_mod one 128-row stripe at a time and reduces it with torch's own
+    conversion: the same BlockMask (test_simulate_node.py pins it to create_block_mask).
+ 4. The LM head: on CUDA kernels/reference.py multiplies bf16 operands into an fp32 result
+    (torch.mm out_dtype); CPU builds lack that and upcast the whole [V, H] head to fp32 (2 GiB at
+    Qwen2.5-7B). The simulation gives kernels.reference the CUDA answer (its _FP32_OUT_OK cache).
+ 5. AdamW with foreach=True, what CUDA tensors get by default (spell.load_policy names no
+    implementation; on CPU the default is the per-tensor loop).
+transformers 5.19 builds a dense (1, 1, T, T) mask from packed position_ids for SDPA; with a
+BlockMask it passes the mask on as it is: FakeRun records the largest tensor of the step to show it.
+
+Not simulated: the Triton LM head (train.logprob_impl = "triton", config.toml's choice): a Triton
+launch has no fake rule (the interpreter reads the data), so the rows use the torch twin and its
+256 MiB scratch, and memory_estimate is asked about the same twin. Also not counted: the CUDA
+context and NCCL buffers, and the caching allocator's fragmentation. Sequence parallelism is not in
+the project yet: every row is SP 1 (tokens_per_rank is where its degree will enter).
+
+--trust checks the tracker itself: a tiny Qwen2 in a world of one on the CPU path (SDPA, dense tree
+mask), the same update on real tensors, where the tracker's peak is compared with the CPU
+allocator's own running total (torch.profiler with profile_memory=True reports it with every
+allocation), and on fake tensors, where the tracker should read the same bytes.
+
+Results: bench/RESULTS.md ("A simulated 8-GPU node").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import resource
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WORLD = 8  # ranks of the simulated node
+GiB, MiB = 2**30, 2**20
+# Qwen2.5-7B-Instruct's config.json: the shape is all the simulation needs
+QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                 tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6,
+                 max_position_embeddings=32768)
+# the trust check's model: every dimension a multiple of 8, head_dim 64
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=4096, tie_word_embeddings=False, head_dim=64)
+PROMPTS = (16384, 32768, 65536, 131072)
+
+
+# ==================================================================================================
+# Every call into spell.py and infra.py: adapt this one function when their APIs change
+# ==================================================================================================
+
+def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
+    """The project's functions this script runs, bound to a world of `world` ranks."""
+    import infra
+    import spell
+
+    def config(prompt: int, group: int, answer: int, attention: str):
+        """config.toml (the paper's 7B recipe) with this case's lengths: one group per micro-batch,
+        the torch LM head (a Triton launch cannot run on fake tensors), the given attention."""
+        return spell.load_config(str(spell.ROOT / "config.toml"), [
+            f"--rollout.max_prompt_tokens={prompt}", f"--rollout.max_new_tokens={answer}",
+            f"--rollout.group_size={group}",
+            f"--train.micro_batch_tokens={prompt + group * answer}",
+            "--train.logprob_impl=torch", f"--model.attn_implementation={attention}"])
+
+    return SimpleNamespace(
+        config=config,
+        shard=lambda model, mesh, cfg, dtype: spell.shard_policy(
+            model, mesh, param_dtype=dtype,
+            gradient_checkpointing=cfg.model.gradient_checkpointing),
+        # spell.load_policy's AdamW; foreach: what CUDA tensors get by default (stand-in 5)
+        optimizer=lambda policy, cfg: torch.optim.AdamW(
+            policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+            foreach=True),
+        sequence=lambda prompt, completion, advantage, weight: spell.Seq(
+            prompt, completion, advantage, weight),
+        update=lambda policy, optimizer, seqs, cfg: spell.update_policy(
+            policy, optimizer, seqs, cfg, world, torch.device("cpu")),
+        # the update phase: the trainer while vLLM sleeps (config.toml's rollout.sleep_level 1)
+        estimate=lambda cfg, mc: infra.memory_estimate(cfg, mc, world, device_gib)["update_phase"],
+    )
+
+
+# ==================================================================================================
+# Fake tensors and the stand-ins (module docstring, 1-5)
+# ==================================================================================================
+
+@contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """owner.name = value inside the block, the old value back after it."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def host_read_stand_in(t: torch.Tensor):
+    """What a read of a fake tensor's value returns (stand-in 1): every check passes, every count
+    and sum is zero."""
+    if t.dtype == torch.bool:
+        return True
+    return 0.0 if t.is_floating_point() else 0
+
+
+class FakeRun(TorchDispatchMode):
+    """Answers reads of fake values with host_read_stand_in, lets reads of constants through, and
+    remembers the largest tensor any op made (a (T, T) mask would show here)."""
+    supports_higher_order_operators = True  # flex_attention is a higher-order operator
+
+    def __init__(self):
+        super().__init__()
+        self.largest = (0, ())  # bytes, shape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten._local_scalar_dense.default
+                and getattr(args[0], "constant", None) is None):
+            return host_read_stand_in(args[0])
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.nbytes > self.largest[0]:
+                self.largest = (t.nbytes, tuple(t.shape))
+        return out
+
+
+@contextlib.contextmanager
+def fake_tensors(constant_elements: int = 1 << 13):
+    """FakeTensorMode with stand-in 1: a tensor built from Python data of at most
+    `constant_elements` elements keeps its values. Give it the micro-batch's completion tokens N:
+    the loss bookkeeping reads (N,) tensors, and the (T,) row tensors must stay value-free, or the
+    BlockMask's stripes (T elements each) are computed for real, and torch keeps those copies.
+    Non-fake inputs are allowed because the policy's meta parameters become fake in to_empty."""
+    from torch._subclasses import fake_tensor
+
+    watch = FakeRun()
+    with (swapped(fake_tensor, "CONSTANT_NUMEL_LIMIT", constant_elements),
+          fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), watch):
+        yield watch
+
+
+@contextlib.contextmanager
+def gpu_paths():
+    """Stand-ins 2-4: FlexAttention's training path uncompiled on fake CPU tensors, the BlockMask
+    built a stripe at a time, and the LM head's bf16 x bf16 -> fp32 GEMM."""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention import flex_attention as flex
+
+    import kernels.reference
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return flex.flex_attention(query, key, value, **kwargs)
+
+    cuda_gemm = dict(kernels.reference._FP32_OUT_OK)
+    cuda_gemm[("cpu", None, torch.bfloat16)] = True
+    with (swapped(flex, "_validate_device", lambda query, key, value: None),
+          swapped(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True),
+          swapped(hf_flex, "compile_friendly_flex_attention", uncompiled),
+          swapped(flex, "create_block_mask", block_mask_by_stripes),
+          swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm)):
+        yield
+
+
+def block_mask_by_stripes(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **kwargs):
+    """create_block_mask for one batch row and all heads (B, H in {None, 1}), as its compiled form
+    holds memory: the mask evaluated one stripe of query blocks at a time, (BLOCK, KV_LEN), then
+    torch's own reduction to partial and full blocks."""
+    from torch.nn.attention import flex_attention as flex
+
+    assert B in (None, 1) and H in (None, 1), "one batch row, one mask for all heads"
+    assert not kwargs.get("compute_dq_write_order"), "not needed by the project"
+    q_block, kv_block = (BLOCK_SIZE,) * 2 if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    b = h = torch.zeros((), dtype=torch.long, device=device)
+    kv = torch.arange(KV_LEN, device=device)[None]  # (1, KV_LEN)
+    partial, full = [], []
+    for q0 in range(0, Q_LEN, q_block):
+        q = torch.arange(q0, min(q0 + q_block, Q_LEN), device=device)[:, None]  # (BLOCK, 1)
+        stripe = mask_mod(b, h, q, kv)[None, None]  # (1, 1, BLOCK, KV_LEN)
+        p, f = flex._convert_mask_to_block_mask(stripe, q_block, kv_block,
+                                                 separate_full_blocks=True)
+        partial.append(p)
+        full.append(f)
+    return flex._create_sparse_block_from_block_mask(
+        (torch.cat(partial, dim=2), torch.cat(full, dim=2)), mask_mod, (Q_LEN, KV_LEN),
+        q_block, kv_block)
+
+
+@contextlib.contextmanager
+def flop_counter():
+    """FlopCounterMode that also counts flex_attention run eagerly: torch registers its FLOP
+    formulas (dense: every query-key pair) but its dispatch mode applies them to traced graphs
+    only, and refuses the operator otherwise."""
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+    from torch.utils import flop_counter as fc
+
+    other_operators = fc._FlopCounterMode._handle_higher_order_ops
+
+    def handle(mode, func, types, args, kwargs):
+        if func in (flex_attention, flex_attention_backward):
+            return mode.counter._count_flops(func, func(*args, **kwargs), args, kwargs)
+        return other_operators(mode, func, types, args, kwargs)
+
+    def addmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        """torch's addmm formula, which takes the fp32-output overload's out_dtype (kernels'
+        dW accumulation, stand-in 4) for an output shape."""
+        return fc.mm_flop(a_shape, b_shape)
+
+    with (swapped(fc._FlopCounterMode, "_handle_higher_order_ops", handle),
+          fc.FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm: addmm})
+          as counter):
+        yield counter
+
+
+class Tracker(MemTracker):
+    """MemTracker that lets flex_attention (a higher-order operator) through, and labels FSDP2's
+    tensors by what they hold rather than by when they were made (MemTracker's rule: made in the
+    forward = activation, in the backward = temporary): the gathered bf16 parameters count as
+    parameters, the unsharded bf16 gradients and the sharded fp32 gradients (views of FSDP2's
+    reduce-scatter output) as gradients. The labels move bytes between columns, never the total."""
+    supports_higher_order_operators = True
+
+    def track_fsdp(self, policy) -> None:
+        """Label every FSDP2 unsharded parameter (its storage persists, resized between 0 and full
+        around each use) and, through a hook, its gradient."""
+        def label_grad(param) -> None:
+            self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+
+        self._fsdp_hooks = []
+        for module in policy.modules():
+            group = getattr(module, "_get_fsdp_state", lambda: None)()
+            for fsdp_param in getattr(group and group._fsdp_param_group, "fsdp_params", ()):
+                unsharded = fsdp_param._unsharded_param
+                self._update_and_maybe_create_winfos(unsharded, _MemRefType.PARAM)
+                self._fsdp_hooks.append(unsharded.register_post_accumulate_grad_hook(label_grad))
+
+    def untrack_fsdp(self) -> None:
+        for hook in self._fsdp_hooks:
+            hook.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.c10d._reduce_scatter_base_.default:  # (output, input, ...)
+            self._update_and_maybe_create_winfos(args[0], _MemRefType.GRAD)
+        return out
+
+
+# ==================================================================================================
+# One case
+# ==================================================================================================
+
+def tokens_per_rank(row_tokens: int, sp: int = 1) -> int:
+    """Tokens of a packed row that one rank holds. Sequence parallelism of degree sp (Ulysses) will
+    split each row's tokens over sp ranks: its degree enters here and in simulate_case's row, once
+    the project has it. Only sp = 1 runs."""
+    assert sp == 1, "sequence parallelism is not in the project yet: only SP 1 rows"
+    return row_tokens // sp
+
+
+@contextlib.contextmanager
+def process_group(backend: str, world: int):
+    """A world of `world` ranks in this process (the fake backend, or gloo for a world of one) and
+    its 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    store = FakeStore() if backend == "fake" else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def responder_group(api, prompt: int, group: int, answer: int, vocab: int, seed: int = 0) -> list:
+    """One responder group: a random prompt, G random answers, advantages +-1, Eq. 12's weight."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (prompt,), generator=g).tolist()
+    return [api.sequence(x, torch.randint(0, vocab, (answer,), generator=g).tolist(),
+                         1.0 if i % 2 else -1.0, 1.0 / (group * answer)) for i in range(group)]
+
+
+def by_category(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot of one device as bytes per column of the table."""
+    kinds = {str(k).split(".")[-1]: v for k, v in snapshot.items()}
+    return {"params": kinds["PARAM"] + kinds["BUFFER"], "buffers": kinds["BUFFER"],
+            "grads": kinds["GRAD"],
+            "optimizer": kinds["OPT"], "activations": kinds["ACT"], "temporaries": kinds["TEMP"],
+            "other": kinds["OTH"], "total": kinds["Total"]}
+
+
+def counted_step(api, policy, optimizer, seqs: list, cfg) -> dict:
+    """One update under the FLOP counter: its FLOPs, and those of the attention operators. Never
+    under the tracker: the counter's module hooks keep module inputs and outputs alive."""
+    with flop_counter() as counter:
+        api.update(policy, optimizer, seqs, cfg)
+    flops = counter.get_flop_counts()["Global"]
+    attention = sum(n for op, n in flops.items() if "attention" in str(op))
+    return {"flops": sum(flops.values()), "attention_flops": attention}
+
+
+def measured_step(api, policy, optimizer, seqs: list, cfg) -> dict:
+    """One update under the tracker: the peak by category, and the categories when the step starts
+    and when the optimizer step starts (every sharded gradient exists then)."""
+    tracker = Tracker()
+    tracker.track_external(policy, optimizer)
+    tracker.track_fsdp(policy)
+    at_step = []
+    hook = optimizer.register_step_pre_hook(
+        lambda *_: at_step.append(tracker.get_tracker_snapshot()))
+    start = tracker.get_tracker_snapshot()
+    with tracker:
+        api.update(policy, optimizer, seqs, cfg)
+    hook.remove()
+    tracker.untrack_fsdp()
+    (device, peak), = tracker.get_tracker_snapshot("peak").items()
+    return {"peak": by_category(peak), "at_step": by_category(at_step[0][device]),
+            "start": by_category(start[device])}
+
+
+def visible_fraction(prompt: int, group: int, answer: int) -> float:
+    """Share of the row's (query, key) pairs the tree mask lets through: the prompt causally, each
+    answer over the prompt and causally over itself. The FLOP counter counts flex_attention as
+    dense; its kernel skips the blocks with no visible pair."""
+    pairs = prompt * (prompt + 1) // 2 + group * (answer * prompt + answer * (answer + 1) // 2)
+    return pairs / (prompt + group * answer) ** 2
+
+
+def simulate_case(api, mesh, shape: dict, prompt: int, group: int, answer: int,
+                  attention: str = "flex_attention") -> dict:
+    """One responder group's update on `mesh` (fake ranks): the measured step, beside
+    memory_estimate for the same case."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    t0 = time.perf_counter()
+    row_tokens = prompt + group * answer
+    mc = Qwen2Config(**{**shape, "max_position_embeddings": max(shape.get(
+        "max_position_embeddings", 0), row_tokens)}, attn_implementation=attention)
+    cfg = api.config(prompt, group, answer, attention)
+    with torch.device("meta"):  # fp32 masters, never materialised
+        model = Qwen2ForCausalLM(mc)
+    policy = api.shard(model, mesh, cfg, torch.bfloat16)
+    seqs = responder_group(api, prompt, group, answer, mc.vocab_size)
+    with fake_tensors(group * answer) as watch, gpu_paths():
+        policy.to_empty(device="cpu")
+        optimizer = api.optimizer(policy, cfg)
+        # the warm-up step, in which AdamW creates its state; its FLOPs are every step's
+        row = counted_step(api, policy, optimizer, seqs, cfg)
+        watch.largest = (0, ())
+        row.update(measured_step(api, policy, optimizer, seqs, cfg))
+    fraction = visible_fraction(prompt, group, answer)
+    visible = row["flops"] - row["attention_flops"] * (1 - fraction)
+    return {**row, "prompt": prompt, "tokens": tokens_per_rank(row_tokens), "layers":
+            mc.num_hidden_layers, "estimate": api.estimate(cfg, mc) * GiB,
+            "visible_flops": visible, "largest": watch.largest,
+            "seconds": time.perf_counter() - t0, "rss": max_rss()}
+
+
+def max_rss() -> int:
+    """This process's peak resident memory, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ==================================================================================================
+# The trust check: the tracker on real tensors against the CPU allocator, and on fake ones
+# ==================================================================================================
+
+def allocator_peak(profiler) -> int:
+    """Highest running total of the CPU allocator in a torch.profiler window (profile_memory=True):
+    every allocation event carries the allocator's total of the window's allocations."""
+    from torch._C._profiler import _EventType
+
+    def walk(events):
+        for e in events:
+            yield e
+            yield from walk(e.children)
+
+    tree = profiler.profiler.kineto_results.experimental_event_tree()
+    return max((e.extra_fields.total_allocated for e in walk(tree)
+                if e.tag == _EventType.Allocation), default=0)
+
+
+def tiny_update(api, mesh, prompt: int, group: int, answer: int, fake: bool):
+    """The tiny model's warm-up step, then the measured step; with `fake`, on fake tensors. The
+    CPU path both times (SDPA with the dense tree mask, the head upcast to fp32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    mc = Qwen2Config(**TINY, attn_implementation="sdpa")
+    cfg = api.config(prompt, group, answer, "sdpa")
+    torch.manual_seed(0)
+    with torch.device("meta" if fake else "cpu"):
+        model = Qwen2ForCausalLM(mc)
+    policy = api.shard(model, mesh, cfg, torch.bfloat16)
+    seqs = responder_group(api, prompt, group, answer, mc.vocab_size)
+    with fake_tensors(group * answer) if fake else contextlib.nullcontext():
+        if fake:
+            policy.to_empty(device="cpu")
+        optimizer = api.optimizer(policy, cfg)
+        api.update(policy, optimizer, seqs, cfg)
+        if fake:
+            return measured_step(api, policy, optimizer, seqs, cfg), None
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            row = measured_step(api, policy, optimizer, seqs, cfg)
+        return row, allocator_peak(profiler)
+
+
+def trust_check(prompt: int = 384, group: int = 4, answer: int = 64) -> dict:
+    """The tracker's peak on real tensors, the allocator's, and the tracker's on fake tensors."""
+    api = project_api(world=1)
+    with process_group("gloo", 1) as mesh:
+        real, allocator = tiny_update(api, mesh, prompt, group, answer, fake=False)
+    with process_group("fake", 1) as mesh:
+        fake, _ = tiny_update(api, mesh, prompt, group, answer, fake=True)
+    return {"real": real, "fake": fake, "allocator_growth": allocator,
+            "tracked_growth": real["peak"]["total"] - real["start"]["total"],
+            "case": (prompt, group, answer)}
+
+
+def print_trust(t: dict) -> None:
+    prompt, group, answer = t["case"]
+    print(f"Trust check: Qwen2 {TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}, "
+          f"vocab {TINY['vocab_size']}; one rank (gloo), SDPA + dense tree mask; prompt {prompt}, "
+          f"G = {group} answers of {answer}; the step after a warm-up step")
+    print(f"  growth above the step's start, real tensors: tracker {t['tracked_growth']:,} B, "
+          f"CPU allocator (torch.profiler) {t['allocator_growth']:,} B, ratio "
+          f"{t['tracked_growth'] / max(t['allocator_growth'], 1):.4f}")
+    print(f"  tracker's peak total: real tensors {t['real']['peak']['total']:,} B, "
+          f"fake tensors {t['fake']['peak']['total']:,} B")
+
+
+# ==================================================================================================
+# The table
+# ==================================================================================================
+
+COLUMNS = ("params", "grads", "optimizer", "activations", "temporaries", "total")
+
+
+def print_table(rows: list[dict], group: int, answer: int) -> None:
+    print(f"\nQwen2.5-7B shape, {rows[0]['layers']} layers; {WORLD} simulated ranks (fake process "
+          f"group), FSDP2, fp32 masters, bf16 compute, gradient checkpointing, shared-prefix "
+          f"packing, FlexAttention; one responder group (G = {group} answers of {answer} tokens) "
+          "per micro-batch per rank, SP 1. Memory in GiB per rank at the tracker's peak, by its "
+          "categories. CPU fake tensors: FSDP2 cannot take fake CUDA tensors on a CPU-only torch; "
+          "CPU fake tensors count the same bytes.")
+    print("| prompt tokens | tokens per micro-batch | params | grads | optimizer | activations "
+          "| temporaries | peak total | estimate GiB | ratio | TFLOPs per step | TFLOPs, "
+          "flex visible | largest tensor GiB | seconds |")
+    print("|" + "---:|" * 14)
+    for r in rows:
+        gib = [r["peak"][c] / GiB for c in COLUMNS]
+        print(f"| {r['prompt']:,} | {r['tokens']:,} | " + " | ".join(f"{v:.2f}" for v in gib)
+              + f" | {r['estimate'] / GiB:.2f} | {r['peak']['total'] / r['estimate']:.2f} | "
+              f"{r['flops'] / 1e12:.1f} | {r['visible_flops'] / 1e12:.1f} | "
+              f"{r['largest'][0] / GiB:.2f} | {r['seconds']:.0f} |")
+    print("params: the fp32 shards and the bf16 copies FSDP2 has gathered at that moment; grads: "
+          "the fp32 shards reduced so far and the bf16 unsharded gradients alive; activations: "
+          "made in the forward or a checkpoint's recompute; temporaries: made in the backward "
+          "(FSDP2's fp32 reduce-scatter input among them). estimate: infra.memory_estimate's "
+          "update phase (trainer only; vLLM sleeps) for the same config. TFLOPs: FlopCounterMode "
+          "over one step, per rank, checkpoint recompute included; it counts flex_attention as "
+          "dense, the 'flex visible' column scales attention to the pairs the tree mask lets "
+          "through. largest tensor: the biggest one the step made (no (T, T) mask). seconds: the "
+          "whole case, on a shared 2-core machine.")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=QWEN25_7B["num_hidden_layers"])
+    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)),
+                    help="comma-separated prompt lengths, tokens")
+    ap.add_argument("--group", type=int, default=8, help="G answers per prompt")
+    ap.add_argument("--answer", type=int, default=1024, help="tokens per answer")
+    ap.add_argument("--attention", default="flex_attention", choices=("flex_attention", "sdpa"),
+                    help="sdpa: the CPU path's dense (T, T) tree mask, for comparison")
+    ap.add_argument("--quick", action="store_true", help="1 layer, a 1,024-token prompt, G = 4 "
+                    "answers of 256 tokens")
+    ap.add_argument("--trust", action="store_true", help="only the tracker's trust check")
+    args = ap.parse_args(argv)
+    if args.trust:
+        return print_trust(trust_check())
+    if args.quick:
+        args.layers, args.prompts, args.group, args.answer = 1, "1024", 4, 256
+    shape = {**QWEN25_7B, "num_hidden_layers": args.layers}
+    api, rows = project_api(WORLD), []
+    with process_group("fake", WORLD) as mesh:
+        for prompt in map(int, args.prompts.split(",")):
+            rows.append(simulate_case(api, mesh, shape, prompt, args.group, args.answer,
+                                      args.attention))
+            r = rows[-1]
+            print(f"prompt {prompt}: peak {r['peak']['total'] / GiB:.2f} GiB per rank, "
+                  f"{r['seconds']:.0f} s, process max RSS {r['rss'] / GiB:.2f} GiB", flush=True)
+    print_table(rows, args.group, args.answer)
+
+
+if __name__ == "__main__":
+    main()

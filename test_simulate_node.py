@@ -1,0 +1,91 @@
+"""bench/simulate_node.py: the simulated 8-GPU node's arithmetic, its BlockMask stand-in, the
+fake-tensor skip in kernels' input checks, and the tracker against the CPU allocator."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+import simulate_node as sn  # noqa: E402
+
+import infra  # noqa: E402
+import kernels  # noqa: E402
+import spell  # noqa: E402
+
+
+def shard_bytes(shape: dict, world: int) -> tuple[int, int]:
+    """Exact fp32 bytes of one rank's shard of every parameter, and how many parameters there are:
+    every dimension of TINY is a multiple of 8, so FSDP2's dim-0 shards are exactly 1/world."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        params = list(Qwen2ForCausalLM(Qwen2Config(**shape)).parameters())
+    assert all(p.shape[0] % world == 0 for p in params)
+    return sum(4 * p.numel() for p in params) // world, len(params)
+
+
+def test_simulated_rank_holds_an_eighth_of_the_fp32_state():
+    """On 8 fake ranks, when the optimizer step starts, the tracker holds exactly 1/8 of the fp32
+    masters, of their fp32 gradients and of AdamW's two moments, plus AdamW's step counters (one
+    fp32 scalar per parameter); the step's peak holds at least all of that."""
+    api = sn.project_api(sn.WORLD)
+    with sn.process_group("fake", sn.WORLD) as mesh:
+        row = sn.simulate_case(api, mesh, sn.TINY, prompt=256, group=4, answer=64)
+    shard, count = shard_bytes(sn.TINY, sn.WORLD)
+    at_step = row["at_step"]
+    assert at_step["params"] - at_step["buffers"] == shard  # the rotary buffers aside
+    assert at_step["grads"] == shard
+    assert at_step["optimizer"] == 2 * shard + 4 * count  # exp_avg, exp_avg_sq; step
+    assert row["peak"]["total"] >= at_step["params"] + at_step["grads"] + at_step["optimizer"]
+    assert row["tokens"] == 256 + 4 * 64
+    # the LM head's FLOPs alone: 8 N H V (forward, recompute, dX, dW; kernels/reference.py)
+    assert row["flops"] > 8 * 4 * 64 * sn.TINY["hidden_size"] * sn.TINY["vocab_size"]
+
+
+def test_block_mask_by_stripes_is_create_block_mask():
+    """The stand-in builds the same BlockMask as torch's eager create_block_mask, on a shared-prefix
+    row whose length is not a multiple of the 128-token block."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 100, (170,), generator=g).tolist()
+    answers = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (40, 90, 7)]
+    packed = spell.pack_sequences([(prompt, y) for y in answers], shared=True)
+    cpu = torch.device("cpu")
+    eager = infra.tree_attention_mask(packed, "flex_attention", cpu, torch.float32)
+    with sn.gpu_paths():
+        striped = infra.tree_attention_mask(packed, "flex_attention", cpu, torch.float32)
+    assert eager.shape == striped.shape
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(eager, name), getattr(striped, name)), name
+    assert torch.equal(eager.to_dense(), striped.to_dense())
+
+
+def test_target_range_check_skips_only_fake_tensors_without_values():
+    """kernels' target-range check cannot read a fake tensor's values, so it skips them; a fake
+    tensor built from Python data keeps them (stand-in 1) and is still checked, as are real
+    tensors."""
+    hidden, weight = torch.randn(3, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match="targets must lie in"):
+        kernels.fused_logprob(hidden, weight, torch.tensor([0, 5, 1]), backend="torch")
+    with FakeTensorMode():  # no stand-in answers the reads here: the check must skip
+        hidden, weight = torch.randn(3, 8), torch.randn(5, 8)
+        logp, _ = kernels.fused_logprob(hidden, weight, torch.empty(3, dtype=torch.long),
+                                        backend="torch")
+        assert logp.shape == (3,)
+    with sn.fake_tensors():
+        hidden, weight = torch.randn(3, 8), torch.randn(5, 8)
+        with pytest.raises(ValueError, match="targets must lie in"):
+            kernels.fused_logprob(hidden, weight, torch.tensor([0, 5, 1]), backend="torch")
+
+
+@pytest.mark.stack  # about a minute on a shared 2-core machine: two real and one fake tiny step
+def test_tracker_agrees_with_the_cpu_allocator():
+    """On real tensors the tracker's growth over a step is at most the CPU allocator's (which sees
+    every tensor's storage and also the ops' own scratch), and on fake tensors it reads the same
+    peak, byte for byte: the same ops allocate the same storages."""
+    t = sn.trust_check()
+    assert 0 < t["tracked_growth"] <= t["allocator_growth"]
+    assert t["fake"]["peak"]["total"] == t["real"]["peak"]["total"]
