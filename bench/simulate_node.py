@@ -128,7 +128,8 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
         update=lambda policy, optimizer, seqs, cfg: spell.update_policy(
             policy, optimizer, seqs, cfg, world, torch.device("cpu")),
         # the update phase: the trainer while vLLM sleeps (config.toml's rollout.sleep_level 1)
-        estimate=lambda cfg, mc: infra.memory_estimate(cfg, mc, world, device_gib)["update_phase"],
+        estimate=lambda cfg, mc: infra.memory_estimate(
+            cfg, mc, world, device_gib, spell.longest_sequence(cfg))["update_phase"],
     )
 
 
