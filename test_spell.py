@@ -1984,7 +1984,7 @@ def test_questioner_samples_to_keep_counts_and_determinism():
     kept = questioner_samples_to_keep(rewards, tasks, positives, np.random.default_rng(0))
     negatives = sorted(set(kept) - set(positives))
     assert all(rewards[i] <= 0 for i in negatives)
-    by_task = {t: sum(tasks[i] == t for i in negatives) for t in spell.TASKS}
+    by_task = {t: sum(tasks[i] == t for i in negatives) for t in dict.fromkeys(tasks)}
     # doc_qa wants 2 (pool 4); fin_math wants 2 (pool 1) -> carries 1; doc_mc wants 1 + 1 (pool 3)
     assert by_task == {"doc_qa": 2, "fin_math": 1, "doc_mc": 2}
     assert kept == questioner_samples_to_keep(rewards, tasks, positives, np.random.default_rng(0))
@@ -2672,7 +2672,9 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
     """ClusterSampler.draw: every cluster of the shard once per epoch, reshuffled each epoch; a
     cluster without a task gets one drawn by data.task_weights; the state resumes the walk."""
     corpus = [spell.Cluster(str(i), "fin_math" if i == 3 else "", ["d"]) for i in range(6)]
-    cfg = spell.load_config(None, ["--data.task_weights=doc_qa:1,fin_math:0,doc_mc:3"])
+    weights = {**dict.fromkeys(spell.TASKS, 0), "doc_qa": 1, "doc_mc": 3}  # any other task: 0
+    cfg = spell.load_config(None, ["--data.task_weights=" + ",".join(
+        f"{task}:{w}" for task, w in weights.items())])
     sampler = spell.ClusterSampler(cfg, corpus, [1, 3, 5], np.random.default_rng(0))
     first, second = sampler.draw(3), sampler.draw(3)
     assert sorted(c.id for c, _ in first) == sorted(c.id for c, _ in second) == ["1", "3", "5"]
