@@ -2569,7 +2569,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # the gradient of the same global loss by autograd
     model = tiny_llama()
     loss = 0.0
-    for prompt, completion, a, w, _ in update_batch():
+    for prompt, completion, a, w, *_ in update_batch():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         loss = loss - w * a * token_logprobs(logits, torch.tensor(completion), 0.7).sum()
     loss.backward()
@@ -3042,6 +3042,42 @@ def test_shared_prefix_run_matches_the_unshared_run(demo_run, speaker, corpus_fi
     step = math.sqrt(sum(float((x[n] - start[n]).double().pow(2).sum()) for n in start))
     gap = math.sqrt(sum(float((x[n] - y[n]).double().pow(2).sum()) for n in start))
     print(f"METRIC shared_vs_unshared_weights: |gap| {gap:.3g}, |two steps| {step:.3g}")
+    assert step > 0 and gap <= 0.01 * step
+
+
+@pytest.mark.stack
+def test_sequence_parallel_run_matches_the_plain_run(demo_run, speaker, corpus_file, tmp_path):
+    """The demo run against the same 2 steps with train.sequence_parallel = 2 (the two ranks one
+    Ulysses group: each encodes half of every row, the heads swapped in around attention), Triton
+    log-probs, shared prefixes: the same rollouts and batches, and the same loss, entropy and
+    gradient norm in each step to the printed digits and beyond; the same trained weights.
+    Tolerances as in test_shared_prefix_run_matches_the_unshared_run: the two runs differ only in
+    the order of fp32 sums (attention over the whole row on each rank, the gradient summed over
+    the ranks), so the bounds derived there hold."""
+    from safetensors.torch import load_file
+
+    out_dir, plain_output = demo_run
+    other = tmp_path / "run"
+    output = torchrun(2, *demo_args(speaker, corpus_file, other, "--log.save_every=2",
+                                    "--train.sequence_parallel=2")).stdout
+    plain, sp = read_metrics(out_dir), read_metrics(other)
+    assert json.loads((other / "config.json").read_text())["train"]["sequence_parallel"] == 2
+    for a, b in zip(plain, sp, strict=True):
+        same = [k for k in a if k.startswith(("que/", "res/", "ver/")) or k == "train/sequences"]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
+        for key in ("train/loss", "train/entropy", "train/grad_norm", "train/tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (a["step"], key)
+    # the step lines, timings aside
+    lines = [[re.sub(r" \| rollout .*", "", line) for line in text.splitlines()
+              if line.startswith("step ") and "/2 |" in line] for text in (plain_output, output)]
+    print("\n".join(lines[0] + lines[1]))
+    assert lines[0] == lines[1] and len(lines[0]) == 2
+    start = load_file(str(Path(speaker) / "model.safetensors"))
+    x, y = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(
+        str(other / "hf" / "model.safetensors"))
+    step = math.sqrt(sum(float((x[n] - start[n]).double().pow(2).sum()) for n in start))
+    gap = math.sqrt(sum(float((x[n] - y[n]).double().pow(2).sum()) for n in start))
+    print(f"METRIC sp2_vs_plain_weights: |gap| {gap:.3g}, |two steps| {step:.3g}")
     assert step > 0 and gap <= 0.01 * step
 
 
