@@ -342,7 +342,8 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
 def batch_counts(**given) -> dict:
     """The counts select_batch returns for the log, zero but for those given."""
     zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
-                          "ver_groups", "ver_candidates", "sequences"), 0)
+                          "ver_groups", "ver_candidates", "sequences", "aepo_masking",
+                          "aepo_masked"), 0)
     return {**zero, "que_all_or_none_adv": 0.0, **given}
 
 
