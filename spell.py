@@ -2167,7 +2167,7 @@ def sequence_kept(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> t
 
 
 def seq_mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
-    """The sequence-level mask (TRL's default level; NeMo-RL's seq-mask): sequence_kept. (T,) ->
+    """The sequence-level mask (the level TRL's rejection defaults to): sequence_kept. (T,) ->
     (T,)."""
     return sequence_kept(log_rho, seq_ids, cap)
 
