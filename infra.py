@@ -1764,6 +1764,16 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, 
     return tokens_to_heads(out, group), None  # (1, S, Hq, D)
 
 
+def sp_gather_row(values: torch.Tensor, which: torch.Tensor, total: int, group) -> torch.Tensor:
+    """The whole row's (total,) values on every rank of an SP group, from each rank's values at
+    its `which` (sp_completion_logprobs): for what reads a whole sequence (its mean ratio, its mean
+    entropy). Plain data, no gradient; a few floats per token."""
+    row = values.new_zeros(total)
+    for idx, part in all_gather_objects((which.cpu(), values.cpu()), group):
+        row[idx.to(row.device)] = part.to(row.device)
+    return row
+
+
 def enable_sequence_parallel(model, group, inner: str) -> None:
     """Make `model` attend through ulysses_attention over `group` (this rank's sp_group), with HF
     attention `inner` (sdpa, flex_attention) over the whole row. Works on a plain HF model and on

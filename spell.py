@@ -35,10 +35,11 @@ The paper in this file, top to bottom:
   lines 6-24: rounds until the batch ..... rollout_round, batch_is_full
   line 25, §4.3: dynamic sampling ........ select_batch: select_responder, select_questioner,
                                            select_verifier
-  Eq. 8, Eq. 9: advantages ............... group_advantages, ADVANTAGES
+  Eq. 8, Eq. 9: advantages ............... group_advantages, role_advantages, ADVANTAGES
   Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS, loss_weights
   line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
-                                           vLLM vs trainer: rollout_correction)
+                                           vLLM vs trainer: ROLLOUT_CORRECTIONS; QwenLong-L1.5's
+                                           entropy control: AEPO)
   what a step logs ....................... step_metrics, log_line
   Algorithm 1: the loop .................. main
   Eq. 11, App. C.2: evaluation ........... evaluation.py
@@ -49,7 +50,7 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
-  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES
+  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AEPO
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
   a config key ........... the dataclasses below (a comment on the field documents it for
@@ -257,15 +258,23 @@ class TrainConfig:
     mini_batches: int = 1
     policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
     loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
-    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
+    # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO) | task_std (QwenLong-L1.5 Eq. 7: the
+    # std over the batch's samples of the task) | task_mean (GoLongRL's TMN: the root mean group
+    # variance of the task)
+    advantage: str = "zscore"
+    # AEPO (QwenLong-L1.5 §4.4): [low, high] bounds on the batch entropy (its Eq. 11, logged as
+    # train/batch_entropy). Once an update's entropy exceeds high, the next batches leave out every
+    # negative-advantage sample until an update's entropy falls below low. [0, 0] = off
+    aepo: tuple[float, float] = (0.0, 0.0)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
     # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
     shared_prefix: bool = True
-    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs (rollout_correction): none, the
-    # paper's on-policy loss | tis | mask; C = rollout_correction_cap
-    rollout_correction: Literal["none", "tis", "mask"] = "none"
-    rollout_correction_cap: float = 2.0  # C >= 1 of rollout_correction's tis and mask
+    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs, a key of ROLLOUT_CORRECTIONS:
+    # none, the paper's on-policy loss | tis | mask (per token) | seq_mask | seq_mask_tis (a
+    # sequence whose geometric mean ratio leaves [1/C, C] drops whole); C = rollout_correction_cap
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0  # C >= 1 of ROLLOUT_CORRECTIONS
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
     # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
@@ -396,6 +405,11 @@ def check_config(cfg: Config) -> None:
          "sequence ratio would read one rank's share of each sequence)"),
         ("train.loss_norm", t.loss_norm in LOSS_NORMS, "|".join(LOSS_NORMS)),
         ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
+        ("train.rollout_correction", t.rollout_correction in ROLLOUT_CORRECTIONS,
+         "|".join(ROLLOUT_CORRECTIONS)),
+        ("train.aepo", tuple(t.aepo) == (0, 0) or 0 < t.aepo[0] <= t.aepo[1],
+         "[low, high] with 0 < low <= high (entropy bounds; a low of 0 would mask for good), "
+         "or [0, 0] (off)"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"},
          "\"\", \"que\", \"ver\" or \"que,ver\""),
     ]
@@ -1975,11 +1989,12 @@ def select_responder(summaries: list[Summary], cfg: Config,
     if not eligible:
         return []
     kept = sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist())
+    advantages = role_advantages([summaries[k].res_rewards for k in kept],
+                                 [summaries[k].task for k in kept], cfg.train.advantage)
     items = []
-    for k in kept:
+    for k, group in zip(kept, advantages):
         s = summaries[k]
-        advantages = group_advantages(s.res_rewards, [0] * len(s.res_rewards), cfg.train.advantage)
-        for i, a in enumerate(advantages):  # Eq. 8 within the question's group of G responses
+        for i, a in enumerate(group):  # Eq. 8 within the question's group of G responses
             items.append(TrainItem(rank=s.rank, idx=s.idx, role="res", i=i, advantage=a,
                                    group=("res", s.rank, s.idx), length=s.res_lens[i],
                                    cut=s.res_cut[i]))
@@ -2040,24 +2055,25 @@ def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
                                    [s.agreements[i] for s, i in candidates],
                                    max_groups, rng, cfg.reward.verifier_agreement, abstained,
                                    cfg.reward.consistency_filter)
+    groups = [candidates[c] for c in keep]  # (question, response i)
+    advantages = role_advantages([s.ver_rewards[i] for s, i in groups],
+                                 [s.task for s, _ in groups], cfg.train.advantage)
     items = []
-    for c in keep:
-        s, i = candidates[c]
-        rewards = s.ver_rewards[i]
-        advantages = group_advantages(rewards, [0] * len(rewards), cfg.train.advantage)
-        for j, a in enumerate(advantages):  # Eq. 8 within the response's group of votes
+    for (s, i), group in zip(groups, advantages):
+        for j, a in enumerate(group):  # Eq. 8 within the response's group of votes
             items.append(TrainItem(rank=s.rank, idx=s.idx, role="ver", i=i, j=j, advantage=a,
                                    group=("ver", s.rank, s.idx, i), length=s.ver_lens[i][j],
                                    cut=s.ver_cut[i][j]))
     return items, {"ver_groups": len(keep), "ver_candidates": len(candidates)}
 
 
-def select_batch(summaries: list[Summary], cfg: Config,
-                 rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
+def select_batch(summaries: list[Summary], cfg: Config, rng: np.random.Generator,
+                 aepo_masking: bool = False) -> tuple[list[TrainItem], dict]:
     """Algorithm 1, line 25: role-specific dynamic sampling (§4.3), with advantages (Eq. 8-9) and
     loss weights (Eq. 12), for the whole step.
 
-    `summaries` holds every rank's questions. Returns the kept training sequences of all ranks
+    `summaries` holds every rank's questions. aepo_masking (AEPO's state, train.aepo) drops the
+    samples with negative advantages. Returns the kept training sequences of all ranks
     (TrainItem.rank: where each one's tokens live) and counts for the log.
     """
     res = select_responder(summaries, cfg, rng)
@@ -2073,8 +2089,11 @@ def select_batch(summaries: list[Summary], cfg: Config,
         masked = it.cut and cfg.reward.overlong == "mask"
         return it.length > 0 and it.role in trained and not masked
 
-    items = loss_weights([it for it in res + que + ver if trains(it)], cfg)
-    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items)}
+    trainable = [it for it in res + que + ver if trains(it)]
+    kept = aepo_batch(trainable, aepo_masking)  # QwenLong-L1.5 §4.4 (off: all of them)
+    items = loss_weights(kept, cfg)
+    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items),
+              "aepo_masking": int(aepo_masking), "aepo_masked": len(trainable) - len(kept)}
     if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
     if "ver" not in trained:
@@ -2124,7 +2143,8 @@ def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
 # 7. Advantages and the loss (Eq. 2, 8, 9, 12)                                          [algorithm]
 # ==================================================================================================
 
-def zscore_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def zscore_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean) / (std + eps) within one group (Eq. 8; Eq. 9 over a task's questioner
     batch). The std is the unbiased estimator, as the authors' torch.std; a group of one has no
     baseline, so no signal (departure 7). (n,) -> (n,)."""
@@ -2133,30 +2153,80 @@ def zscore_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std(correction=1) + eps)
 
 
-def mean_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                    eps: float = 1e-6) -> torch.Tensor:
     """Dr.GRPO (SPICE §2.4): A_i = r_i - mean, no division by the std, so a nearly unanimous group
     is not scaled up. (n,) -> (n,)."""
     return rewards - rewards.mean()
 
 
-# train.advantage -> A_i of one group's rewards
-ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "zscore": zscore_advantages, "mean": mean_advantages}
+def task_std_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                        eps: float = 1e-6) -> torch.Tensor:
+    """QwenLong-L1.5 §4.2, Eq. 7: A_i = (r_i - mean of the group) / (std of the rewards of every
+    sample of the group's task in the batch + eps). Unbiased std over the task's samples pooled
+    (their code's torch.std); a group of one has no baseline (departure 7). (n,) -> (n,)."""
+    if len(rewards) < 2:
+        return torch.zeros_like(rewards)
+    pooled = torch.cat(list(task)) if len(task) else rewards  # (samples of the task,)
+    return (rewards - rewards.mean()) / (pooled.std(correction=1) + eps)
 
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[Any],
-                     kind: str = "zscore") -> list[float]:
+def task_mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                         eps: float = 1e-6) -> torch.Tensor:
+    """GoLongRL's task-level mean normalisation (TMN, its difficulty reweighting off): A_i =
+    (r_i - mean of the group) / (sqrt(the mean over the task's groups of each group's unbiased
+    variance) + eps), each group weighing the same. A group of one has no baseline (departure 7)
+    and no variance, so it is left out of the mean (GoLongRL counts it as variance 1). (n,) -> (n,).
+    """
+    if len(rewards) < 2:
+        return torch.zeros_like(rewards)
+    variances = [g.var(correction=1) for g in (task if len(task) else [rewards]) if len(g) > 1]
+    scale = torch.stack(variances).mean().sqrt()  # the task's root mean group variance
+    return (rewards - rewards.mean()) / (scale + eps)
+
+
+# train.advantage -> A_i of one group's rewards, given the rewards of every group of its task in the
+# batch (`task`, the group included; empty: the group is its task's batch). The responder's and the
+# verifier's batch of a task are their kept groups of that task's questions. The questioner's group
+# is already its task's batch (Eq. 9), so there task_std and task_mean are Eq. 9's z-score.
+ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
+    "zscore": zscore_advantages, "mean": mean_advantages, "task_std": task_std_advantages,
+    "task_mean": task_mean_advantages}
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str = "zscore",
+                     tasks: Sequence[str] | None = None) -> list[float]:
     """Every sample's advantage, computed within its group (the samples with equal `groups` entries)
-    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size."""
+    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size. tasks[i] is
+    sample i's task: a group's task batch is every group of its task here (None: each group is
+    its own task's batch, as the questioner's per-task groups are)."""
     advantage = ADVANTAGES[kind]
     r = torch.tensor(rewards, dtype=torch.float32)  # (N,)
     out = torch.zeros_like(r)
     members: dict[Any, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
-    for idx in members.values():
-        out[idx] = advantage(r[idx])
+    task_of = {g: g if tasks is None else tasks[idx[0]] for g, idx in members.items()}
+    assert tasks is None or all(tasks[i] == task_of[g] for g, idx in members.items()
+                                for i in idx), "a group's samples must share their task"
+    batch: dict[Any, list[torch.Tensor]] = defaultdict(list)  # task -> its groups' rewards
+    for g, idx in members.items():
+        batch[task_of[g]].append(r[idx])
+    for g, idx in members.items():
+        out[idx] = advantage(r[idx], batch[task_of[g]])
     return out.tolist()
+
+
+def role_advantages(group_rewards: Sequence[Sequence[float]], tasks: Sequence[str],
+                    kind: str = "zscore") -> list[list[float]]:
+    """A role's kept groups (responder: a question's G responses; verifier: a response's votes),
+    each with the task of its question: every group's advantages (group_advantages), the task-level
+    variants reading the groups of the same task."""
+    flat = group_advantages([r for g in group_rewards for r in g],
+                            [n for n, g in enumerate(group_rewards) for _ in g], kind,
+                            tasks=[t for t, g in zip(tasks, group_rewards) for _ in g])
+    ends = np.cumsum([len(g) for g in group_rewards]).tolist()
+    return [flat[end - len(g):end] for g, end in zip(group_rewards, ends)]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -2256,6 +2326,18 @@ def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
 # -sum_t w_t A_t grad log pi(y_t): they differ only off-policy.
 
 
+def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` over each token's sequence, at every token of it; 0 outside every
+    sequence (seq_ids -1). Differentiable. (T,), (T,) -> (T,)."""
+    on = seq_ids >= 0  # (T,)
+    ids = seq_ids.clamp(min=0)
+    n = int(seq_ids.max()) + 1 if on.any() else 1
+    masked = torch.where(on, values, torch.zeros_like(values))
+    sums = masked.new_zeros(n).index_add(0, ids, masked)  # (n,)
+    counts = masked.new_zeros(n).index_add(0, ids, on.to(masked.dtype))
+    return torch.where(on, (sums / counts.clamp(min=1))[ids], torch.zeros_like(values))
+
+
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and how many
@@ -2284,13 +2366,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     log rho_t), clipped as in Eq. 2, so a sequence is kept or clipped whole. GSPO's own clip range
     is about 3e-4 / 4e-4 (train.clip_low / clip_high). With train.loss_norm = "sequence" this is
     GSPO's objective exactly; other normalisers weigh each sequence by its tokens' weights."""
-    on = seq_ids >= 0  # (T,)
-    ids = seq_ids.clamp(min=0)
-    n = int(seq_ids.max()) + 1 if on.any() else 1
-    log_ratio = torch.where(on, logp - old_logp, torch.zeros_like(logp))
-    sums = log_ratio.new_zeros(n).index_add(0, ids, log_ratio)  # (n,)
-    counts = log_ratio.new_zeros(n).index_add(0, ids, on.to(log_ratio.dtype))
-    ratio = torch.exp(sums / counts.clamp(min=1))[ids]  # (T,) s_i at every token of sequence i
+    ratio = torch.exp(sequence_mean(logp - old_logp, seq_ids))  # (T,) s_i at every token of i
     return clipped_objective(ratio, advantages, weights, clip_low, clip_high)
 
 
@@ -2314,32 +2390,128 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
     "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
-def rollout_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, kind: str,
-                       cap: float) -> torch.Tensor:
-    """A factor on each token's weight for the gap between the policy vLLM sampled with (bf16 on
-    GPU, its own kernels) and the one trained (fp32 masters): rho_t = pi_train(y_t) / pi_vLLM(y_t),
-    both before the update. none: 1, the paper's on-policy loss. tis: min(rho_t, C), truncated
-    importance sampling. mask: 1 where 1/C <= rho_t <= C, else 0, the token leaves the loss.
-    (T,), (T,) -> (T,), no gradient (train.rollout_correction, train.rollout_correction_cap = C).
-    """
-    rho = torch.exp(trainer_logp.detach() - rollout_logp)
-    if kind == "tis":
-        return rho.clamp(max=cap)
-    if kind == "mask":
-        return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
-    return torch.ones_like(rho)
+# The rollout correction: a factor on each token's weight for the gap between the policy vLLM
+# sampled with (bf16 on GPU, its own kernels) and the one trained (fp32 masters), from the
+# log-ratio log rho_t = log pi_train(y_t) - log pi_vLLM(y_t), both before the update, and the
+# sequence id of each token. The weights keep the normaliser of the whole batch (loss_weights): a
+# token or a sequence the correction drops leaves the loss, not the normaliser (as MLPerf's RL
+# reference settled it). C is train.rollout_correction_cap. No gradient flows through it.
 
 
-def rollout_gap_stats(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                      recorded: torch.Tensor, cap: float) -> dict[str, float]:
-    """Sums for the log over the tokens vLLM recorded log-probs for: |log pi_trainer - log pi_vLLM|,
-    and what spell.rollout_correction does or would do with rho = pi_trainer / pi_vLLM: min(rho, C)
-    and the tokens outside [1/C, C]. All (T,)."""
-    rho = torch.exp(trainer_logp - rollout_logp)[recorded]
-    return {"rollout_logp_gap_sum": float((trainer_logp - rollout_logp)[recorded].abs().sum()),
+def no_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1: the paper's on-policy loss. (T,) -> (T,)."""
+    return torch.ones_like(log_rho)
+
+
+def tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: min(rho_t, C). (T,) -> (T,)."""
+    return log_rho.exp().clamp(max=cap)
+
+
+def mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1 where 1/C <= rho_t <= C, else 0: the token leaves the loss. (T,) -> (T,)."""
+    rho = log_rho.exp()
+    return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
+
+
+def sequence_kept(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1 at every token of a sequence whose geometric mean ratio, exp(mean_t log rho_t), lies in
+    [1/C, C], else 0: the sequence is kept or rejected whole. (T,) -> (T,)."""
+    mean_log_rho = sequence_mean(log_rho, seq_ids)  # (T,) log of the geometric mean
+    return (mean_log_rho.abs() <= math.log(cap)).to(log_rho.dtype)
+
+
+def seq_mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """The sequence-level mask (the level TRL's rejection defaults to): sequence_kept. (T,) ->
+    (T,)."""
+    return sequence_kept(log_rho, seq_ids, cap)
+
+
+def seq_mask_tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor,
+                            cap: float) -> torch.Tensor:
+    """NeMo-RL's seq-mask-tis: the sequence-level mask, and min(rho_t, C) on the kept sequences'
+    tokens. (T,) -> (T,)."""
+    return sequence_kept(log_rho, seq_ids, cap) * tis_correction(log_rho, seq_ids, cap)
+
+
+# train.rollout_correction -> the factor on each token's weight
+ROLLOUT_CORRECTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "none": no_correction, "tis": tis_correction, "mask": mask_correction,
+    "seq_mask": seq_mask_correction, "seq_mask_tis": seq_mask_tis_correction}
+
+
+def rollout_gap_stats(log_rho: torch.Tensor, recorded: torch.Tensor, seq_ids: torch.Tensor,
+                      cap: float) -> dict[str, float]:
+    """Sums for the log over the tokens vLLM recorded log-probs for: |log rho| = |log pi_trainer -
+    log pi_vLLM|, and what ROLLOUT_CORRECTIONS do or would do with rho: min(rho, C), the tokens
+    outside [1/C, C], and the sequences whose geometric mean ratio is outside [1/C, C] (rejected
+    by seq_mask and seq_mask_tis). All (T,)."""
+    rho = log_rho.exp()[recorded]
+    rejected = recorded & (sequence_kept(log_rho, seq_ids, cap) == 0)  # (T,)
+    return {"rollout_logp_gap_sum": float(log_rho[recorded].abs().sum()),
             "rollout_logp_tokens": int(recorded.sum()),
             "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
-            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum())}
+            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum()),
+            "rollout_sequences": sequences_with(recorded, seq_ids),
+            "rollout_rejected": sequences_with(rejected, seq_ids)}
+
+
+def sequences_with(flags: torch.Tensor, seq_ids: torch.Tensor) -> int:
+    """How many sequences hold a token whose flag is set. (T,), (T,) -> a count."""
+    n = len(seq_ids) + 1  # more than any sequence id: no data-dependent shape
+    hits = flags.new_zeros(n, dtype=torch.float32).index_add(0, seq_ids.clamp(min=0), flags.float())
+    return int((hits > 0).sum())
+
+
+class AEPO:
+    """QwenLong-L1.5 §4.4, AEPO, with the rule as its authors settled it after the paper (source in
+    docs/reference.md): a hysteresis on the batch entropy H (Eq. 11). Once H exceeds `high`, every
+    sample with a negative advantage leaves the batch (aepo_batch); they stay out until H falls
+    below `low`.
+
+    H is known only after an update, from the update's own per-token entropies over the samples it
+    trained: the state that step t's H sets applies to step t+1's batch. (verl, the authors'
+    framework, measures H over the whole batch in a log-prob pass before the update, which an
+    on-policy step here does not run.) Bounds (0, 0): off, never masking. The state goes into the
+    checkpoint (run_state), so a resumed run masks as the uninterrupted one.
+    """
+
+    def __init__(self, low: float, high: float):
+        self.low, self.high, self.masking = low, high, False
+
+    def observe(self, entropy: float) -> None:
+        """The state after an update whose batch entropy (Eq. 11) was `entropy`."""
+        if self.high <= 0:
+            return
+        if entropy > self.high:
+            self.masking = True
+        elif entropy < self.low:
+            self.masking = False
+
+    def state_dict(self) -> dict:
+        return {"masking": self.masking}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.masking = bool(state["masking"])
+
+
+def aepo_batch(items: list[TrainItem], masking: bool) -> list[TrainItem]:
+    """AEPO's mask (§4.4): while masking, the samples with A_i < 0 leave the batch, so the loss
+    normaliser (loss_weights) is the one of the kept samples, as in the authors' code, which drops
+    them from the batch before the update."""
+    return [it for it in items if not (masking and it.advantage < 0)]
+
+
+def batch_entropy_sum(entropy: torch.Tensor, seq_ids: torch.Tensor) -> float:
+    """Eq. 11 before its division by |B|: every sequence's mean token entropy, added up
+    (update_policy adds it over micro-batches and ranks, and divides by the sequences). (T,), (T,)
+    -> a number."""
+    on = (seq_ids >= 0).float()  # (T,)
+    values = entropy.detach().float() * on
+    ids, n = seq_ids.clamp(min=0), len(seq_ids) + 1  # n: more than any id, no data-dependent shape
+    sums = values.new_zeros(n).index_add(0, ids, values)  # (n,)
+    counts = values.new_zeros(n).index_add(0, ids, on)
+    return float((sums / counts.clamp(min=1)).sum())  # a sequence without tokens adds 0
 
 
 # ==================================================================================================
@@ -2493,17 +2665,32 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
     seq_ids = per_token(list(range(len(seqs)))).long()
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
     old = logp.detach() if old_logp is None else old_logp
-    # (n,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
+    # (N,) vLLM's log-probs of the row's tokens; a sequence without them (a dummy) counts as
+    # sampled by `old`
     behaviour = torch.cat([torch.tensor(s.rollout_logprobs if s.rollout_logprobs is not None
-                                        else [0.0] * len(s.completion)) for s in seqs])  # (N,)
+                                        else [0.0] * len(s.completion)) for s in seqs])
     recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
     sampled = torch.where(recorded, behaviour.to(device)[mine], old)
-    weights = weights * rollout_correction(old, sampled, t.rollout_correction,
-                                           t.rollout_correction_cap)
+    # what is per sequence (a sequence-level mask, Eq. 11's entropy) reads the whole row: under
+    # sequence parallelism each rank holds a share of its tokens (whole_row gathers them)
+    row = functools.partial(whole_row, policy, mine, sum(lengths))
+    row_ids = torch.arange(len(seqs), device=device).repeat_interleave(
+        torch.tensor(lengths, device=device))  # (N,)
+    log_rho = row((old - sampled).detach())  # (N,)
+    weights = weights * ROLLOUT_CORRECTIONS[t.rollout_correction](
+        log_rho, row_ids, t.rollout_correction_cap)[mine]
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
                                                t.clip_low, t.clip_high)
-    gap = rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap)
+    # the row's statistics, counted once: by the first rank of a sequence-parallel group
+    reports = getattr(policy, "sp_group", None) is None or dist.get_rank(policy.sp_group) == 0
+    whole = {"recorded": row(recorded.float()) > 0, "entropy": row(entropy.float())}
+    gap = rollout_gap_stats(log_rho, whole["recorded"], row_ids, t.rollout_correction_cap)
+    if not reports:
+        gap = dict.fromkeys(gap, 0)
     stats.update(entropy_sum=float(entropy.sum()),
+                 # Eq. 11 (AEPO)
+                 seq_entropy_sum=batch_entropy_sum(whole["entropy"], row_ids) if reports else 0.0,
+                 seqs=len(seqs) if reports else 0,
                  tokens=len(logp),  # trained
                  row_tokens=row_share(packed, policy),  # encoded
                  **gap)
@@ -2511,8 +2698,9 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
-TOKEN_SUMS = ("entropy_sum", "tokens", "row_tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
-              "rollout_is_weight_sum", "rollout_outside_cap")
+TOKEN_SUMS = ("entropy_sum", "seq_entropy_sum", "seqs", "tokens", "row_tokens",
+              "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
+              "rollout_outside_cap", "rollout_sequences", "rollout_rejected")
 STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
 
@@ -2785,8 +2973,9 @@ def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
 
 
 # update_policy's sums that the metrics turn into means (train_metrics)
-PER_TOKEN_SUMS = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens",
-                  "rollout_is_weight_sum", "rollout_outside_cap")
+PER_TOKEN_SUMS = ("entropy_sum", "seq_entropy_sum", "seqs", "rollout_logp_gap_sum",
+                  "rollout_logp_tokens", "rollout_is_weight_sum", "rollout_outside_cap",
+                  "rollout_sequences", "rollout_rejected")
 
 
 def train_metrics(train: dict, sequences: int) -> dict:
@@ -2795,12 +2984,18 @@ def train_metrics(train: dict, sequences: int) -> dict:
     m.update({f"train/{k}": v for k, v in train.items() if k not in PER_TOKEN_SUMS})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    if train.get("seqs"):  # QwenLong-L1.5 Eq. 11: the mean over sequences of their mean entropy
+        m["train/batch_entropy"] = train["seq_entropy_sum"] / train["seqs"]
     # per token vLLM recorded: mean |log pi_trainer - log pi_vLLM|, the mean truncated ratio
     # min(rho, C) and the share outside [1/C, C] (what train.rollout_correction does, or would do)
     if n := train.get("rollout_logp_tokens"):
         m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
         m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
         m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
+    # per sequence vLLM recorded: the share whose geometric mean ratio is outside [1/C, C] (what
+    # seq_mask and seq_mask_tis reject, or would)
+    if n := train.get("rollout_sequences"):
+        m["train/rollout_rejected"] = train["rollout_rejected"] / n
     return m
 
 
@@ -2824,6 +3019,9 @@ def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) ->
     ok = [s for s in flat if s.status == "ok"]
     return {**questioner_metrics(flat, counts), **responder_metrics(ok, counts),
             **verifier_metrics(ok, counts), **train_metrics(train, counts["sequences"]),
+            # AEPO: whether it masked this step's batch (0/1), and how many samples it took out
+            "train/aepo_masking": counts["aepo_masking"],
+            "train/aepo_masked": counts["aepo_masked"],
             **perf_metrics(flat, times)}
 
 
@@ -2896,7 +3094,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
-    step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng)
+    aepo = AEPO(*cfg.train.aepo)  # QwenLong-L1.5's entropy control; never masks at [0, 0]
+    step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
+                           aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
@@ -2915,13 +3115,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         clock.stage("rollout")
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
         summaries = gather_summaries(rollouts, cfg, rank, reports)
-        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step))
+        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step), aepo.masking)
         items = share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
         seqs = sequence_parallel_batch(seqs, policy)
         train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
+        if items:  # AEPO: this update's batch entropy (Eq. 11) sets the next step's masking
+            aepo.observe(train["seq_entropy_sum"] / train["seqs"])
         clock.stage("update")
         # 4. the new weights into every rank's vLLM engine
         wake_and_sync(llm, policy, cfg, device, updated=bool(items))
@@ -2932,7 +3134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_step(log, cfg, step, summaries, counts, train, times, rollouts, world)
         stop = infra.all_reduce_max(int(STOP["requested"]), device) > 0
         if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
-            state = run_state(step, sampler, history, rng)
+            state = run_state(step, sampler, history, rng, aepo)
             save_checkpoint(cfg, step, policy, optimizer, state, rank, world)
         if stop:
             infra.print0("SIGTERM: checkpoint saved, exiting")
@@ -3286,6 +3488,15 @@ def rank_logprobs(model, packed: dict, temperature: float,
     return infra.sp_completion_logprobs(model, packed, temperature, impl)
 
 
+def whole_row(model, mine: torch.Tensor, total: int, values: torch.Tensor) -> torch.Tensor:
+    """A packed row's (N,) per-token values from this rank's (n,) at `mine`: the values themselves
+    without sequence parallelism, else gathered from the group's ranks (no gradient)."""
+    group = getattr(model, "sp_group", None)
+    if group is None:
+        return values
+    return infra.sp_gather_row(values.detach(), mine, total, group)
+
+
 def row_share(packed: dict, model) -> int:
     """The tokens of a packed row this rank encodes: all, or its shard under sequence
     parallelism (the row padded to a multiple of the group)."""
@@ -3377,16 +3588,18 @@ def _surrogate_fields(rec: dict) -> list[str]:
 
 
 def run_state(step: int, sampler: ClusterSampler, history: HistoryMemory,
-              rng: np.random.Generator) -> dict:
-    """What this rank needs to continue the run exactly: the sampler, the history memory and the
-    generators (vLLM's request seeds derive from the step, so rollouts repeat too)."""
+              rng: np.random.Generator, aepo: AEPO) -> dict:
+    """What this rank needs to continue the run exactly: the sampler, the history memory, AEPO's
+    masking state and the generators (vLLM's request seeds derive from the step, so rollouts
+    repeat too)."""
     return {"step": step, "sampler": sampler.state_dict(), "history": history.state_dict(),
-            "rng": rng.bit_generator.state, "rng_state": infra.rng_state()}
+            "aepo": aepo.state_dict(), "rng": rng.bit_generator.state,
+            "rng_state": infra.rng_state()}
 
 
 def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimizer, llm,
                     device: torch.device, sampler: ClusterSampler, history: HistoryMemory,
-                    rng: np.random.Generator) -> int:
+                    rng: np.random.Generator, aepo: AEPO) -> int:
     """Restore the checkpoint --resume found (then the engine gets the restored weights), and write
     the run's config beside its metrics; returns the step reached (0 for a fresh run)."""
     rank, world, step = dist.get_rank(), dist.get_world_size(), 0
@@ -3395,6 +3608,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
         step = saved["step"]
         sampler.load_state_dict(saved["sampler"])
         history.load_state_dict(saved["history"])
+        aepo.load_state_dict(saved.get("aepo", {"masking": False}))  # absent: saved before AEPO
         rng.bit_generator.state = saved["rng"]
         infra.set_rng_state(saved["rng_state"])
         sync_weights(llm, weights_to_sync(policy, compute_dtype(device),

@@ -152,6 +152,9 @@ def test_presets_stack_on_the_scale_presets(preset, base):
                 == ("challenger", "reasoner"))
     if preset in ("rlvr.toml", "qwenlong_l1.toml"):
         assert spell.trained_roles(cfg) == {"res"} and cfg.data.qa
+    if preset == "qwenlong_l15.toml":  # self-play with QwenLong-L1.5's stabilisers
+        assert spell.trained_roles(cfg) == {"que", "res", "ver"}
+        assert cfg.train.advantage == "task_std" and 0 < cfg.train.aepo[0] < cfg.train.aepo[1]
 
 
 def test_recipe_keys_are_validated():
@@ -2198,26 +2201,43 @@ def test_mini_batches_deal_whole_groups_and_normalise_each():
 # 7. Advantages and the loss
 # ------------------------------------------------------------------------------------------------
 
-# Each variant of ADVANTAGES on one worked group (rewards 0, 0, 0, 1; mean 1/4, unbiased std 1/2)
+# Each variant of ADVANTAGES on one worked group, rewards 0, 0, 0, 1 (mean 1/4, unbiased std 1/2),
+# whose task's batch also holds the group 0, 1, 0, 1 (mean 1/2, unbiased variance 1/3). The group's
+# rewards minus its mean are -1/4, -1/4, -1/4, 3/4 for every variant but mean's divisor:
+#  task_std: the 8 rewards of the task pooled, mean 3/8, squared deviations 5 (3/8)^2 + 3 (5/8)^2 =
+#            15/8, unbiased variance 15/56;
+#  task_mean: the mean of the two groups' variances, (1/4 + 1/3) / 2 = 7/24, its square root.
+WORKED_GROUP, OTHER_GROUP = [0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]
+CENTRED = [-0.25, -0.25, -0.25, 0.75]
 ADVANTAGE_CASES = {
-    "zscore": [-0.25 / (0.5 + 1e-6)] * 3 + [0.75 / (0.5 + 1e-6)],  # Eq. 8
-    "mean": [-0.25, -0.25, -0.25, 0.75],  # Dr.GRPO: centred only
+    "zscore": [x / (0.5 + 1e-6) for x in CENTRED],  # Eq. 8: the group's own std
+    "mean": CENTRED,  # Dr.GRPO: centred only
+    "task_std": [x / (math.sqrt(15 / 56) + 1e-6) for x in CENTRED],  # QwenLong-L1.5 Eq. 7
+    "task_mean": [x / (math.sqrt(7 / 24) + 1e-6) for x in CENTRED],  # GoLongRL's TMN
 }
 
 
 @pytest.mark.parametrize("kind", list(spell.ADVANTAGES))
 def test_advantages_each_variant_on_a_worked_group(kind):
-    """Every variant of ADVANTAGES: a group of one, or of equal rewards, gets no signal, and a
-    better reward never gets a lower advantage; the variants worked by hand above match them."""
-    rewards = torch.tensor([0.0, 0.0, 0.0, 1.0])
-    a = spell.ADVANTAGES[kind](rewards)
+    """Every variant of ADVANTAGES: a group of one, or of equal rewards, gets no signal (with or
+    without a task batch around it), and a better reward never gets a lower advantage; the
+    variants worked by hand above match them. Alone in its task's batch (the questioner's case,
+    whose group is its task), a task-level variant is its group's z-score or centring."""
+    rewards, other = torch.tensor(WORKED_GROUP), torch.tensor(OTHER_GROUP)
+    a = spell.ADVANTAGES[kind](rewards, [rewards, other])
     assert a.shape == rewards.shape and bool(torch.isfinite(a).all())
     assert a[3] > a[0] and a[0] < 0 < a[3], a  # below the baseline: a negative advantage
     if kind in ADVANTAGE_CASES:
         # fp32, a mean, a std and a division of O(1) values: ~10 roundings, 10 u = 6e-7 < 1e-5
         assert torch.allclose(a, torch.tensor(ADVANTAGE_CASES[kind]))
-    assert torch.equal(spell.ADVANTAGES[kind](torch.tensor([3.0])), torch.zeros(1))  # alone
-    assert torch.equal(spell.ADVANTAGES[kind](torch.ones(4)), torch.zeros(4))  # all equal
+    for task in ((), [rewards, other]):
+        alone, same = torch.tensor([3.0]), torch.ones(4)
+        assert torch.equal(spell.ADVANTAGES[kind](alone, [*task, alone]), torch.zeros(1))
+        assert torch.equal(spell.ADVANTAGES[kind](same, [*task, same]), torch.zeros(4))
+    own = spell.ADVANTAGES[kind](rewards)  # the group is its task's batch
+    assert torch.equal(own, spell.ADVANTAGES[kind](rewards, [rewards]))
+    assert (torch.allclose(own, torch.tensor(ADVANTAGE_CASES["mean"])) if kind == "mean"
+            else torch.allclose(own, torch.tensor(ADVANTAGE_CASES["zscore"])))
 
 
 def test_group_advantages():
@@ -2236,6 +2256,60 @@ def test_group_advantages():
     # uneven groups, interleaved: each sample keeps its own group's baseline
     uneven = group_advantages([1.0, 0.0, 2.0, 0.0, 4.0], ["x", "y", "x", "y", "y"], "mean")
     assert uneven == pytest.approx([-0.5, -4 / 3, 0.5, -4 / 3, 8 / 3])
+
+
+@pytest.mark.parametrize("kind", ["task_std", "task_mean"])
+def test_group_advantages_read_each_groups_own_task(kind):
+    """The worked group and its task-mate (above) interleaved with a group of another task, 1, 0:
+    the worked group gets the worked case, and the other task's group sees only itself (a group
+    alone in its task: its z-score, 0.5 / (sqrt(1/2) + eps)). A group whose samples name two tasks
+    is a bug of the caller."""
+    rewards = [0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    groups = ["w", "o", "y", "w", "o", "y", "w", "o", "w", "o"]
+    tasks = ["doc_qa" if g != "y" else "fin_math" for g in groups]
+    a = group_advantages(rewards, groups, kind, tasks=tasks)
+    worked = [a[i] for i, g in enumerate(groups) if g == "w"]
+    assert worked == pytest.approx(ADVANTAGE_CASES[kind], rel=1e-5)  # fp32 as above
+    z = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert [a[i] for i, g in enumerate(groups) if g == "y"] == pytest.approx([z, -z], rel=1e-5)
+    with pytest.raises(AssertionError, match="share their task"):
+        group_advantages([0.0, 1.0], ["g", "g"], kind, tasks=["doc_qa", "doc_mc"])
+
+
+@pytest.mark.parametrize("kind", list(spell.ADVANTAGES))
+def test_select_batch_hands_each_role_its_task_batch(kind):
+    """select_responder and select_verifier give the task-level variants the kept groups of the
+    same task (role_advantages). Responder groups 1, 0, 0, 0 and 1, 1, 0, 1 (doc_qa) and 1, 0, 1, 0
+    (fin_math): the doc_qa groups share the pooled std of their 8 rewards (mean 1/2, unbiased
+    variance 2/7) and TMN's root mean group variance ((1/4 + 1/4) / 2); fin_math's group is alone.
+    Every vote group scores 1, 1, 1, 0 (summary's 3-of-4 votes): pooled over the 8 doc_qa groups'
+    32 votes, mean 3/4 and unbiased variance 6 / 31; the 4 fin_math groups, 3 / 15; TMN's scale
+    is the group's own, 1/4. The questioner's groups are its tasks (Eq. 9)."""
+    cfg = spell.Config()
+    # a verifier share of 4 keeps every vote group (12 = 4 x 3 groups x 4 responses / 4 votes)
+    cfg.rollout.group_size, cfg.reward.verifier_share, cfg.train.advantage = 4, 4.0, kind
+    res = [([1.0, 0.0, 0.0, 0.0], "doc_qa"), ([1.0, 1.0, 0.0, 1.0], "doc_qa"),
+           ([1.0, 0.0, 1.0, 0.0], "fin_math")]
+    items, counts = spell.select_batch(
+        spread([[summary(r, task=t) for r, t in res]]), cfg, np.random.default_rng(0))
+    assert counts["res_groups"] == 3 and counts["ver_groups"] == 12
+    scale = {  # the divisor of each group's centred rewards, per role and task
+        "zscore": {("res", "doc_qa"): math.sqrt(1 / 4), ("res", "fin_math"): math.sqrt(1 / 3),
+                   ("ver", "doc_qa"): math.sqrt(1 / 4), ("ver", "fin_math"): math.sqrt(1 / 4)},
+        "task_std": {("res", "doc_qa"): math.sqrt(2 / 7), ("res", "fin_math"): math.sqrt(1 / 3),
+                     ("ver", "doc_qa"): math.sqrt(6 / 31), ("ver", "fin_math"): math.sqrt(3 / 15)},
+        "task_mean": {("res", "doc_qa"): math.sqrt(1 / 4), ("res", "fin_math"): math.sqrt(1 / 3),
+                      ("ver", "doc_qa"): math.sqrt(1 / 4), ("ver", "fin_math"): math.sqrt(1 / 4)},
+    }.get(kind)
+    for it in items:
+        if it.role == "que":
+            continue
+        rewards, task = res[it.idx]
+        group = rewards if it.role == "res" else [1.0, 1.0, 1.0, 0.0]
+        centred = group[it.i if it.role == "res" else it.j] - sum(group) / 4
+        want = centred if kind == "mean" else centred / (scale[it.role, task] + 1e-6)
+        assert it.advantage == pytest.approx(want, rel=1e-5), it  # fp32 as above
+    assert any(it.advantage < 0 for it in items if it.role == "res")
 
 
 def test_questioner_advantages_per_task():
@@ -2406,44 +2480,149 @@ def test_every_worked_loss_case_is_a_policy_loss():
     assert set(LOSS_NORM_CASES) <= set(spell.LOSS_NORMS)
 
 
-def test_rollout_correction_on_worked_ratios():
-    """rho = pi_train / pi_vLLM = 1, 2, 0.5, 1.25 at C = 1.5: tis truncates above C only, mask
-    keeps [1/C, C] = [0.667, 1.5]; none is the paper's on-policy 1."""
-    trainer = torch.tensor([0.5, 0.5, 0.5, 0.5], dtype=torch.float64).log()
-    rollout = torch.tensor([0.5, 0.25, 1.0, 0.4], dtype=torch.float64).log()
-    factor = lambda kind: spell.rollout_correction(trainer, rollout, kind, 1.5).tolist()  # noqa
-    assert factor("none") == [1.0] * 4
-    assert factor("tis") == pytest.approx([1.0, 1.5, 0.5, 1.25])
-    assert factor("mask") == [1.0, 0.0, 0.0, 1.0]
+# Each variant of ROLLOUT_CORRECTIONS on one worked micro-batch at C = 1.5 (1/C = 0.667): three
+# sequences of two tokens with rho = pi_train / pi_vLLM of 4, 1/4 (geometric mean 1: kept; the
+# arithmetic mean, 2.125, would reject it), 1.25, 1.25 (mean 1.25: kept) and 1, 4 (mean 2 > C:
+# rejected whole). Per token the mask keeps [1/C, C] only; tis truncates at C; the sequence
+# variants keep or drop a sequence whole.
+CORRECTION_RHO, CORRECTION_SEQS = [4.0, 0.25, 1.25, 1.25, 1.0, 4.0], [0, 0, 1, 1, 2, 2]
+ROLLOUT_CORRECTION_CASES = {
+    "none": [1.0] * 6,  # the paper's on-policy loss
+    "tis": [1.5, 0.25, 1.25, 1.25, 1.0, 1.5],
+    "mask": [0.0, 0.0, 1.0, 1.0, 1.0, 0.0],
+    "seq_mask": [1.0, 1.0, 1.0, 1.0, 0.0, 0.0],
+    "seq_mask_tis": [1.5, 0.25, 1.25, 1.25, 0.0, 0.0],  # min(rho, C) on the kept sequences
+}
 
 
-@pytest.mark.parametrize("kind", ["none", "tis", "mask"])
+@pytest.mark.parametrize("kind", list(spell.ROLLOUT_CORRECTIONS))
+def test_rollout_corrections_each_on_worked_ratios(kind):
+    """Every variant of ROLLOUT_CORRECTIONS gives a finite factor in [0, C] per token, 1 where the
+    two policies agree; those worked by hand above give exactly those factors."""
+    log_rho = torch.tensor(CORRECTION_RHO, dtype=torch.float64).log()
+    seq_ids = torch.tensor(CORRECTION_SEQS)
+    factor = spell.ROLLOUT_CORRECTIONS[kind](log_rho, seq_ids, 1.5)
+    assert factor.shape == log_rho.shape and bool(((factor >= 0) & (factor <= 1.5)).all())
+    assert spell.ROLLOUT_CORRECTIONS[kind](torch.zeros(6, dtype=torch.float64), seq_ids,
+                                           1.5).tolist() == [1.0] * 6
+    if kind in ROLLOUT_CORRECTION_CASES:
+        # float64: a log and an exp of ratios whose nearest bound (1.25 vs 1.5) is far off
+        assert factor.tolist() == pytest.approx(ROLLOUT_CORRECTION_CASES[kind], abs=1e-12)
+
+
+def test_every_worked_correction_case_is_a_rollout_correction():
+    assert set(ROLLOUT_CORRECTION_CASES) <= set(spell.ROLLOUT_CORRECTIONS)
+
+
+@pytest.mark.parametrize("kind", list(spell.ROLLOUT_CORRECTIONS))
 def test_micro_batch_loss_applies_the_rollout_correction(kind):
-    """One 5-token answer whose vLLM log-prob at token 2 is 1 nat above the trainer's (rho = 1/e,
-    below 1/C = 1/2), the others equal. On-policy the loss is -w A sum_t factor_t: 5 terms (none),
-    4 + 1/e (tis), 4 (mask); the logged gap is 1 nat over 5 tokens whatever the kind."""
+    """Two 5-token answers, weight 0.1 per token: a (A = +0.5) whose vLLM log-prob at token 2 is 1
+    nat above the trainer's (rho = 1/e, below 1/C = 1/2; geometric mean e^-1/5 = 0.82, kept), and b
+    (A = -0.25) 1 nat above at every token (geometric mean 1/e: rejected by the sequence masks).
+    On-policy the loss is -0.1 (0.5 sum_a factor_t - 0.25 sum_b factor_t), the normaliser unchanged
+    by what the correction drops. The logged gap, ratios, rejections and Eq. 11's entropy sum are
+    the same whatever the kind."""
     cfg = spell.Config()
     cfg.train.rollout_correction, cfg.train.rollout_correction_cap = kind, 2.0
-    seq = spell.Seq(list(range(3, 10)), [11, 12, 13, 14, 15], advantage=0.5, weight=0.1)
+    a = spell.Seq(list(range(3, 10)), [11, 12, 13, 14, 15], advantage=0.5, weight=0.1)
+    b = spell.Seq(list(range(20, 26)), [31, 32, 33, 34, 35], advantage=-0.25, weight=0.1)
     model = tiny_llama()
     with torch.no_grad():
-        exact = spell.packed_logprobs(model, spell.pack_sequences([(seq.prompt, seq.completion)]),
-                                      cfg.rollout.temperature)[0]
-    sampled = exact.clone()
-    sampled[2] += 1.0
-    recorded = seq._replace(rollout_logprobs=sampled.tolist())
-    loss, _, stats = spell.micro_batch_loss(model, [recorded], None, cfg, torch.device("cpu"))
-    terms = {"none": 5.0, "tis": 4.0 + math.exp(-1.0), "mask": 4.0}[kind]
-    # fp32 sums of 5 terms of O(0.05): rel 1e-5 is ~100x their rounding; the gap is read back
+        exact = [spell.packed_logprobs(model, spell.pack_sequences([(s.prompt, s.completion)]),
+                                       cfg.rollout.temperature) for s in (a, b)]
+    sampled_a, sampled_b = exact[0][0].clone(), exact[1][0] + 1.0
+    sampled_a[2] += 1.0
+    recorded = [a._replace(rollout_logprobs=sampled_a.tolist()),
+                b._replace(rollout_logprobs=sampled_b.tolist())]
+    loss, _, stats = spell.micro_batch_loss(model, recorded, None, cfg, torch.device("cpu"))
+    e = math.exp(-1.0)
+    terms_a, terms_b = {"none": (5, 5), "tis": (4 + e, 5 * e), "mask": (4, 0),
+                        "seq_mask": (5, 0), "seq_mask_tis": (4 + e, 0)}[kind]
+    # fp32 sums of 10 terms of O(0.05): rel 1e-5 is ~100x their rounding; the gap is read back
     # through exp and log of log-probs near -7 (a few ulps of 7, 1e-6)
-    assert loss.item() == pytest.approx(-0.1 * 0.5 * terms, rel=1e-5)
-    assert stats["rollout_logp_gap_sum"] == pytest.approx(1.0, abs=1e-5)
-    assert stats["rollout_logp_tokens"] == 5 and stats["rollout_outside_cap"] == 1
-    assert stats["rollout_is_weight_sum"] == pytest.approx(4.0 + math.exp(-1.0), rel=1e-5)
-    # a sequence vLLM recorded nothing for: factor 1, and not counted
-    loss, _, stats = spell.micro_batch_loss(model, [seq], None, cfg, torch.device("cpu"))
-    assert loss.item() == pytest.approx(-0.1 * 0.5 * 5, rel=1e-5)
-    assert stats["rollout_logp_tokens"] == 0
+    assert loss.item() == pytest.approx(-0.1 * (0.5 * terms_a - 0.25 * terms_b), rel=1e-5)
+    assert stats["rollout_logp_gap_sum"] == pytest.approx(6.0, abs=1e-5)
+    assert stats["rollout_logp_tokens"] == 10 and stats["rollout_outside_cap"] == 6
+    assert stats["rollout_is_weight_sum"] == pytest.approx(4.0 + 6 * e, rel=1e-5)
+    assert stats["rollout_sequences"] == 2 and stats["rollout_rejected"] == 1
+    # Eq. 11 before / |B|: each answer's mean token entropy, added up (fp32 means of 5 terms)
+    means = [float(x[1].mean()) for x in exact]
+    assert stats["seqs"] == 2 and stats["seq_entropy_sum"] == pytest.approx(sum(means), rel=1e-5)
+    # sequences vLLM recorded nothing for: factor 1, and not counted
+    loss, _, stats = spell.micro_batch_loss(model, [a, b], None, cfg, torch.device("cpu"))
+    assert loss.item() == pytest.approx(-0.1 * (0.5 * 5 - 0.25 * 5), rel=1e-5)
+    assert stats["rollout_logp_tokens"] == 0 and stats["rollout_sequences"] == 0
+
+
+# AEPO (QwenLong-L1.5 §4.4) on a worked run of batch entropies, bounds [0.5, 1.0]: the state after
+# each update. 1.0 is not above high and 0.5 not below low, so neither switches; the paper's first
+# code (mask while low < H < high, no memory) would mask at 0.8, 0.9, 0.6 and 0.7 instead.
+AEPO_ENTROPIES = [0.8, 1.0, 1.2, 0.9, 0.6, 0.5, 0.4, 0.7, 1.1]
+AEPO_MASKING = [False, False, True, True, True, True, False, False, True]
+
+
+def test_aepo_hysteresis_on_a_worked_entropy_run():
+    """Masking starts once an update's entropy exceeds the upper bound and lasts until one falls
+    below the lower bound; at [0, 0] it never starts."""
+    aepo, off = spell.AEPO(0.5, 1.0), spell.AEPO(0.0, 0.0)
+    states = []
+    for h in AEPO_ENTROPIES:
+        aepo.observe(h)
+        off.observe(h * 100)
+        states.append(aepo.masking)
+        assert not off.masking
+    assert states == AEPO_MASKING
+
+
+def test_aepo_masks_negative_advantages_and_renormalises_the_kept():
+    """While AEPO masks, every sample with A < 0 of every role leaves the batch, and the loss
+    normaliser is the kept batch's. Responder groups 1, 0, 0, 0 and 1, 1, 0, 1 (20 tokens per
+    answer): unmasked each group has 80 tokens and weight 1 / (80 x 2 groups); masked, the first
+    keeps its one correct answer (1 / (20 x 2)) and the second its three (1 / (60 x 2))."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
+    summaries = spread([[summary([1.0, 0.0, 0.0, 0.0]), summary([1.0, 1.0, 0.0, 1.0]),
+                         invalid("format", -1.0), invalid("format", -1.0)]])
+    every, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0))
+    assert counts["aepo_masking"] == 0 and counts["aepo_masked"] == 0
+    negatives = [it for it in every if it.advantage < 0]
+    assert {it.role for it in negatives} == {"que", "res", "ver"}
+    kept, counts = spell.select_batch(summaries, cfg, np.random.default_rng(0), aepo_masking=True)
+    assert counts["aepo_masking"] == 1 and counts["aepo_masked"] == len(negatives)
+    assert counts["sequences"] == len(kept) == len(every) - len(negatives)
+    strip = lambda it: dataclasses.replace(it, weight=0.0)  # noqa: E731
+    assert [strip(it) for it in kept] == [strip(it) for it in every if it.advantage >= 0]
+    res = lambda items: {(it.idx, it.i): it.weight for it in items if it.role == "res"}  # noqa
+    assert res(every) == pytest.approx({(g, i): 1 / 160 for g in (0, 1) for i in range(4)})
+    assert res(kept) == pytest.approx({(0, 0): 1 / 40, (1, 0): 1 / 120, (1, 1): 1 / 120,
+                                       (1, 3): 1 / 120})
+    m = spell.step_metrics(summaries, counts, {}, {})
+    assert m["train/aepo_masking"] == 1 and m["train/aepo_masked"] == len(negatives)
+
+
+def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
+    """QwenLong-L1.5 Eq. 11 before / |B|: token entropies 1, 1, 1, 3 (mean 1.5) and 2 (mean 2), and
+    a token outside every sequence, sum 3.5; so H = 1.75, where the token mean is 8 / 5 = 1.6."""
+    entropy = torch.tensor([1.0, 1.0, 1.0, 3.0, 2.0, 9.0])
+    assert spell.batch_entropy_sum(entropy, torch.tensor([0, 0, 0, 0, 1, -1])) == 3.5
+    m = spell.train_metrics({"entropy_sum": 8.0, "tokens": 5, "seq_entropy_sum": 3.5, "seqs": 2}, 2)
+    assert m["train/batch_entropy"] == 1.75 and m["train/entropy"] == 1.6
+    assert "train/seq_entropy_sum" not in m and "train/seqs" not in m
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train.aepo=0,0.3"], "train.aepo must be [low, high] with 0 < low <= high"),
+    (["--train.aepo=0.3,0.2"], "train.aepo must be [low, high] with 0 < low <= high"),
+    (["--train.aepo=-0.1,0.2"], "train.aepo must be [low, high] with 0 < low <= high"),
+    (["--train.rollout_correction=seq"],
+     "train.rollout_correction must be none|tis|mask|seq_mask|seq_mask_tis, got 'seq'"),
+    (["--train.advantage=task"], "train.advantage must be zscore|mean|task_std|task_mean"),
+])
+def test_long_context_keys_are_checked_at_load(argv, message):
+    with pytest.raises(infra.ConfigError) as e:
+        spell.load_config(None, argv)
+    assert str(e.value).startswith(message), e.value
+    spell.load_config(None, ["--train.aepo=0.2,0.2"])  # a plain threshold: no hysteresis
 
 
 def test_loss_norm_group_sums_to_one_per_group():
@@ -3079,6 +3258,55 @@ def test_sequence_parallel_run_matches_the_plain_run(demo_run, speaker, corpus_f
     gap = math.sqrt(sum(float((x[n] - y[n]).double().pow(2).sum()) for n in start))
     print(f"METRIC sp2_vs_plain_weights: |gap| {gap:.3g}, |two steps| {step:.3g}")
     assert step > 0 and gap <= 0.01 * step
+
+
+@pytest.mark.stack
+def test_two_fresh_runs_are_identical(demo_run, speaker, corpus_file, tmp_path):
+    """Two fresh runs of the demo preset with the same seed, 2 steps on 2 ranks, one after the
+    other on the same machine (the session's demo run and one more): every metric but the perf/
+    timings is the same to the last bit (JSON floats round-trip exactly), and so are the exported
+    weights. Every draw derives from train.seed (the corpus walk, vLLM's request seeds, the batch
+    selection) and the update's sums run in a fixed order; a planted time-seeded draw would show
+    here first."""
+    from safetensors.torch import load_file
+
+    runs = [demo_run[0], tmp_path / "second"]
+    torchrun(2, *demo_args(speaker, corpus_file, runs[1]))
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    first, second = (read_metrics(out) for out in runs)
+    assert [m["step"] for m in first] == [1, 2] and first[1]["train/sequences"] > 0
+    for a, b in zip(first, second, strict=True):
+        assert strip(a) == strip(b), {k: (a[k], b.get(k)) for k in strip(a) if a[k] != b.get(k)}
+    x, y = (load_file(str(out / "hf" / "model.safetensors")) for out in runs)
+    assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+
+
+@pytest.mark.stack
+def test_qwenlong_l15_preset_end_to_end_and_resume(speaker, corpus_file, tmp_path):
+    """presets/qwenlong_l15.toml on the demo preset, with the sequence-level rollout mask and AEPO's
+    bounds at 1e-6, so that step 1's update (its batch entropy is far above) switches the masking on
+    for step 2: step 1 masks nothing, step 2 takes every negative-advantage sample out, and the
+    counts add up. Resumed from step 1's checkpoint, step 2 comes out the same to the last bit, the
+    masking included: the state travels in the checkpoint."""
+    args = ("--config", str(REPO / "presets" / "qwenlong_l15.toml"), "--train.aepo=1e-6,1e-6",
+            "--train.rollout_correction=seq_mask_tis")
+    out_dir = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, *args))
+    steps = read_metrics(out_dir)
+    assert [m["train/aepo_masking"] for m in steps] == [0, 1]
+    assert steps[0]["train/aepo_masked"] == 0 < steps[1]["train/aepo_masked"]
+    for m in steps:
+        assert m["train/batch_entropy"] > 1e-6 and 0 <= m["train/rollout_rejected"] <= 1, m
+        assert m["train/sequences"] + m["train/aepo_masked"] == role_sequences(m), m
+    assert json.loads((out_dir / "config.json").read_text())["train"]["advantage"] == "task_std"
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out_dir / "checkpoints" / "step_000001",
+                    resumed / "checkpoints" / "step_000001")
+    (resumed / "checkpoints" / "latest").write_text("step_000001")
+    torchrun(2, *demo_args(speaker, corpus_file, resumed, *args), "--resume")
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    assert [strip(m) for m in read_metrics(resumed)] == [strip(steps[1])]
 
 
 @pytest.mark.stack
@@ -3777,7 +4005,9 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     history.push("0", "doc_qa", [1, 0], "Which gate?", "north")
     infra.seed_everything(3)
     random.random(), np.random.normal(), torch.rand(2)  # NumPy now holds a second Gaussian
-    state = spell.run_state(5, sampler, history, rng)
+    aepo = spell.AEPO(0.5, 1.0)
+    aepo.observe(2.0)  # masking
+    state = spell.run_state(5, sampler, history, rng, aepo)
     torch.save(state, tmp_path / "rank0.pt")
     loaded = torch.load(tmp_path / "rank0.pt", weights_only=True)
 
@@ -3790,6 +4020,9 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     sampler.load_state_dict(loaded["sampler"])
     assert draws() == expected
     assert loaded["step"] == 5 and loaded["history"] == history.state_dict()
+    resumed = spell.AEPO(0.5, 1.0)
+    resumed.load_state_dict(loaded["aepo"])
+    assert resumed.masking  # a resumed run masks as the uninterrupted one
     restored = spell.HistoryMemory(0)
     restored.load_state_dict(loaded["history"])
     assert restored.get("0", "doc_qa") == history.get("0", "doc_qa")
