@@ -1410,6 +1410,18 @@ def context_bound(model_config) -> float:
     return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
 
 
+def check_context(model_dir: str, tokens: int, what: str) -> None:
+    """Stop, before vLLM starts, when the longest sequence a run asks vLLM to hold (`tokens`, made
+    of the keys `what` names) is beyond the model's context (context_bound of its config.json):
+    vLLM would refuse it only once it is starting, deep in its own traceback."""
+    from transformers import AutoConfig
+
+    bound = context_bound(AutoConfig.from_pretrained(model_dir))
+    if tokens > bound:
+        raise ConfigError(f"{what} = {tokens} tokens, beyond the {bound:.0f}-token context of "
+                          f"the model {model_dir} (its config.json); lower them")
+
+
 def check_vllm_groups(k: int) -> None:
     """Stop unless vLLM's tensor-parallel group of this rank is ranks g*k .. g*k + k - 1, the group
     engine_groups keys the rollouts by (call after start_vllm)."""

@@ -321,11 +321,17 @@ def check_config(cfg: Config) -> None:
     """
     infra.check_every_key(cfg)
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
+    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in ("rollout.questioner_template", "rollout.responder_template"):
+        # a file name under prompts/: no path, and short (5000 characters fail the file system)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value(key)):
+            raise infra.ConfigError(f"{key} must be a prompt family, 1 to 64 letters, digits, '_' "
+                                    f"or '-' (prompts/<family>_<task>.txt), got "
+                                    f"{infra.shown(value(key))}")
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
     needs = {role: missing_templates(cfg, role, rlvr)
              for role in ("questioner", "history", "responder")}
-    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
         "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
@@ -342,6 +348,19 @@ def check_config(cfg: Config) -> None:
         # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
         ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
         ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
+        ("train.weight_decay", t.lr * t.weight_decay < 1,
+         f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
+         "1 - lr x weight_decay per step: at 0 or below it wipes or flips them)"),
+        # loss_weights deals a step's groups to this many optimiser steps, one loop pass each;
+        # past batch_groups some mini-batches hold no responder group, and 1e12 of them never end
+        ("train.mini_batches", t.mini_batches <= t.batch_groups,
+         f"<= train.batch_groups ({t.batch_groups}): each mini-batch needs a responder group"),
+        # a round tokenises every drawn prompt, keeps it and hands them all to vLLM at once;
+        # rollout.max_rounds is how a step draws more (the paper draws 480 for 128 groups)
+        ("rollout.clusters_per_round", r.clusters_per_round <= 100 * t.batch_groups,
+         f"<= 100 x train.batch_groups ({100 * t.batch_groups}): one round holds every prompt "
+         "it draws; draw more with rollout.max_rounds"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
@@ -376,6 +395,9 @@ def check_config(cfg: Config) -> None:
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
         ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
          ">= 1 (tokens are kept or weighed up to C, masked outside [1/C, C])"),
+        ("train.rollout_correction_cap", t.rollout_correction != "mask"
+         or t.rollout_correction_cap > 1, "> 1 with train.rollout_correction = \"mask\" (it "
+         "keeps the tokens with 1/C <= rho <= C: at C = 1 hardly any token trains)"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -2713,6 +2735,11 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
+    r = cfg.rollout
+    infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
+                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
+                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
+                        f"{max_new_tokens(cfg)}")
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
@@ -2720,7 +2747,6 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
-    r = cfg.rollout
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,

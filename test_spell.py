@@ -256,10 +256,32 @@ def test_stacked_presets_name_the_key_in_conflict():
      "data.phases must be \"\" or STEP:TOKENS pairs"),
     (["--data.qa=x.jsonl", "--data.phases=1:1024,2000:2048"],
      "data.phases must be phases that start by train.steps, got '1:1024,2000:2048'"),
+    # a loop over 1e12 mini-batches, a round drawing 1e11 clusters: the run hangs
+    (["--train.mini_batches=1000000000000"],
+     "train.mini_batches must be <= train.batch_groups (128): each mini-batch needs a responder "
+     "group, got 1000000000000"),
+    (["--train.batch_groups=4", "--train.mini_batches=5"], "train.mini_batches must be <= "
+                                                           "train.batch_groups (4)"),
+    (["--rollout.clusters_per_round=100000000000"],
+     "rollout.clusters_per_round must be <= 100 x train.batch_groups (12800)"),
+    # AdamW multiplies the weights by 1 - lr x wd = 0 every step: they vanish (or flip sign)
+    (["--train.lr=1", "--train.weight_decay=1"], "train.weight_decay must be below 1 / train.lr "
+                                                 "= 1 (AdamW scales every weight"),
+    (["--train.lr=0.5", "--train.weight_decay=3"], "train.weight_decay must be below 1 / "
+                                                   "train.lr = 2 "),
+    # [1/C, C] = [1, 1]: every token with rho != 1 masked, the loss empty
+    (["--train.rollout_correction=mask", "--train.rollout_correction_cap=1"],
+     "train.rollout_correction_cap must be > 1 with train.rollout_correction = \"mask\""),
+    # a file name the file system refuses (an OSError traceback), a path out of prompts/
+    ([f"--rollout.questioner_template={'x' * 5000}"],
+     "rollout.questioner_template must be a prompt family, 1 to 64 letters"),
+    (["--rollout.responder_template=../prompts/responder"],
+     "rollout.responder_template must be a prompt family"),
 ])
 def test_values_that_would_break_later_are_refused_at_load(argv, message):
-    """Values that pass a plain type check but would give NaN advantages or a ZeroDivision,
-    Overflow or ValueError traceback after the model loaded: one short line names the key."""
+    """Values that pass a plain type check but would give NaN advantages, weights or an empty loss,
+    a ZeroDivision, Overflow, OSError or ValueError traceback after the model loaded, or a hang:
+    one short line names the key."""
     with pytest.raises(infra.ConfigError) as e:
         spell.load_config(None, argv)
     assert str(e.value).startswith(message), e.value
@@ -2981,13 +3003,22 @@ def test_attention_implementation_choices(monkeypatch):
     assert infra.attention_implementation(cfg, on_gpu=True) == "sdpa"
 
 
-def test_engine_makes_room_for_the_largest_role_budget(monkeypatch):
+def model_config_dir(path: Path, context: int) -> str:
+    """A model folder holding only a config.json, of a model with a context of `context` tokens."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=context).save_pretrained(path)
+    return str(path)
+
+
+def test_engine_makes_room_for_the_largest_role_budget(monkeypatch, tmp_path):
     """start_engine sizes vLLM's context for the longest prompt plus the largest role's budget (the
     model, tokenizer and vLLM stubbed; only the arguments are read)."""
     import transformers
 
     started = []
-    monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: "model-dir")
+    model_dir = model_config_dir(tmp_path / "model", 8192)
+    monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: model_dir)
     monkeypatch.setattr(infra, "engine_groups", lambda *a: (0, 1))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: CharTokenizer())
     monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(kw["max_model_len"]))
@@ -2999,6 +3030,24 @@ def test_engine_makes_room_for_the_largest_role_budget(monkeypatch):
         spell.start_engine(spell.load_config(None, argv), 0, 1, torch.device("cpu"), 0,
                            training=False)
         assert started.pop() == 3072 + longest, roles
+
+
+def test_budgets_beyond_the_model_s_context_stop_before_vllm_starts(monkeypatch, tmp_path):
+    """The longest prompt plus the largest role's budget must fit the model's context
+    (infra.context_bound of its config.json): checked when the engine starts, before the tokenizer
+    or vLLM loads, one line naming the keys. Without the check vLLM refused it mid-start."""
+    model_dir = model_config_dir(tmp_path / "model", 2048)
+    monkeypatch.setattr(spell, "start_vllm", lambda *a, **kw: pytest.fail("vLLM started"))
+    cfg = spell.load_config(None, [f"--model.path={model_dir}", "--rollout.max_prompt_tokens=1024",
+                                   "--rollout.max_new_tokens=512",
+                                   "--rollout.role_max_new_tokens=res:1025"])
+    with pytest.raises(infra.ConfigError) as e:
+        spell.start_engine(cfg, 0, 1, torch.device("cpu"), 0, training=True)
+    assert str(e.value) == (
+        "rollout.max_prompt_tokens + the largest role budget (rollout.max_new_tokens, "
+        f"role_max_new_tokens): 1024 + 1025 = 2049 tokens, beyond the 2048-token context of the "
+        f"model {model_dir} (its config.json); lower them"), e.value
+    infra.check_context(model_dir, 2048, "exactly the context")  # fits: no error
 
 
 def packed_attention_case(impl: str):
