@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -1178,14 +1179,16 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
 
 def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     """Before any process group, model or file of the run exists: the ranks must split into vLLM
-    engine groups and FSDP shard groups, every engine needs data, and --resume needs a checkpoint
-    it can continue (infra.resume_checkpoint). Returns that checkpoint, if any."""
+    engine groups and FSDP shard groups, every engine needs data, log.out_dir must take files
+    (check_out_dir), and --resume needs a checkpoint it can continue (infra.resume_checkpoint).
+    Returns that checkpoint, if any."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     _, groups = engine_groups(cfg, rank, world)
     mesh_shape(cfg, world)  # an FSDP shard size that does not divide the world stops here
     if len(corpus) < groups:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
+    check_out_dir(Path(cfg.log.out_dir), rank)
     attn = attention_implementation(cfg, torch.cuda.is_available())
     if cfg.train.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
@@ -1195,6 +1198,30 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
                   "the prompt", flush=True)
         cfg.train.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
+
+
+def check_out_dir(out: Path, rank: int) -> None:
+    """log.out_dir, where the metrics, checkpoints and export go, must be a folder this rank can
+    create and write a file in: found out here by writing (and removing) a probe file, not when
+    the first metrics line is due, after vLLM and the model have started. Running as root, a
+    folder's permission bits do not stop a write: only the write itself tells."""
+    probe = out / f".write-probe-rank{rank}"
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)  # left by a run killed between the two lines below
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        try:
+            os.write(fd, b"spell.py checks that log.out_dir takes files\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # a read-only or full disk, a name too long, a path through a file...
+        raise ConfigError(f"log.out_dir {shown(str(out))}: cannot write there "
+                          f"({e.strerror or type(e).__name__})") from None
 
 
 # ==================================================================================================
@@ -1716,7 +1743,7 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     for part in all_gather_objects(mine) if world > 1 else [mine]:
         files.update(part)
     if rank == 0:
-        write_atomic(tmp / "meta.json", json.dumps({**meta, "files": files}))
+        write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         fsync_path(final.parent)  # the rename itself
@@ -1724,6 +1751,21 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
         write_atomic(final.parent / "latest", final.name)
     barrier()
     return final
+
+
+def meta_checksum(meta: dict) -> str:
+    """CRC-32 of meta.json's record without its own checksum, as sorted JSON: a hand edit of the
+    step, the world, the fingerprint or a file's record changes it. It catches a mistake, not a
+    forger, who can recompute it (what keeps a planted file from running code is
+    checkpoint_reader)."""
+    body = {key: value for key, value in meta.items() if key != "meta_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def sealed_meta(meta: dict) -> dict:
+    """meta (as JSON gives it back) with its own checksum, meta_crc32 (meta_checksum)."""
+    meta = json.loads(json.dumps(meta))
+    return {**meta, "meta_crc32": meta_checksum(meta)}
 
 
 def write_run_config(cfg, ckpt: Path | None) -> None:
@@ -1779,9 +1821,9 @@ def seal_files(folder: Path, rank: int) -> dict[str, dict]:
 
 
 def verify_files(path: Path, files: dict[str, tuple[int, str]],
-                 ranks: Sequence[int] | None) -> None:
+                 ranks: Sequence[int] | None, also: Collection[str] = ()) -> None:
     """Every recorded file has its recorded size;
-    those written by `ranks` (None: all) their CRC-32."""
+    those written by `ranks` (None: all), and those named in `also`, their CRC-32."""
     for name, (size, _) in files.items():
         try:
             st = os.lstat(path / name)  # the entry itself: a link to /dev/zero would never end
@@ -1793,20 +1835,23 @@ def verify_files(path: Path, files: dict[str, tuple[int, str]],
             raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
                                   "(cut short or overwritten)")
     for name, (_, crc) in files.items():
-        if ranks is None or checkpoint_file_rank(name) in ranks:
+        if ranks is None or checkpoint_file_rank(name) in ranks or name in also:
             if (found := file_checksum(path / name)) != crc:
                 raise CheckpointError(f"{path}: {name} is corrupted "
                                       f"(CRC-32 {found}, {crc} when saved)")
 
 
-def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None) -> dict:
+def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
+                     also: Collection[str] = ()) -> dict:
     """The meta.json of a complete, intact checkpoint saved by `world` ranks;
     CheckpointError otherwise.
 
-    Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
-    that resuming ranks share the reading. meta.json must record every file the checkpoint holds, by
-    its plain name inside the folder: a name with a "/" or "..", a link or a device is refused, so
-    that resuming reads nothing outside the checkpoint and nothing that never ends.
+    Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all)
+    and of those named in `also`, so that resuming ranks share the reading. meta.json must record
+    every file the checkpoint holds, by its plain name inside the folder: a name with a "/" or "..",
+    a link or a device is refused, so that resuming reads nothing outside the checkpoint and nothing
+    that never ends. meta.json itself must be as saved (meta_checksum), and its step the one its
+    folder is named after.
     """
     try:
         meta = json.loads(read_small_file(path / "meta.json"))
@@ -1833,7 +1878,18 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     if unrecorded := sorted(set([".metadata", *on_disk] + [f"rank{r}.pt" for r in range(world)])
                             - set(files)):
         raise CheckpointError(f"{path}: meta.json records no size or checksum of {unrecorded[0]}")
-    verify_files(path, files, ranks)
+    if "meta_crc32" not in meta:
+        raise CheckpointError(f"{path}: meta.json records no checksum of its own (saved by an "
+                              "older spell.py?), so an edit to it cannot be told")
+    if (found := meta_checksum(meta)) != meta["meta_crc32"]:
+        raise CheckpointError(f"{path}: meta.json was changed after it was saved (CRC-32 {found}, "
+                              f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint and "
+                              "file records cannot be trusted")
+    folder_step = re.fullmatch(r"step_([0-9]+)", path.name)
+    if meta["step"] < 1 or (folder_step and int(folder_step[1]) != meta["step"]):
+        raise CheckpointError(f"{path}: meta.json says step {meta['step']}, not the step of its "
+                              "folder's name")
+    verify_files(path, files, ranks, also)
     return meta
 
 
@@ -1847,6 +1903,99 @@ def load_rank_state(path: Path, rank: int) -> dict:
         lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
         raise CheckpointError(f"{path}: rank{rank}.pt cannot be read safely ({cause})") from None
+
+
+# What a DCP checkpoint's .metadata may name when it is unpickled: DCP's own records and the torch
+# types they hold (torch.Size, a dtype, a layout), as torch 2.13 writes them. Anything else (a
+# function to call) is refused before it runs: torch.distributed.checkpoint reads .metadata with
+# plain pickle and has no safe mode.
+DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+def dcp_metadata_global(module: str, name: str) -> Any:
+    """The class or function a DCP .metadata pickle may name (DCP_METADATA_GLOBALS, the classes of
+    DCP_METADATA_MODULES, a torch dtype); pickle.UnpicklingError for any other."""
+    allowed = (module, name) in DCP_METADATA_GLOBALS
+    if module in DCP_METADATA_MODULES:
+        value = getattr(importlib.import_module(module), name, None)
+        allowed = isinstance(value, type) and value.__module__ == module
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        allowed = True
+    if not allowed:
+        raise pickle.UnpicklingError(f"names {shown(f'{module}.{name}')}, which no DCP "
+                                     "checkpoint holds")
+    return getattr(importlib.import_module(module), name)
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata with only the globals of dcp_metadata_global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return dcp_metadata_global(module, name)
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """A checkpoint folder's .metadata, read by DCPMetadataUnpickler; CheckpointError if refused."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            return DCPMetadataUnpickler(f).load()
+    # a refused global, or a cut or foreign file (the pickle machine's own errors)
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
+            IndexError, KeyError) as e:
+        raise CheckpointError(f"{path}: .metadata cannot be read safely ({e})") from None
+
+
+def checkpoint_reader(path: Path):
+    """(storage_reader, planner) for torch.distributed.checkpoint.load that unpickle nothing a run
+    did not write: .metadata through load_dcp_metadata (read here once, so that a refusal is one
+    clear line), and each non-tensor entry (the optimiser's hyperparameters) checked by torch.load's
+    weights_only before DCP's own plain torch.load reads it (tensors DCP already reads with
+    weights_only). A refused .metadata raises CheckpointError here, a refused entry an
+    UnpicklingError inside dcp.load."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    load_dcp_metadata(path)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata = load_dcp_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:  # plain numbers, strings, lists: what weights_only admits
+                torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+            except Exception as e:  # an UnpicklingError, or a cut entry
+                lines = [line for line in str(e).splitlines() if line.strip()] or [repr(e)]
+                cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
+                # DCP wraps it; spell.load_checkpoint names the folder
+                raise pickle.UnpicklingError(f"the entry {read_item.dest_index.fqn} cannot be "
+                                             f"read safely ({cause})") from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return Reader(str(path)), Planner()
+
+
+def check_metrics_file(path: Path) -> None:
+    """metrics.jsonl, where the run appends a line per step: absent, or a plain file. A FIFO would
+    hang the resume's trim, a folder fail it, a link to /dev/null swallow every step."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket")
+        raise ConfigError(f"{path}: {kind}, not a plain file; the run appends its metrics there "
+                          "(move it away, or choose another log.out_dir)")
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -1884,8 +2033,9 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
     out = Path(cfg.log.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+    check_metrics_file(out / "metrics.jsonl")
     if not resume:
-        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if p.exists()]
+        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if os.path.lexists(p)]
         if found:
             raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); "
                               "pass --resume to continue it, or choose another log.out_dir")
@@ -1912,13 +2062,21 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
             raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
                                   f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
-        if "fingerprint" not in meta:
+        if not isinstance(meta.get("fingerprint"), dict) or not meta["fingerprint"]:
             raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "
                                   "older spell.py?), so its config and data cannot be compared")
         if changes := fingerprint_changes(meta["fingerprint"], run_fingerprint(cfg)):
             raise CheckpointError(f"{path}: saved by a run with another {'; '.join(changes)}. "
                                   "Resume with its values (meta.json holds its config), or start "
                                   "a new run in another log.out_dir")
+    elif folders := sorted((p.name for p in checkpoint_dir(cfg).glob("step_*")
+                            if re.fullmatch(r"step_[0-9]{6,}", p.name) and p.is_dir()),
+                           key=lambda name: int(name[5:])):
+        # `latest` is written last: without it, starting over would log every step again
+        raise CheckpointError(f"{pointer}: missing, though {checkpoint_dir(cfg)} holds "
+                              f"{len(folders)} step folder(s), the newest {folders[-1]}; write "
+                              f"the one to continue into it (echo {folders[-1]} > {pointer}), "
+                              "or start a new run in another log.out_dir")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
               flush=True)

@@ -3161,15 +3161,21 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    # sizes only: resume_checkpoint read the checksums moments ago
-    infra.check_checkpoint(path, world, ranks=())
+    # sizes, and the CRC-32 of what every rank's DCP reads first: resume_checkpoint read the
+    # other checksums moments ago, each rank its own files
+    meta = infra.check_checkpoint(path, world, ranks=(), also=(".metadata",))
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
     rank_state = infra.load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
+    if rank_state.get("step") != meta["step"]:
+        raise infra.CheckpointError(f"{path}: rank{rank}.pt holds step "
+                                    f"{infra.shown(rank_state.get('step'))}, meta.json "
+                                    f"{meta['step']}")
+    # DCP reads .metadata and its non-tensor entries with plain pickle, and torch 2.13 has no safe
+    # mode: infra.checkpoint_reader admits DCP's own records and plain values only
+    reader, planner = infra.checkpoint_reader(path)
     try:
-        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
-        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=reader, planner=planner)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

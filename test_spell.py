@@ -2771,10 +2771,9 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
      infra.CheckpointError, "not a complete checkpoint (meta.json"),  # truncated
     ({"meta.json": '{"step": 1, "world": 2}', ".metadata": "", "rank0.pt": "", "rank1.pt": ""},
      True, infra.CheckpointError, "saved by 2 ranks, resumed with 1"),
-    ({"meta.json": json.dumps({"step": 1, "world": 1,
-                               "config": {"rollout": {"tensor_parallel_size": 2}},
-                               "files": {f: {"size": 0, "crc32": "00000000"}
-                                         for f in (".metadata", "rank0.pt")}}),
+    ({"meta.json": json.dumps(infra.sealed_meta({
+        "step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}},
+        "files": {f: {"size": 0, "crc32": "00000000"} for f in (".metadata", "rank0.pt")}})),
       ".metadata": "", "rank0.pt": ""}, True, infra.CheckpointError,
      "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
 ])
