@@ -35,6 +35,7 @@ import tempfile
 import time
 import tomllib
 import typing
+import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
@@ -103,6 +104,32 @@ def is_utf8(s: str) -> bool:
     return True
 
 
+# Characters that show nothing: format characters (zero-width space and joiners, U+2060 word joiner,
+# the byte-order mark, bidi marks: Unicode category Cf), controls (Cc) and separators (Z*)
+INVISIBLE_CATEGORIES = frozenset(("Cf", "Cc", "Zs", "Zl", "Zp"))
+
+
+def visible(s: str) -> bool:
+    """Whether a text shows any character: "\u200b\u2060 " is not empty to str.strip(), yet
+    holds nothing to read. Stops at the first visible character, so a real document costs O(1)."""
+    return any(unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in s)
+
+
+def is_placeholder(s: str) -> bool:
+    """A template's placeholder left as data, "<your answer>": one <...> and nothing else."""
+    return bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
+
+
+def repeated_gold_option(options: Sequence[str], gold: int) -> int | None:
+    """The index of another option with the gold option's text (case and spacing aside), or None:
+    with two such letters the letter rule cannot tell right from wrong."""
+    def norm(text: str) -> str:
+        return " ".join(text.split()).casefold()
+
+    return next((i for i, o in enumerate(options) if i != gold and norm(o) == norm(options[gold])),
+                None)
+
+
 def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
     """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
     is not UTF-8 or not JSON raises `error` naming the file and line."""
@@ -146,6 +173,9 @@ def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, l
         for i, d in enumerate(docs):
             if not isinstance(d, str) or not d.strip():
                 raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
+            if not visible(d):
+                raise CorpusError(f"{where}: field 'documents[{i}]' holds only invisible "
+                                  "characters (zero-width, format or control characters)")
             if not is_utf8(d):
                 raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
         if task is not None and task not in tasks:
@@ -565,21 +595,34 @@ def _bad(where: str, rec: dict, key: str, expected: str) -> EvalDataError:
 
 
 def _text(rec: dict, key: str, where: str) -> str:
-    """rec[key] as a non-empty string."""
+    """rec[key] as a non-empty string with something to read (not a template's "<placeholder>")."""
     value = rec.get(key)
     if not isinstance(value, str) or not value.strip():
         raise _bad(where, rec, key, "a non-empty string")
-    return _tokenizable(value, where, key)
+    return _usable(value, where, key)
 
 
 def _texts(rec: dict, key: str, where: str) -> list[str]:
-    """rec[key] as a non-empty list of non-empty strings."""
+    """rec[key] as a non-empty list of non-empty strings, each usable as _text's."""
     value = rec.get(key)
     if (not isinstance(value, list) or not value
             or not all(isinstance(v, str) and v.strip() for v in value)):
         raise _bad(where, rec, key, "a non-empty list of non-empty strings")
     for i, v in enumerate(value):
-        _tokenizable(v, where, f"{key}[{i}]")
+        _usable(v, where, f"{key}[{i}]")
+    return value
+
+
+def _usable(value: str, where: str, key: str) -> str:
+    """value, refused at load when nothing in it can be read or scored: only invisible characters,
+    or a template's placeholder ("<your answer>") that no response can be checked against."""
+    _tokenizable(value, where, key)
+    if not visible(value):
+        raise EvalDataError(f"{where}, field {key!r}: holds only invisible characters "
+                            "(zero-width, format or control characters)")
+    if is_placeholder(value):
+        raise EvalDataError(f"{where}, field {key!r}: {shown(value)} is a template's "
+                            "placeholder, not a text")
     return value
 
 
@@ -606,6 +649,9 @@ def longbench_v2_item(rec: dict, where: str, index: int) -> EvalItem:
     if answer not in ("A", "B", "C", "D"):
         raise _bad(where, rec, "answer", "one of the letters A, B, C, D")
     choices = tuple(_text(rec, f"choice_{x}", where) for x in "ABCD")
+    if (other := repeated_gold_option(choices, "ABCD".index(answer))) is not None:
+        raise EvalDataError(f"{where}, field 'choice_{'ABCD'[other]}': the same text as the "
+                            f"answer, choice_{answer}: two letters would be right")
     return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc",
                     _text(rec, "context", where), _text(rec, "question", where), (answer,), choices)
 
@@ -677,7 +723,7 @@ def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
     if benchmark not in BENCHMARKS:
         raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; "
                             f"expected one of {', '.join(BENCHMARKS)}")
-    items = []
+    items, seen = [], {}
     for index, (where, rec) in enumerate(records):
         if not isinstance(rec, dict):
             raise EvalDataError(f"{where}: expected an object of fields, got {type(rec).__name__}")
@@ -689,6 +735,9 @@ def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
             items.append(docmath_item(rec, where, index))
         else:
             items.append(longbench_item(rec, where, index, benchmark))
+        # a question twice counts twice in pass@k, and its samples cannot be told apart by id
+        if (first := seen.setdefault(items[-1].id, where)) != where:
+            raise EvalDataError(f"{where}: id {shown(items[-1].id)} repeats ({first})")
     return items
 
 
@@ -697,12 +746,18 @@ def load_eval_data(specs: list[str]) -> list[EvalItem]:
     files of one benchmark pool together."""
     if not specs:
         raise EvalDataError("no benchmark files given")
-    items = []
+    items, files = [], {}
     for spec in specs:
         name, sep, rest = spec.partition(":")
         # Only a known benchmark name before the colon counts,
         # so a path that contains ':' still works.
-        items += load_benchmark(rest, name) if sep and name in BENCHMARKS else load_benchmark(spec)
+        named = sep and name in BENCHMARKS
+        loaded = load_benchmark(rest, name) if named else load_benchmark(spec)
+        key = (loaded[0].benchmark, os.path.realpath(rest if named else spec))
+        if key in files:  # every question of the benchmark would count twice
+            raise EvalDataError(f"{spec}: the same {key[0]} file as {files[key]}, given twice")
+        files[key] = spec
+        items += loaded
     return items
 
 

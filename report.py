@@ -148,6 +148,8 @@ FIGURES = {
         ("mean |log-prob trainer - vLLM| per token", ["train/rollout_logp_gap"]),
         ("rollout correction: mean min(ratio, C) / share outside [1/C, C]",
          ["train/rollout_is_weight", "train/rollout_outside_cap"]),
+        ("tokens vLLM gave a NaN or infinite log-prob (their samples trained as unrecorded)",
+         ["train/rollout_logp_nonfinite"]),
     ]),
     "throughput": ("Throughput", "perf/", [
         ("seconds per step, by phase",

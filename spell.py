@@ -1322,6 +1322,7 @@ class Completion(NamedTuple):
     text: str
     logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS or stop token, included in token_ids) or "length"
+    nonfinite_logprobs: int = 0  # tokens vLLM gave a NaN or infinite log-prob (logprobs then None)
 
 
 @dataclass
@@ -1608,6 +1609,7 @@ class Summary:
     abstained: list[int]  # per response: votes without a verdict tag
     ver_lens: list[list[int]]
     ver_cut: list[list[bool]]
+    nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1627,7 +1629,10 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         res_cut=[cut(c) for c in r.responses],
         abstained=[sum(v is None for v in votes) for votes in r.votes],
         ver_lens=[[len(c.token_ids) for c in vs] for vs in r.verdicts],
-        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts])
+        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts],
+        nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
+                                                                *(v for vs in r.verdicts
+                                                                  for v in vs)]))
 
 
 @dataclass(frozen=True)
@@ -2571,6 +2576,8 @@ def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) ->
     ok = [s for s in flat if s.status == "ok"]
     return {**questioner_metrics(flat, counts), **responder_metrics(ok, counts),
             **verifier_metrics(ok, counts), **train_metrics(train, counts["sequences"]),
+            # tokens vLLM gave a NaN or infinite log-prob: their completions trained as unrecorded
+            "train/rollout_logp_nonfinite": sum(s.nonfinite_logprobs for s in flat),
             **perf_metrics(flat, times)}
 
 
@@ -2837,13 +2844,16 @@ def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p
 
 def to_completion(output, with_logprobs: bool) -> Completion:
     """vLLM `CompletionOutput` -> `Completion` (the sampled token's entry of each per-step log-prob
-    dict)."""
+    dict). A completion with a log-prob that is not finite counts as unrecorded (logprobs None):
+    rollout_correction's rho of a NaN is NaN, and the loss with it; its tokens train as if sampled
+    by the trainer (rho = 1), and how many there were is logged (train/rollout_logp_nonfinite)."""
     token_ids = list(output.token_ids)
-    lps = None
+    lps, nonfinite = None, 0
     if with_logprobs:
         lps = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs)]
-    return Completion(token_ids=token_ids, text=output.text, logprobs=lps,
-                      finish_reason=str(output.finish_reason))
+        nonfinite = sum(not math.isfinite(x) for x in lps)
+    return Completion(token_ids=token_ids, text=output.text, logprobs=None if nonfinite else lps,
+                      finish_reason=str(output.finish_reason), nonfinite_logprobs=nonfinite)
 
 
 def shard_policy(model, mesh, *, param_dtype: torch.dtype,
@@ -3055,11 +3065,7 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
         items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
     except infra.EvalDataError as e:
         raise infra.CorpusError(str(e)) from None
-    if not ours:
-        seen: dict[str, int] = {}
-        for i, it in enumerate(items):
-            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
-                raise infra.CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
+    if not ours:  # ids are unique (infra.load_benchmark): clusters are told apart by id
         clusters = []
         for it in items:
             qa = {"question": it.question, "answer": it.answers[0]}
@@ -3072,14 +3078,25 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
     for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
-        if bad := _surrogate_fields(rec):  # validate_question would only say "no question"
-            raise infra.CorpusError(f"{where}: field {bad[0]!r} {infra.SURROGATE_NOTE}")
+        # what validate_question would only call "no question", said precisely
+        for key, value in _qa_fields(rec).items():
+            if not infra.is_utf8(value):
+                raise infra.CorpusError(f"{where}: field {key!r} {infra.SURROGATE_NOTE}")
+            if not infra.visible(value) or infra.is_placeholder(value):
+                raise infra.CorpusError(f"{where}: field {key!r} is {infra.shown(value)}, "
+                                        "nothing a response can be checked against")
         c.qa = validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = ("'question', 'answer'"
                       + (", 'options'" if TASKS[c.task].multiple_choice else ""))
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
+        options = [c.qa["options"][k] for k in LETTERS] if "options" in c.qa else []
+        if options and (other := infra.repeated_gold_option(
+                options, LETTERS.index(c.qa["answer"]))) is not None:
+            raise infra.CorpusError(f"{where}: field 'options.{LETTERS[other]}' has the text of "
+                                    f"the answer, options.{c.qa['answer']}: two letters would "
+                                    "be right")
     return clusters
 
 
@@ -3091,12 +3108,13 @@ def _first_json_line(path: Path) -> object:
         return None
 
 
-def _surrogate_fields(rec: dict) -> list[str]:
-    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+def _qa_fields(rec: dict) -> dict[str, str]:
+    """The text fields of a QA-set record: 'question', 'answer', 'options.X' (those that are
+    strings)."""
     options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
     fields = {"question": rec.get("question"), "answer": rec.get("answer"),
               **{f"options.{k}": v for k, v in options.items()}}
-    return [key for key, v in fields.items() if isinstance(v, str) and not infra.is_utf8(v)]
+    return {key: v for key, v in fields.items() if isinstance(v, str)}
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export

@@ -214,6 +214,44 @@ def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutat
     assert words in message
 
 
+@pytest.mark.parametrize("name, index, mutate, where, message", [
+    ("hotpotqa.jsonl", 1, lambda r: r.update(answers=["Hamburg", "<your answer>"]),
+     "line 2, field 'answers[1]'", "'<your answer>' is a template's placeholder, not a text"),
+    ("frames.jsonl", 0, lambda r: r.update(Answer="<answer>"), "line 1, field 'Answer'",
+     "'<answer>' is a template's placeholder"),
+    ("musique.jsonl", 2, lambda r: r.update(context="\u200b\u200b\u2060\n"),
+     "line 3, field 'context'", "holds only invisible characters"),
+    ("longbench_v2.json", 2, lambda r: r.update({f"choice_{x}": "Same" for x in "ABCD"}),
+     "item 2, field 'choice_", "the same text as the answer, choice_"),
+    ("hotpotqa.jsonl", 3, lambda r: r.update(_id="hotpotqa-fixture-0001"), "line 4",
+     "id 'hotpotqa-fixture-0001' repeats ({path}, line 2)"),
+])
+def test_eval_items_nothing_can_be_scored_against_are_refused(tmp_path, name, index, mutate,
+                                                              where, message):
+    """Items that load but cannot be used: a gold that is a template's placeholder, a context of
+    zero-width characters, four identical options (every letter right), an id that repeats (the
+    question counts twice in pass@k). The file, the place and the field are named."""
+    path = mutated_fixture(tmp_path, name, index, mutate)
+    with pytest.raises(infra.EvalDataError) as e:
+        infra.load_eval_data([path])
+    assert str(e.value).startswith(f"{path}, {where}"), e.value
+    assert message.format(path=path) in str(e.value), e.value
+
+
+def test_the_same_eval_file_twice_is_refused(tmp_path):
+    """A benchmark file given twice (under another name too) would count every question twice; the
+    same file read as two benchmarks pools apart, and loads."""
+    path = str(FIXTURES / "hotpotqa.jsonl")
+    shutil.copy(path, tmp_path / "hotpotqa.jsonl")
+    (tmp_path / "again.jsonl").symlink_to(tmp_path / "hotpotqa.jsonl")
+    for specs in ([path, path], [str(tmp_path / "hotpotqa.jsonl"), str(tmp_path / "again.jsonl")],
+                  [path, f"hotpotqa:{path}"]):
+        with pytest.raises(infra.EvalDataError) as e:
+            infra.load_eval_data(specs)
+        assert str(e.value) == f"{specs[1]}: the same hotpotqa file as {specs[0]}, given twice"
+    assert len(infra.load_eval_data([path, f"musique:{path}"])) == 8
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("hotpotqa.jsonl", '{"_id": "a"}\n{"_id": ' + "9" * 5000 + "}\n",
      "hotpotqa.jsonl, line 2: not valid JSON (Exceeds the limit (4300 digits)"),

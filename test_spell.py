@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -2040,6 +2041,45 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
     assert stats["rollout_logp_tokens"] == 0
 
 
+def vllm_output(logprobs: list[float]) -> types.SimpleNamespace:
+    """The fields of a vLLM CompletionOutput that to_completion reads (importing vLLM here would
+    switch Triton off for the kernel tests of this process): the tokens 11, 12, ... and, per
+    step, a dict from the sampled token to its Logprob."""
+    ids = list(range(11, 11 + len(logprobs)))
+    return types.SimpleNamespace(token_ids=ids, text="x", finish_reason="stop",
+                                 logprobs=[{t: types.SimpleNamespace(logprob=lp)}
+                                           for t, lp in zip(ids, logprobs)])
+
+
+def test_nonfinite_vllm_logprob_counts_as_unrecorded_and_the_loss_stays_finite():
+    """A NaN from vLLM in one token's log-prob made rho NaN under tis, the loss NaN and the run
+    stop (update_policy's finite-loss assert). Now that completion counts as unrecorded (rho = 1,
+    as a sequence vLLM recorded nothing for), and the step logs how many tokens it had."""
+    cfg = spell.Config()
+    cfg.train.rollout_correction = "tis"
+    fine = spell.to_completion(vllm_output([-0.5, -2.0, -1.0]), with_logprobs=True)
+    assert fine.logprobs == [-0.5, -2.0, -1.0] and fine.nonfinite_logprobs == 0
+    for bad in (math.nan, -math.inf, math.inf):
+        c = spell.to_completion(vllm_output([-0.5, bad, -1.0]), with_logprobs=True)
+        assert c.logprobs is None and c.nonfinite_logprobs == 1 and c.token_ids == [11, 12, 13]
+    seq = spell.Seq(list(range(3, 10)), c.token_ids, advantage=0.5, weight=0.1,
+                    rollout_logprobs=c.logprobs)
+    model = tiny_llama()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = spell.update_policy(model, sgd, [seq], cfg, 1, torch.device("cpu"))
+    assert math.isfinite(stats["loss"]) and stats["rollout_logp_tokens"] == 0
+    with pytest.raises(AssertionError, match="non-finite loss nan"):  # vLLM's values as given
+        spell.update_policy(model, sgd, [seq._replace(rollout_logprobs=[-0.5, math.nan, -1.0])],
+                            cfg, 1, torch.device("cpu"))
+    # counted in the rollout's summary and the step's metrics, whichever role sampled it
+    r = spell.Rollout(GATE, "doc_qa", [0], [1], que_output=c, status="ok", responses=[c, fine],
+                      verdicts=[[c, c], [fine, fine]])
+    assert spell.summarize(r).nonfinite_logprobs == 4
+    summaries, counts, train, times = logged_inputs(1)
+    summaries[0] = dataclasses.replace(summaries[0], nonfinite_logprobs=4)
+    assert spell.step_metrics(summaries, counts, train, times)["train/rollout_logp_nonfinite"] == 4
+
+
 def test_loss_norm_group_sums_to_one_per_group():
     w = spell.group_norm([3, 5, 2], ["a", "a", "b"], None, 0)
     assert w[0] == w[1] == pytest.approx(1 / (8 * 2)) and w[2] == pytest.approx(1 / (2 * 2))
@@ -2852,6 +2892,10 @@ def test_load_corpus(tmp_path):
     (b'{"id": "a", "documents": ["\xff"]}\n', ":1: not UTF-8"),
     (b'["x"]\n', ":1: expected a JSON object"),
     (b"\n\n", "the corpus is empty"),
+    # zero-width space, word joiner, BOM, soft hyphen, a bidi mark: str.strip() keeps them all
+    ('{"id": "a", "documents": ["ok", "\u200b\u2060\ufeff\u00ad\u200e \u200d"]}\n'.encode(),
+     ":1: field 'documents[1]' holds only invisible characters (zero-width, format or control "
+     "characters)"),
 ])
 def test_load_corpus_errors(tmp_path, content, message):
     p = tmp_path / "bad.jsonl"
@@ -3465,6 +3509,35 @@ def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
         spell.load_qa_set(path)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"answer": "<your answer>"}, "field 'answer' is '<your answer>', nothing a response can be "
+                                  "checked against"),
+    ({"question": " <the question> "}, "field 'question' is ' <the question> '"),
+    ({"answer": "\u200b\u2060"}, "field 'answer' is '\\u200b\\u2060'"),
+    # four identical options: every letter is right, the letter rule rewards a guess
+    ({"task": "doc_mc", "answer": "B", "options": dict.fromkeys("ABCD", "Same")},
+     "field 'options.A' has the text of the answer, options.B: two letters would be right"),
+    ({"task": "doc_mc", "answer": "C", "options": {"A": "x", "B": "y", "C": "Lisbon",
+                                                   "D": " lisbon"}},
+     "field 'options.D' has the text of the answer, options.C"),
+])
+def test_load_qa_set_refuses_items_nothing_can_be_scored_against(tmp_path, change, message):
+    """An item that loads but cannot train: a gold that is a template's placeholder or invisible,
+    or an option that repeats the gold's text (any answer letter of the two is right). The line and
+    the field are named."""
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps(qa_record(0, ["x"])) + "\n"
+                    + json.dumps({**qa_record(1, ["x"]), **change}) + "\n")
+    with pytest.raises(infra.CorpusError) as e:
+        spell.load_qa_set(path)
+    assert str(e.value).startswith(f"{path}:2: {message}"), e.value
+    # distinct options, the gold's text once: loads
+    fine = {"task": "doc_mc", "answer": "C", "options": {"A": "x", "B": "x", "C": "Lisbon",
+                                                          "D": "Porto"}}
+    path.write_text(json.dumps({**qa_record(1, ["x"]), **fine}) + "\n")
+    assert spell.load_qa_set(path)[0].qa["answer"] == "C"
+
+
 def test_load_qa_set_pairs_each_cluster_with_its_own_record(tmp_path):
     """A bare carriage return is JSON whitespace: the line it sits in stays one record, so the
     questions that follow stay with their own documents."""
@@ -3482,8 +3555,9 @@ def test_load_qa_set_refuses_a_benchmark_whose_ids_repeat(tmp_path):
     rows = [{"_id": "same", "input": f"Q{i}?", "answers": ["a"], "context": "c"} for i in range(2)]
     path = tmp_path / "bench.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(infra.CorpusError, match="question id 'same' repeats"):
+    with pytest.raises(infra.CorpusError) as e:
         spell.load_qa_set(f"hotpotqa:{path}")
+    assert str(e.value) == f"{path}, line 2: id 'same' repeats ({path}, line 1)", e.value
 
 
 # ------------------------------------------------------------------------------------------------
