@@ -252,7 +252,8 @@ class TrainConfig:
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
     mini_batches: int = 1
     policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
-    loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
+    # a key of LOSS_NORMS: role | group | token | sequence | constant | role_constant
+    loss_norm: str = "role"
     advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
@@ -1994,10 +1995,28 @@ def constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence
     return [1.0 / (max_len * len(lengths))] * len(lengths)
 
 
+def role_constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
+                       max_len: int) -> list[float]:
+    """SPICE (§2.4, Eq. 2): Dr.GRPO's constant normaliser within each role, max_len x the role's
+    number of sequences, the roles added up: each role's objective is its own mean, as Eq. 2 sums
+    one expectation per role. SPICE's batch holds G Challenger and G Reasoner trajectories per
+    document (its Alg. 1), so its one constant splits the objective just so; with every question of
+    every round training the Challenger (reward.questioner_pool = "all") and at most
+    train.batch_groups groups the Reasoner, one constant (constant_norm) would hand the Challenger
+    a share that grows with the rounds. Here a role's share is its mean length over the sum of the
+    roles' mean lengths, SPICE's split, whatever the counts."""
+    if roles is None or len(roles) != len(lengths):
+        raise ValueError("role_constant_norm needs the role of every sequence")
+    if max_len < 1:
+        raise ValueError("role_constant_norm needs max_len >= 1")
+    count = {role: list(roles).count(role) for role in set(roles)}
+    return [1.0 / (max_len * count[role]) for role in roles]
+
+
 # train.loss_norm -> per-sequence token weights of the batch
 LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
     "role": role_norm, "group": group_norm, "token": token_norm, "sequence": sequence_norm,
-    "constant": constant_norm}
+    "constant": constant_norm, "role_constant": role_constant_norm}
 
 
 def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:

@@ -1304,8 +1304,9 @@ def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     assert {it.role for it in items} == {"res", "que"}
     res = [it.advantage for it in items if it.role == "res"]
     assert res == pytest.approx([0.75, -0.25, -0.25, -0.25])  # Dr.GRPO: r - mean, no std
-    # constant
-    assert {it.weight for it in items} == {1.0 / (cfg.rollout.max_new_tokens * len(items))}
+    # a constant within each role: max_new_tokens x the role's sequences (4 answers, 1 task)
+    assert {(it.role, it.weight) for it in items} == {("res", 1.0 / (4096 * 4)),
+                                                      ("que", 1.0 / 4096)}
 
 
 def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
@@ -1770,6 +1771,45 @@ def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero()
                                    abs=1e-6)  # fp32: a few roundings of O(1) values
 
 
+def spice_step(rounds: int) -> list[spell.Summary]:
+    """A SPICE step of `rounds` rounds of 4 tasks (G = 4): round 1 holds the only two tasks whose
+    Reasoner groups vary, every other task is solved by all or none of its group, or invalid.
+    Challenger outputs are 20 tokens, Reasoner answers 10."""
+    varies, same = [1.0, 0.0, 1.0, 0.0], [1.0] * 4
+    tasks = [summary(varies), summary(varies)] + [summary(same)] * (2 * rounds - 1)
+    tasks += [invalid("format", -0.1)] * (2 * rounds - 1)
+    return spread([[dataclasses.replace(s, que_len=20, res_lens=[10] * len(s.res_lens))
+                    for s in tasks]])
+
+
+def challenger_share(items: list[spell.TrainItem]) -> float:
+    """The Challenger's share of the objective's total weight (sum over its tokens of w)."""
+    total = sum(it.weight * it.length for it in items)
+    return sum(it.weight * it.length for it in items if it.role == "que") / total
+
+
+def test_spice_challenger_share_does_not_grow_with_rounds():
+    """presets/spice.toml: every task of every round trains the Challenger (4 per round), the
+    Reasoner keeps train.batch_groups = 2 groups of 4 (8 answers). SPICE's Eq. 2 sums one Dr.GRPO
+    objective per role, and its batch holds as many trajectories of each: the Challenger's share
+    is its mean length over the roles' mean lengths, 20 / (20 + 10) = 2/3, after 1 round or 4.
+    One constant over the batch ("constant", the preset before) gives it 20 n / (20 n + 8 x 10)
+    for n tasks: 1/2 after 1 round (n = 4), 4/5 after 4 (n = 16)."""
+    cfg = spell.load_config([str(REPO / "config.toml"), str(REPO / "presets" / "spice.toml")],
+                            ["--rollout.group_size=4", "--train.batch_groups=2",
+                             "--rollout.clusters_per_round=4"])
+    assert cfg.train.loss_norm == "role_constant"
+    for rounds, n_tasks, joint in [(1, 4, 1 / 2), (4, 16, 4 / 5)]:
+        items, counts = spell.select_batch(spice_step(rounds), cfg, np.random.default_rng(0))
+        assert counts["res_groups"] == 2 and sum(it.role == "que" for it in items) == n_tasks
+        # sums of a few dozen products of exact binary fractions and 1 / (4096 n): 1e-12
+        assert challenger_share(items) == pytest.approx(2 / 3, abs=1e-12), rounds
+        cfg.train.loss_norm = "constant"
+        items, _ = spell.select_batch(spice_step(rounds), cfg, np.random.default_rng(0))
+        assert challenger_share(items) == pytest.approx(joint, abs=1e-12), rounds
+        cfg.train.loss_norm = "role_constant"
+
+
 def test_mini_batches_deal_whole_groups_and_normalise_each():
     """train.mini_batches = 2: groups go whole to a mini-batch, in turn, and each mini-batch is its
     own Eq. 12 objective (under "role", each role's weights sum to 1 within each mini-batch)."""
@@ -1897,6 +1937,8 @@ def test_grpo_loss_and_gradient_against_naive_loop(mode, ratio_offset):
         elif mode == "constant":
             # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
             norm = 6 * len(lens)
+        elif mode == "role_constant":  # the same, counting the sequences of its role
+            norm = 6 * roles.count(roles[i])
         else:
             norm = n * len(lens)
         for _ in range(n):
@@ -1932,6 +1974,7 @@ LOSS_NORM_CASES = {
     "token": [1 / 10] * 3,  # 10 tokens
     "sequence": [1 / 9, 1 / 15, 1 / 6],  # |y_i| x 3 sequences
     "constant": [1 / 18] * 3,  # max_len 6 x 3 sequences
+    "role_constant": [1 / 12, 1 / 12, 1 / 6],  # max_len 6 x 2 res sequences; 6 x 1 que sequence
 }
 
 
@@ -2100,7 +2143,7 @@ def paper_shaped_batch(res_len: int, que_len: int,
 
 def role_split(lens, groups, roles, mode) -> dict[str, float]:
     """Each role's share of the objective's total weight, sum over its tokens of w."""
-    w = spell.LOSS_NORMS[mode](lens, groups, roles, 0)
+    w = spell.LOSS_NORMS[mode](lens, groups, roles, 1)  # max_len: a constant, it cancels
     total = sum(wi * n for wi, n in zip(w, lens))
     return {r: sum(wi * n for wi, n, ri in zip(w, lens, roles) if ri == r) / total
             for r in ("que", "res", "ver")}
@@ -2114,7 +2157,7 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
                "res 600, que 400, ver 150 tokens": (600, 400, 150)}
     for label, (lr, lq, lv) in lengths.items():
         lens, groups, roles = paper_shaped_batch(lr, lq, lv)
-        for mode in ("role", "group", "token", "sequence"):
+        for mode in ("role", "group", "token", "sequence", "role_constant"):
             split = role_split(lens, groups, roles, mode)
             print(f"METRIC role_split {label:32s} {mode:8s} "
                   + " ".join(f"{r} {100 * v:5.1f}%" for r, v in split.items()))
@@ -2125,6 +2168,9 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
         {"que": 256 / 400, "res": 128 / 400, "ver": 16 / 400})
     assert role_split(lens, groups, roles, "sequence") == pytest.approx(
         {"que": 256 / 1408, "res": 1024 / 1408, "ver": 128 / 1408})
+    # role_constant: each role's mean length over the sum of the three
+    assert role_split(*paper_shaped_batch(600, 400, 150), "role_constant") == pytest.approx(
+        {"que": 400 / 1150, "res": 600 / 1150, "ver": 150 / 1150})
     # role (Eq. 10 as the sum of one Eq. 12 objective per role): thirds,
     # whatever the lengths or counts
     for lr, lq, lv in lengths.values():
@@ -2143,6 +2189,8 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
         assert split["que"] == pytest.approx(split["res"])
     with pytest.raises(ValueError, match="needs the role"):
         spell.role_norm([1, 2], ["a", "b"], None, 0)
+    with pytest.raises(ValueError, match="needs the role"):
+        spell.role_constant_norm([1, 2], ["a", "b"], None, 6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2522,7 +2570,7 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
     assert extreme and all(m["que/all_or_none_adv"] < 0 for m in extreme), steps
     saved = json.loads((out_dir / "config.json").read_text())
     assert (saved["rollout"]["responder_template"] == "reasoner"
-            and saved["train"]["loss_norm"] == "constant")
+            and saved["train"]["loss_norm"] == "role_constant")
 
 
 @pytest.mark.stack
