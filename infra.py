@@ -1938,8 +1938,8 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
                               "older spell.py?), so an edit to it cannot be told")
     if (found := meta_checksum(meta)) != meta["meta_crc32"]:
         raise CheckpointError(f"{path}: meta.json was changed after it was saved (CRC-32 {found}, "
-                              f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint and "
-                              "file records cannot be trusted")
+                              f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint "
+                              "and file records cannot be trusted")
     folder_step = re.fullmatch(r"step_([0-9]+)", path.name)
     if meta["step"] < 1 or (folder_step and int(folder_step[1]) != meta["step"]):
         raise CheckpointError(f"{path}: meta.json says step {meta['step']}, not the step of its "

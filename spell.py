@@ -75,8 +75,12 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
   5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
      (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
-     authors' de-duplication is a no-op and they also store questions every rollout solved. A
-     history that outgrows the prompt budget loses its oldest entries (the paper is silent).
+     authors' de-duplication is a no-op and they also store questions every rollout solved. An
+     entry holds its question's C_new, as line 21 pushes it, so the context stays within (L + 1) m
+     documents; the authors store the whole context, which only the cluster's size bounds (the
+     two agree on clusters of at most (L + 1) m = 20 documents). A history that outgrows the
+     prompt budget loses its oldest entries, and their documents, until it fits (the paper is
+     silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
      abstention is no YES, a tie is NO).
@@ -1137,7 +1141,8 @@ def majority_vote(votes: Sequence[int | None]) -> int | None:
 
 @dataclass
 class HistoryEntry:
-    """One solvable question: the documents the questioner saw, the question and its answer."""
+    """One solvable question (C_l, q_l, a_l): the documents newly drawn for it (C_new, Algorithm 1
+    line 21), the question and its answer."""
     doc_ids: list[int]
     question: str
     answer: str
@@ -1146,9 +1151,10 @@ class HistoryEntry:
 class HistoryMemory:
     """H_C: per (cluster, task) the L latest solvable questions (§4.1, Algorithm 1 lines 3, 20-21).
 
-    The questioner's context is the union of the history's documents plus m new ones, so each solved
-    question widens the evidence by m documents until the cluster is used up: this growth is the
-    paper's length curriculum.
+    The questioner's context is the union of the entries' documents C_l plus m new ones (C_new), so
+    each solved question widens the evidence by m documents, up to (L + 1) m: the paper's length
+    curriculum. An entry holds its own C_new, as line 21 pushes it (departure 5: the authors store
+    the whole context), so forgetting the oldest entry takes its documents out of the prompt.
     """
 
     def __init__(self, size: int):
@@ -1164,7 +1170,8 @@ class HistoryMemory:
 
     def push(self, cluster_id: str, task: str, doc_ids: Sequence[int], question: str,
              answer: str) -> bool:
-        """Append a solvable question; a repeat of a stored question is ignored. True if stored."""
+        """Append a solvable question with its C_new (line 21); a repeat of a stored question is
+        ignored. True if stored."""
         if self.size == 0:
             return False
         entries = self.entries.setdefault(self.key(cluster_id, task), [])
@@ -1186,13 +1193,16 @@ class HistoryMemory:
         return True
 
     def questioner_context(self, cluster_id: str, task: str, n_docs: int, m: int,
-                           rng: np.random.Generator) -> tuple[list[int], list[HistoryEntry]]:
-        """Documents and examples for the questioner: history docs + m unseen ones (§4.1)."""
+                           rng: np.random.Generator
+                           ) -> tuple[list[int], list[int], list[HistoryEntry]]:
+        """X^que (§4.1): its documents, the union of the entries' C_l and C_new, m documents drawn
+        from the rest (line 8); then C_new, and the entries as examples."""
         history = self.get(cluster_id, task)
         seen = sorted({i for e in history for i in e.doc_ids if i < n_docs})
         unseen = sorted(set(range(n_docs)) - set(seen))
         new = rng.choice(unseen, size=min(m, len(unseen)), replace=False).tolist() if unseen else []
-        return sorted(seen + [int(i) for i in new]), history
+        new = sorted(int(i) for i in new)
+        return sorted(seen + new), new, history
 
     def state_dict(self) -> dict:
         return {"size": self.size,
@@ -1333,6 +1343,7 @@ class Rollout:
     task: str
     doc_ids: list[int]  # the documents the questioner saw
     que_prompt: list[int]
+    new_doc_ids: list[int] = field(default_factory=list)  # C_new: those drawn for this question
     # the questioner's generation
     que_output: Completion = Completion(token_ids=[], text="", logprobs=None, finish_reason="stop")
     question: dict | None = None  # parsed (q, a); None = format error
@@ -1409,10 +1420,10 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         # the letter that must be correct, drawn uniformly (departure 3)
         letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
         evicted = -1
-        while True:  # a history grown past the prompt budget forgets its oldest entry (departure)
+        while True:  # a history grown past the prompt budget forgets its oldest entry (dep. 5)
             evicted += 1
-            doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
-                                                           cfg.rollout.docs_per_question, rng)
+            doc_ids, new, examples = history.questioner_context(
+                cluster.id, task, len(cluster.documents), cfg.rollout.docs_per_question, rng)
             docs = [cluster.documents[i] for i in doc_ids]
             ids = chat_ids(tok, questioner_prompt(task, docs, examples, letter,
                                                   cfg.rollout.questioner_template))
@@ -1422,7 +1433,7 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         if not fits:
             continue  # m documents alone are too long: skip this draw, no penalty
         rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
-                                evicted=evicted))
+                                new_doc_ids=new, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
@@ -1545,8 +1556,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
         # and written by the questioner (not RLVR's set)
         if 0 < solve_rate < 1 and r.que_prompt:
-            history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question),
-                         r.question["answer"])
+            history.push(r.cluster.id, r.task, r.new_doc_ids, format_question(r.question),
+                         r.question["answer"])  # (C_new, q, a), line 21
 
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,

@@ -1066,7 +1066,8 @@ def test_step_folders_without_latest_are_refused_and_the_metrics_kept(tmp_path):
                             "log.out_dir"), e.value
     assert snapshot(out_dir) == before
     pointer.write_text("step_000002")  # as the message says
-    assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) == pointer.parent / "step_000002"
+    assert (infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+            == pointer.parent / "step_000002")
 
 
 @pytest.mark.parametrize("kind", ["FIFO", "folder", "link"])

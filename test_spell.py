@@ -1004,23 +1004,28 @@ def test_answer_tokens_hold_the_normalised_words(text):
 # 3. History memory
 # ------------------------------------------------------------------------------------------------
 
-def test_history_memory_growth_until_exhausted():
+@pytest.mark.parametrize("n, sizes", [(12, [10, 12, 12, 12, 12]), (40, [10, 15, 20, 20, 20])])
+def test_history_memory_growth_until_exhausted(n, sizes):
+    """Each stored question brings its m documents (C_new, Algorithm 1 line 21): the context
+    grows by m per question, up to (L + 1) m = 20 documents or the cluster's n. Past L entries the
+    oldest leaves with its documents (storing the whole context, the authors' way, grew it to 30
+    of 40 here)."""
     rng = np.random.default_rng(0)
     mem = HistoryMemory(size=3)
-    n, m = 12, 5
-    docs, hist = mem.questioner_context("c", "doc_qa", n, m, rng)
-    assert len(docs) == 5 and hist == []
-    sizes = []
-    for k in range(4):
-        assert mem.push("c", "doc_qa", docs, f"question {k}", "a")
-        docs2, hist = mem.questioner_context("c", "doc_qa", n, m, rng)
-        assert set(docs) <= set(docs2)  # the evidence only grows
-        sizes.append(len(docs2))
-        docs = docs2
-    assert sizes == [10, 12, 12, 12]  # +m per solved question, capped by the cluster (n = 12)
-    assert (len(hist) == 3
-            and [e.question for e in hist] == ["question 1", "question 2", "question 3"])
-    assert mem.questioner_context("c", "fin_math", n, m, rng)[1] == []  # per task
+    m = 5
+    docs, new, hist = mem.questioner_context("c", "doc_qa", n, m, rng)
+    assert len(docs) == 5 and new == docs and hist == []
+    got = []
+    for k in range(5):
+        assert mem.push("c", "doc_qa", new, f"question {k}", "a")
+        docs2, new, hist = mem.questioner_context("c", "doc_qa", n, m, rng)
+        # the documents of the entries still held, and C_new drawn from the others
+        held = {i for e in hist for i in e.doc_ids}
+        assert set(docs2) == held | set(new) and not held & set(new)
+        got.append(len(docs2))
+    assert got == sizes
+    assert [e.question for e in hist] == ["question 2", "question 3", "question 4"]
+    assert mem.questioner_context("c", "fin_math", n, m, rng)[2] == []  # per task
 
 
 def test_history_memory_dedup_and_state():
@@ -1502,6 +1507,55 @@ def test_overlong_shaping_counts_back_from_the_responders_budget(monkeypatch):
     # and the check at load: a buffer past the shared budget, within the responder's, loads
     spell.load_config(None, ["--rollout.max_new_tokens=16", "--rollout.role_max_new_tokens=res:64",
                              "--reward.overlong_buffer=32"])
+
+
+def test_history_eviction_drops_exactly_the_entries_that_do_not_fit(monkeypatch):
+    """Three questions solved in three rounds, each stored by score_rollouts as the pipeline stores
+    it, then a budget that holds two entries' documents and examples plus one new document: the
+    fourth round forgets exactly the oldest entry, and its prompt holds the two newest entries'
+    documents and one new one. Each entry storing the whole context (the authors' way) made every
+    entry hold the oldest's documents, so all three went and the questioner restarted from one
+    document."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.docs_per_question, cfg.reward.judge = 4, 1, "rule"
+    cfg.rollout.grounding_filter = False
+    # equal lengths, so a prompt's length depends only on how many documents and examples it holds
+    cluster = spell.Cluster("c6", "doc_qa", [f"Report {i}: the gate was painted blue in 19{i}0. "
+                                             + "More words. " * 20 for i in range(6)])
+    history, round_no = HistoryMemory(3), [0]
+
+    def generate(llm, prompts, *, n, desc="", **kw):
+        if desc == "questioner":
+            round_no[0] += 1
+            text = f'{{"question": "Which colour was gate {round_no[0]}?", "answer": "blue"}}'
+            return [[spell.Completion([7], text, None, "stop")] for _ in prompts]
+        answers = ["The correct answer is blue.", "The correct answer is red."]  # solvable: 1/2
+        return [[spell.Completion([7], answers[j % 2], None, "stop") for j in range(n)]
+                for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+
+    def play(rnd: int) -> spell.Rollout:
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], history,
+                                  np.random.default_rng(rnd), key=(0, rnd, 0, 0))
+        return r
+
+    rounds = [play(k) for k in range(3)]
+    entries = history.get("c6", "doc_qa")
+    assert [e.doc_ids for e in entries] == [r.new_doc_ids for r in rounds]  # C_new each, disjoint
+    assert len({i for e in entries for i in e.doc_ids}) == 3
+
+    def prompt_len(entries_kept: list) -> int:
+        docs = [cluster.documents[i] for e in entries_kept for i in e.doc_ids]
+        docs.append(cluster.documents[5])  # one new document
+        return len(spell.chat_ids(CharTokenizer(), spell.questioner_prompt(
+            "doc_qa", docs, entries_kept, None)))
+
+    cfg.rollout.max_prompt_tokens = prompt_len(entries[1:])  # two entries fit, three do not
+    assert prompt_len(entries) > cfg.rollout.max_prompt_tokens
+    r = play(3)
+    assert r.evicted == 1 and history.get("c6", "doc_qa")[:2] == entries[1:]
+    assert r.doc_ids == sorted(entries[1].doc_ids + entries[2].doc_ids + r.new_doc_ids)
+    assert len(r.new_doc_ids) == 1 and len(r.que_prompt) == cfg.rollout.max_prompt_tokens
 
 
 def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(monkeypatch):
