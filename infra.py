@@ -1541,16 +1541,28 @@ def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
                                "their requests or vLLM's scheduling differed")
 
 
-def tensor_parallel_owners(ranks: list[int], lengths: list[int], k: int) -> list[int]:
-    """With tensor-parallel rollouts (k ranks per engine), the rank of its group that trains each
-    sequence. Every rank of a group holds the group's rollouts, but only its first rank reported
-    them, so the batch names that rank. Sequences go, longest first, to the group's least loaded
-    rank; no tokens travel for it, and rebalance evens out the rest."""
+def tensor_parallel_owners(ranks: list[int], lengths: list[int], groups: Sequence[Any],
+                           k: int) -> list[int]:
+    """With tensor-parallel rollouts (k ranks per engine), the rank of its engine that trains each
+    sequence. Every rank of an engine holds the engine's rollouts, but only its first rank reported
+    them, so the batch names that rank. The sequences of one group (equal `groups` entries: a
+    question's G answers, a response's votes) share a prompt and move together, so the update
+    encodes it once (shared-prefix packing); split over the ranks, each rank would encode it
+    again. Groups go, most tokens first, to the engine's least loaded rank; no tokens travel for
+    it, and rebalance evens out the rest."""
+    members: dict[Any, list[int]] = defaultdict(list)
+    for n, g in enumerate(groups):
+        members[g].append(n)
+    tokens = {g: sum(lengths[n] for n in ns) for g, ns in members.items()}
     load: dict[int, int] = defaultdict(int)
     owners = list(ranks)
-    for n in sorted(range(len(ranks)), key=lambda n: -lengths[n]):
-        owners[n] = min(range(ranks[n], ranks[n] + k), key=lambda r: (load[r], r))
-        load[owners[n]] += lengths[n]
+    for g in sorted(members, key=lambda g: -tokens[g]):  # stable: ties in order of appearance
+        first = ranks[members[g][0]]
+        assert all(ranks[n] == first for n in members[g]), "a group spans engines"
+        owner = min(range(first, first + k), key=lambda r: (load[r], r))
+        for n in members[g]:
+            owners[n] = owner
+        load[owner] += tokens[g]
     return owners
 
 

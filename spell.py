@@ -1897,10 +1897,12 @@ def rollout_tokens(rollouts: list[Rollout]) -> Iterator[str | list[int]]:
 
 
 def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
-    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group:
-    every rank of a group holds the group's rollouts, but only its first rank reported them, so
-    select_batch names that rank (infra.tensor_parallel_owners)."""
-    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items], k)
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its engine:
+    every rank of an engine holds its rollouts, but only its first rank reported them, so
+    select_batch names that rank. A TrainItem.group moves whole, its prompt encoded once
+    (infra.tensor_parallel_owners)."""
+    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items],
+                                         [it.group for it in items], k)
     return [replace(it, rank=r) for it, r in zip(items, ranks)]
 
 

@@ -644,13 +644,19 @@ def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
 # ------------------------------------------------------------------------------------------------
 
 def test_tensor_parallel_owners():
-    """Tensor-parallel rollouts: sequences named by a group's first rank spread over that group's
-    ranks, longest first to the least loaded, in order; with k = 1 nothing moves."""
+    """Tensor-parallel rollouts: groups named by an engine's first rank spread over that engine's
+    ranks, whole, most tokens first to the least loaded; with k = 1 nothing moves."""
     ranks, lengths = [0, 0, 2, 0, 0, 0], [3, 5, 7, 1, 4, 3]
-    # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
-    # group 1: 7 -> rank 2
-    assert infra.tensor_parallel_owners(ranks, lengths, 2) == [1, 0, 2, 1, 1, 0]
-    assert infra.tensor_parallel_owners([0, 1, 3], [3, 5, 2], 1) == [0, 1, 3]
+    groups = ["a", "b", "c", "d", "e", "f"]  # one sequence each: as sequences, longest first
+    # engine 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
+    # engine 1: 7 -> rank 2
+    assert infra.tensor_parallel_owners(ranks, lengths, groups, 2) == [1, 0, 2, 1, 1, 0]
+    assert infra.tensor_parallel_owners([0, 1, 3], [3, 5, 2], "xyz", 1) == [0, 1, 3]
+    # groups a (3 + 1 + 3 = 7 tokens) and b (5 + 4 = 9): b -> 0, a -> 1, each whole
+    assert infra.tensor_parallel_owners(ranks, lengths, ["a", "b", "c", "a", "b", "a"], 2) == \
+        [1, 0, 2, 1, 0, 1]
+    with pytest.raises(AssertionError, match="a group spans engines"):
+        infra.tensor_parallel_owners([0, 2], [1, 1], ["a", "a"], 2)
 
 
 def test_token_fingerprint_and_group_check():

@@ -2496,17 +2496,34 @@ def test_rollout_tokens_list_every_status_and_sampled_token():
     assert list(spell.rollout_tokens([r, r])) == 2 * ["ok", [1, 2, 3], [4, 5], [6], [7], [8]]
 
 
-def test_share_within_groups_moves_items_inside_their_engine():
+def test_share_within_groups_moves_whole_groups_inside_their_engine():
     """Tensor-parallel rollouts: the batch names an engine's first rank; share_within_groups hands
-    each item to a rank of its engine (infra.tensor_parallel_owners), everything else unchanged."""
-    item = lambda rank, length: spell.TrainItem(  # noqa: E731
-        rank=rank, idx=0, role="res", advantage=0.5, group=("res", rank, 0), length=length,
-        cut=False)
-    items = [item(0, 3), item(0, 5), item(2, 7), item(0, 1), item(0, 4), item(0, 3)]
+    each group to one rank of its engine (infra.tensor_parallel_owners), everything else unchanged.
+    A group's sequences share their prompt, so each prompt is encoded once on the two ranks
+    together: 4 prompts of 100 tokens and 58 answer tokens, 458 tokens. Dealt one sequence at a
+    time, as before, every group was split and its prompt encoded on both ranks (658 here; the
+    audit's probe read 40,852 tokens instead of 24,468)."""
+    def item(group: tuple, i: int, length: int) -> spell.TrainItem:
+        return spell.TrainItem(rank=0, idx=group[2], role=group[0], advantage=0.5, group=group,
+                               length=length, cut=False, i=i)
+
+    groups = {("res", 0, 0): [5, 9, 3, 7], ("res", 0, 1): [8, 2, 6, 4], ("que", 0, 2): [10],
+              ("ver", 0, 0, 1): [1, 1, 1, 1]}
+    items = [item(g, i, n) for g, lens in groups.items() for i, n in enumerate(lens)]
     shared = spell.share_within_groups(items, 2)
-    assert [it.rank for it in shared] == [1, 0, 2, 1, 1, 0]
-    assert [dataclasses.replace(it, rank=0) for it in shared] == [
-        dataclasses.replace(it, rank=0) for it in items]
+    owner = {g: {it.rank for it in shared if it.group == g} for g in groups}
+    # most tokens first to the less loaded rank: 24 -> 0, 20 -> 1, 10 -> 1, 4 -> 0
+    assert owner == {("res", 0, 0): {0}, ("res", 0, 1): {1}, ("que", 0, 2): {1},
+                     ("ver", 0, 0, 1): {0}}
+    assert [dataclasses.replace(it, rank=0) for it in shared] == items
+    prompt = {g: [n] * 100 for n, g in enumerate(groups)}  # a 100-token prompt per group
+    encoded = 0
+    for rank in (0, 1):
+        seqs = [spell.Seq(prompt[it.group], [1] * it.length, 0.0, 0.0) for it in shared
+                if it.rank == rank]
+        units, _ = spell.packing_units(seqs, shared=True, budget=10**6)
+        encoded += sum(spell.unit_tokens(seqs, u) for u in units)
+    assert encoded == 4 * 100 + 58
 
 
 # ------------------------------------------------------------------------------------------------
