@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import time
@@ -1140,7 +1141,7 @@ class RunsCode:
         self.marker = marker
 
     def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
 
 
 def reseal_files(step: Path) -> None:
@@ -1160,7 +1161,7 @@ def test_planted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path, whe
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    marker = tmp_path / "the plant ran"
+    marker = tmp_path / "the_plant_ran"
     step = tiny_checkpoint(tmp_path / "run")
     model = torch.nn.Linear(64, 32)
     optimizer = torch.optim.AdamW(model.parameters())

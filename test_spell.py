@@ -1544,14 +1544,13 @@ def test_history_eviction_drops_exactly_the_entries_that_do_not_fit(monkeypatch)
     assert [e.doc_ids for e in entries] == [r.new_doc_ids for r in rounds]  # C_new each, disjoint
     assert len({i for e in entries for i in e.doc_ids}) == 3
 
-    def prompt_len(entries_kept: list) -> int:
-        docs = [cluster.documents[i] for e in entries_kept for i in e.doc_ids]
-        docs.append(cluster.documents[5])  # one new document
+    def prompt_len(n_docs: int, examples: list) -> int:
         return len(spell.chat_ids(CharTokenizer(), spell.questioner_prompt(
-            "doc_qa", docs, entries_kept, None)))
+            "doc_qa", cluster.documents[:n_docs], examples, None)))
 
-    cfg.rollout.max_prompt_tokens = prompt_len(entries[1:])  # two entries fit, three do not
-    assert prompt_len(entries) > cfg.rollout.max_prompt_tokens
+    # two entries' documents and a new one, the two as examples, fit; the three do not
+    cfg.rollout.max_prompt_tokens = prompt_len(3, entries[1:])
+    assert prompt_len(4, entries) > cfg.rollout.max_prompt_tokens
     r = play(3)
     assert r.evicted == 1 and history.get("c6", "doc_qa")[:2] == entries[1:]
     assert r.doc_ids == sorted(entries[1].doc_ids + entries[2].doc_ids + r.new_doc_ids)
