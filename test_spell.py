@@ -3621,7 +3621,7 @@ def test_load_checkpoint_unpickles_no_objects(tmp_path):
     torch.save({"step": 1, "sampler": Planted(tmp_path / "ran")}, path / "rank0.pt")
     meta = json.loads((path / "meta.json").read_text())
     meta["files"]["rank0.pt"] = infra.seal_files(path, rank=0)["rank0.pt"]
-    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "meta.json").write_text(json.dumps(infra.sealed_meta(meta)))  # meta.json's own CRC too
     with pytest.raises(infra.CheckpointError) as e:
         spell.load_checkpoint(path, model, optimizer, rank=0, world=1)
     assert str(e.value) == (f"{path}: rank0.pt cannot be read safely (Trying to load unsupported "
