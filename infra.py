@@ -9,7 +9,8 @@ documentation), processes and collectives, the export of the embedded SmolLM2 mo
 platform settings, the start-up memory estimate, meshes, the bucketed weight sync (the fast twin
 of spell.gathered_state_dict), tensor-parallel rollout helpers, shared-prefix packing (the fast
 twin of spell.pack_sequences), rebalancing, checkpoint integrity (CRC-32, fsync, atomic writes,
-trimming metrics on resume, the run's fingerprint) and the run log's writer. It never imports
+trimming metrics on resume, the run's fingerprint, a DCP reader that unpickles no code) and the run
+log's writer. It never imports
 spell, reads no config key of the algorithm and no field of spell's records: its callers hand it
 plain values.
 """
