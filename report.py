@@ -159,6 +159,8 @@ FIGURES = {
          ["train/batch_entropy"]),
         ("AEPO: masking negative advantages (0/1) / samples masked",
          ["train/aepo_masking", "train/aepo_masked"]),
+        ("tokens vLLM gave a NaN or infinite log-prob (their samples trained as unrecorded)",
+         ["train/rollout_logp_nonfinite"]),
     ]),
     "throughput": ("Throughput", "perf/", [
         ("seconds per step, by phase",

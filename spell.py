@@ -79,8 +79,12 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
   5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
      (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
-     authors' de-duplication is a no-op and they also store questions every rollout solved. A
-     history that outgrows the prompt budget loses its oldest entries (the paper is silent).
+     authors' de-duplication is a no-op and they also store questions every rollout solved. An
+     entry holds its question's C_new, as line 21 pushes it, so the context stays within (L + 1) m
+     documents; the authors store the whole context, which only the cluster's size bounds (the
+     two agree on clusters of at most (L + 1) m = 20 documents). A history that outgrows the
+     prompt budget loses its oldest entries, and their documents, until it fits (the paper is
+     silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt, each fenced on one line and capped (fence), with the
      instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
@@ -257,7 +261,8 @@ class TrainConfig:
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
     mini_batches: int = 1
     policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
-    loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
+    # a key of LOSS_NORMS: role | group | token | sequence | constant | role_constant
+    loss_norm: str = "role"
     # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO) | task_std (QwenLong-L1.5 Eq. 7: the
     # std over the batch's samples of the task) | task_mean (GoLongRL's TMN: the root mean group
     # variance of the task)
@@ -337,11 +342,17 @@ def check_config(cfg: Config) -> None:
     """
     infra.check_every_key(cfg)
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
+    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in ("rollout.questioner_template", "rollout.responder_template"):
+        # a file name under prompts/: no path, and short (5000 characters fail the file system)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value(key)):
+            raise infra.ConfigError(f"{key} must be a prompt family, 1 to 64 letters, digits, '_' "
+                                    f"or '-' (prompts/<family>_<task>.txt), got "
+                                    f"{infra.shown(value(key))}")
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
     needs = {role: missing_templates(cfg, role, rlvr)
              for role in ("questioner", "history", "responder")}
-    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
         "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
@@ -358,6 +369,19 @@ def check_config(cfg: Config) -> None:
         # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
         ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
         ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
+        ("train.weight_decay", t.lr * t.weight_decay < 1,
+         f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
+         "1 - lr x weight_decay per step: at 0 or below it wipes or flips them)"),
+        # loss_weights deals a step's groups to this many optimiser steps, one loop pass each;
+        # past batch_groups some mini-batches hold no responder group, and 1e12 of them never end
+        ("train.mini_batches", t.mini_batches <= t.batch_groups,
+         f"<= train.batch_groups ({t.batch_groups}): each mini-batch needs a responder group"),
+        # a round tokenises every drawn prompt, keeps it and hands them all to vLLM at once;
+        # rollout.max_rounds is how a step draws more (the paper draws 480 for 128 groups)
+        ("rollout.clusters_per_round", r.clusters_per_round <= 100 * t.batch_groups,
+         f"<= 100 x train.batch_groups ({100 * t.batch_groups}): one round holds every prompt "
+         "it draws; draw more with rollout.max_rounds"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
@@ -392,6 +416,9 @@ def check_config(cfg: Config) -> None:
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
         ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
          ">= 1 (tokens are kept or weighed up to C, masked outside [1/C, C])"),
+        ("train.rollout_correction_cap", t.rollout_correction != "mask"
+         or t.rollout_correction_cap > 1, "> 1 with train.rollout_correction = \"mask\" (it "
+         "keeps the tokens with 1/C <= rho <= C: at C = 1 hardly any token trains)"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -1383,7 +1410,8 @@ def majority_vote(votes: Sequence[int | None]) -> int | None:
 
 @dataclass
 class HistoryEntry:
-    """One solvable question: the documents the questioner saw, the question and its answer."""
+    """One solvable question (C_l, q_l, a_l): the documents newly drawn for it (C_new, Algorithm 1
+    line 21), the question and its answer."""
     doc_ids: list[int]
     question: str
     answer: str
@@ -1392,9 +1420,10 @@ class HistoryEntry:
 class HistoryMemory:
     """H_C: per (cluster, task) the L latest solvable questions (§4.1, Algorithm 1 lines 3, 20-21).
 
-    The questioner's context is the union of the history's documents plus m new ones, so each solved
-    question widens the evidence by m documents until the cluster is used up: this growth is the
-    paper's length curriculum.
+    The questioner's context is the union of the entries' documents C_l plus m new ones (C_new), so
+    each solved question widens the evidence by m documents, up to (L + 1) m: the paper's length
+    curriculum. An entry holds its own C_new, as line 21 pushes it (departure 5: the authors store
+    the whole context), so forgetting the oldest entry takes its documents out of the prompt.
     """
 
     def __init__(self, size: int):
@@ -1410,7 +1439,8 @@ class HistoryMemory:
 
     def push(self, cluster_id: str, task: str, doc_ids: Sequence[int], question: str,
              answer: str) -> bool:
-        """Append a solvable question; a repeat of a stored question is ignored. True if stored."""
+        """Append a solvable question with its C_new (line 21); a repeat of a stored question is
+        ignored. True if stored."""
         if self.size == 0:
             return False
         entries = self.entries.setdefault(self.key(cluster_id, task), [])
@@ -1432,13 +1462,16 @@ class HistoryMemory:
         return True
 
     def questioner_context(self, cluster_id: str, task: str, n_docs: int, m: int,
-                           rng: np.random.Generator) -> tuple[list[int], list[HistoryEntry]]:
-        """Documents and examples for the questioner: history docs + m unseen ones (§4.1)."""
+                           rng: np.random.Generator
+                           ) -> tuple[list[int], list[int], list[HistoryEntry]]:
+        """X^que (§4.1): its documents, the union of the entries' C_l and C_new, m documents drawn
+        from the rest (line 8); then C_new, and the entries as examples."""
         history = self.get(cluster_id, task)
         seen = sorted({i for e in history for i in e.doc_ids if i < n_docs})
         unseen = sorted(set(range(n_docs)) - set(seen))
         new = rng.choice(unseen, size=min(m, len(unseen)), replace=False).tolist() if unseen else []
-        return sorted(seen + [int(i) for i in new]), history
+        new = sorted(int(i) for i in new)
+        return sorted(seen + new), new, history
 
     def state_dict(self) -> dict:
         return {"size": self.size,
@@ -1569,6 +1602,7 @@ class Completion(NamedTuple):
     text: str
     logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS or stop token, included in token_ids) or "length"
+    nonfinite_logprobs: int = 0  # tokens vLLM gave a NaN or infinite log-prob (logprobs then None)
 
 
 @dataclass
@@ -1578,6 +1612,7 @@ class Rollout:
     task: str
     doc_ids: list[int]  # the documents the questioner saw
     que_prompt: list[int]
+    new_doc_ids: list[int] = field(default_factory=list)  # C_new: those drawn for this question
     # the questioner's generation
     que_output: Completion = Completion(token_ids=[], text="", logprobs=None, finish_reason="stop")
     question: dict | None = None  # parsed (q, a); None = format error
@@ -1654,10 +1689,10 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         # the letter that must be correct, drawn uniformly (departure 3)
         letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
         evicted = -1
-        while True:  # a history grown past the prompt budget forgets its oldest entry (departure)
+        while True:  # a history grown past the prompt budget forgets its oldest entry (dep. 5)
             evicted += 1
-            doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
-                                                           cfg.rollout.docs_per_question, rng)
+            doc_ids, new, examples = history.questioner_context(
+                cluster.id, task, len(cluster.documents), cfg.rollout.docs_per_question, rng)
             docs = [cluster.documents[i] for i in doc_ids]
             ids = chat_ids(tok, questioner_prompt(task, docs, examples, letter,
                                                   cfg.rollout.questioner_template))
@@ -1667,7 +1702,7 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         if not fits:
             continue  # m documents alone are too long: skip this draw, no penalty
         rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
-                                evicted=evicted))
+                                new_doc_ids=new, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
@@ -1790,8 +1825,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
         # and written by the questioner (not RLVR's set)
         if 0 < solve_rate < 1 and r.que_prompt:
-            history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question),
-                         r.question["answer"])
+            history.push(r.cluster.id, r.task, r.new_doc_ids, format_question(r.question),
+                         r.question["answer"])  # (C_new, q, a), line 21
 
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
@@ -1855,6 +1890,7 @@ class Summary:
     abstained: list[int]  # per response: votes without a verdict tag
     ver_lens: list[list[int]]
     ver_cut: list[list[bool]]
+    nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1874,7 +1910,10 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         res_cut=[cut(c) for c in r.responses],
         abstained=[sum(v is None for v in votes) for votes in r.votes],
         ver_lens=[[len(c.token_ids) for c in vs] for vs in r.verdicts],
-        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts])
+        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts],
+        nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
+                                                                *(v for vs in r.verdicts
+                                                                  for v in vs)]))
 
 
 @dataclass(frozen=True)
@@ -2132,10 +2171,12 @@ def rollout_tokens(rollouts: list[Rollout]) -> Iterator[str | list[int]]:
 
 
 def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
-    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group:
-    every rank of a group holds the group's rollouts, but only its first rank reported them, so
-    select_batch names that rank (infra.tensor_parallel_owners)."""
-    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items], k)
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its engine:
+    every rank of an engine holds its rollouts, but only its first rank reported them, so
+    select_batch names that rank. A TrainItem.group moves whole, its prompt encoded once
+    (infra.tensor_parallel_owners)."""
+    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items],
+                                         [it.group for it in items], k)
     return [replace(it, rank=r) for it, r in zip(items, ranks)]
 
 
@@ -2292,10 +2333,28 @@ def constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence
     return [1.0 / (max_len * len(lengths))] * len(lengths)
 
 
+def role_constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
+                       max_len: int) -> list[float]:
+    """SPICE (§2.4, Eq. 2): Dr.GRPO's constant normaliser within each role, max_len x the role's
+    number of sequences, the roles added up: each role's objective is its own mean, as Eq. 2 sums
+    one expectation per role. SPICE's batch holds G Challenger and G Reasoner trajectories per
+    document (its Alg. 1), so its one constant splits the objective just so; with every question of
+    every round training the Challenger (reward.questioner_pool = "all") and at most
+    train.batch_groups groups the Reasoner, one constant (constant_norm) would hand the Challenger
+    a share that grows with the rounds. Here a role's share is its mean length over the sum of the
+    roles' mean lengths, SPICE's split, whatever the counts."""
+    if roles is None or len(roles) != len(lengths):
+        raise ValueError("role_constant_norm needs the role of every sequence")
+    if max_len < 1:
+        raise ValueError("role_constant_norm needs max_len >= 1")
+    count = {role: list(roles).count(role) for role in set(roles)}
+    return [1.0 / (max_len * count[role]) for role in roles]
+
+
 # train.loss_norm -> per-sequence token weights of the batch
 LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
     "role": role_norm, "group": group_norm, "token": token_norm, "sequence": sequence_norm,
-    "constant": constant_norm}
+    "constant": constant_norm, "role_constant": role_constant_norm}
 
 
 def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
@@ -3022,6 +3081,8 @@ def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) ->
             # AEPO: whether it masked this step's batch (0/1), and how many samples it took out
             "train/aepo_masking": counts["aepo_masking"],
             "train/aepo_masked": counts["aepo_masked"],
+            # tokens vLLM gave a NaN or infinite log-prob: their completions trained as unrecorded
+            "train/rollout_logp_nonfinite": sum(s.nonfinite_logprobs for s in flat),
             **perf_metrics(flat, times)}
 
 
@@ -3191,6 +3252,11 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
+    r = cfg.rollout
+    infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
+                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
+                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
+                        f"{max_new_tokens(cfg)}")
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
@@ -3198,7 +3264,6 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
-    r = cfg.rollout
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
@@ -3293,13 +3358,16 @@ def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p
 
 def to_completion(output, with_logprobs: bool) -> Completion:
     """vLLM `CompletionOutput` -> `Completion` (the sampled token's entry of each per-step log-prob
-    dict)."""
+    dict). A completion with a log-prob that is not finite counts as unrecorded (logprobs None):
+    rollout_correction's rho of a NaN is NaN, and the loss with it; its tokens train as if sampled
+    by the trainer (rho = 1), and how many there were is logged (train/rollout_logp_nonfinite)."""
     token_ids = list(output.token_ids)
-    lps = None
+    lps, nonfinite = None, 0
     if with_logprobs:
         lps = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs)]
-    return Completion(token_ids=token_ids, text=output.text, logprobs=lps,
-                      finish_reason=str(output.finish_reason))
+        nonfinite = sum(not math.isfinite(x) for x in lps)
+    return Completion(token_ids=token_ids, text=output.text, logprobs=None if nonfinite else lps,
+                      finish_reason=str(output.finish_reason), nonfinite_logprobs=nonfinite)
 
 
 def shard_policy(model, mesh, *, param_dtype: torch.dtype,
@@ -3540,11 +3608,7 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
         items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
     except infra.EvalDataError as e:
         raise infra.CorpusError(str(e)) from None
-    if not ours:
-        seen: dict[str, int] = {}
-        for i, it in enumerate(items):
-            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
-                raise infra.CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
+    if not ours:  # ids are unique (infra.load_benchmark): clusters are told apart by id
         clusters = []
         for it in items:
             qa = {"question": it.question, "answer": it.answers[0]}
@@ -3557,14 +3621,25 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
     for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
-        if bad := _surrogate_fields(rec):  # validate_question would only say "no question"
-            raise infra.CorpusError(f"{where}: field {bad[0]!r} {infra.SURROGATE_NOTE}")
+        # what validate_question would only call "no question", said precisely
+        for key, value in _qa_fields(rec).items():
+            if not infra.is_utf8(value):
+                raise infra.CorpusError(f"{where}: field {key!r} {infra.SURROGATE_NOTE}")
+            if not infra.visible(value) or infra.is_placeholder(value):
+                raise infra.CorpusError(f"{where}: field {key!r} is {infra.shown(value)}, "
+                                        "nothing a response can be checked against")
         c.qa = validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = ("'question', 'answer'"
                       + (", 'options'" if TASKS[c.task].multiple_choice else ""))
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
+        options = [c.qa["options"][k] for k in LETTERS] if "options" in c.qa else []
+        if options and (other := infra.repeated_gold_option(
+                options, LETTERS.index(c.qa["answer"]))) is not None:
+            raise infra.CorpusError(f"{where}: field 'options.{LETTERS[other]}' has the text of "
+                                    f"the answer, options.{c.qa['answer']}: two letters would "
+                                    "be right")
     return clusters
 
 
@@ -3576,12 +3651,13 @@ def _first_json_line(path: Path) -> object:
         return None
 
 
-def _surrogate_fields(rec: dict) -> list[str]:
-    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+def _qa_fields(rec: dict) -> dict[str, str]:
+    """The text fields of a QA-set record: 'question', 'answer', 'options.X' (those that are
+    strings)."""
     options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
     fields = {"question": rec.get("question"), "answer": rec.get("answer"),
               **{f"options.{k}": v for k, v in options.items()}}
-    return [key for key, v in fields.items() if isinstance(v, str) and not infra.is_utf8(v)]
+    return {key: v for key, v in fields.items() if isinstance(v, str)}
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export
@@ -3649,15 +3725,21 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    # sizes only: resume_checkpoint read the checksums moments ago
-    infra.check_checkpoint(path, world, ranks=())
+    # sizes, and the CRC-32 of what every rank's DCP reads first: resume_checkpoint read the
+    # other checksums moments ago, each rank its own files
+    meta = infra.check_checkpoint(path, world, ranks=(), also=(".metadata",))
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
     rank_state = infra.load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
+    if rank_state.get("step") != meta["step"]:
+        raise infra.CheckpointError(f"{path}: rank{rank}.pt holds step "
+                                    f"{infra.shown(rank_state.get('step'))}, meta.json "
+                                    f"{meta['step']}")
+    # DCP reads .metadata and its non-tensor entries with plain pickle, and torch 2.13 has no safe
+    # mode: infra.checkpoint_reader admits DCP's own records and plain values only
+    reader, planner = infra.checkpoint_reader(path)
     try:
-        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
-        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=reader, planner=planner)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
