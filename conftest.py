@@ -342,7 +342,8 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
 def batch_counts(**given) -> dict:
     """The counts select_batch returns for the log, zero but for those given."""
     zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
-                          "ver_groups", "ver_candidates", "sequences"), 0)
+                          "ver_groups", "ver_candidates", "sequences", "aepo_masking",
+                          "aepo_masked"), 0)
     return {**zero, "que_all_or_none_adv": 0.0, **given}
 
 
@@ -376,7 +377,8 @@ def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
              "grad_norm": 1.0, "micro_batches": 2, "split_groups": 0.0, "row_tokens": 400,
              "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100,
-             "rollout_is_weight_sum": 99.0, "rollout_outside_cap": 1.0}
+             "rollout_is_weight_sum": 99.0, "rollout_outside_cap": 1.0, "seq_entropy_sum": 4.0,
+             "seqs": 8, "rollout_sequences": 8, "rollout_rejected": 1}
     times = {"que_s": 1.0, "ground_s": 0.1, "res_s": 0.5, "ver_s": 0.4, "rounds": 1,
              "rollout_s": 2.0, "update_s": 1.0, "sync_s": 0.1, "step_s": 3.1,
              "train_tokens_per_s": 100.0}

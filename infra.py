@@ -9,7 +9,8 @@ documentation), processes and collectives, the export of the embedded SmolLM2 mo
 platform settings, the start-up memory estimate, meshes, the bucketed weight sync (the fast twin
 of spell.gathered_state_dict), tensor-parallel rollout helpers, shared-prefix packing (the fast
 twin of spell.pack_sequences), rebalancing, checkpoint integrity (CRC-32, fsync, atomic writes,
-trimming metrics on resume, the run's fingerprint) and the run log's writer. It never imports
+trimming metrics on resume, the run's fingerprint, a DCP reader that unpickles no code) and the run
+log's writer. It never imports
 spell, reads no config key of the algorithm and no field of spell's records: its callers hand it
 plain values.
 """
@@ -26,6 +27,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -35,6 +37,7 @@ import time
 import tomllib
 import types
 import typing
+import unicodedata
 import warnings
 import zlib
 from collections import defaultdict
@@ -103,6 +106,32 @@ def is_utf8(s: str) -> bool:
     return True
 
 
+# Characters that show nothing: format characters (zero-width space and joiners, U+2060 word joiner,
+# the byte-order mark, bidi marks: Unicode category Cf), controls (Cc) and separators (Z*)
+INVISIBLE_CATEGORIES = frozenset(("Cf", "Cc", "Zs", "Zl", "Zp"))
+
+
+def visible(s: str) -> bool:
+    """Whether a text shows any character: "\u200b\u2060 " is not empty to str.strip(), yet
+    holds nothing to read. Stops at the first visible character, so a real document costs O(1)."""
+    return any(unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in s)
+
+
+def is_placeholder(s: str) -> bool:
+    """A template's placeholder left as data, "<your answer>": one <...> and nothing else."""
+    return bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
+
+
+def repeated_gold_option(options: Sequence[str], gold: int) -> int | None:
+    """The index of another option with the gold option's text (case and spacing aside), or None:
+    with two such letters the letter rule cannot tell right from wrong."""
+    def norm(text: str) -> str:
+        return " ".join(text.split()).casefold()
+
+    return next((i for i, o in enumerate(options) if i != gold and norm(o) == norm(options[gold])),
+                None)
+
+
 def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
     """(line number, "path:line", value) of every non-blank line of a JSON Lines file; a line that
     is not UTF-8 or not JSON raises `error` naming the file and line."""
@@ -146,6 +175,9 @@ def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, l
         for i, d in enumerate(docs):
             if not isinstance(d, str) or not d.strip():
                 raise CorpusError(f"{where}: field 'documents[{i}]' must be a non-empty string")
+            if not visible(d):
+                raise CorpusError(f"{where}: field 'documents[{i}]' holds only invisible "
+                                  "characters (zero-width, format or control characters)")
             if not is_utf8(d):
                 raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
         if task is not None and task not in tasks:
@@ -566,21 +598,34 @@ def _bad(where: str, rec: dict, key: str, expected: str) -> EvalDataError:
 
 
 def _text(rec: dict, key: str, where: str) -> str:
-    """rec[key] as a non-empty string."""
+    """rec[key] as a non-empty string with something to read (not a template's "<placeholder>")."""
     value = rec.get(key)
     if not isinstance(value, str) or not value.strip():
         raise _bad(where, rec, key, "a non-empty string")
-    return _tokenizable(value, where, key)
+    return _usable(value, where, key)
 
 
 def _texts(rec: dict, key: str, where: str) -> list[str]:
-    """rec[key] as a non-empty list of non-empty strings."""
+    """rec[key] as a non-empty list of non-empty strings, each usable as _text's."""
     value = rec.get(key)
     if (not isinstance(value, list) or not value
             or not all(isinstance(v, str) and v.strip() for v in value)):
         raise _bad(where, rec, key, "a non-empty list of non-empty strings")
     for i, v in enumerate(value):
-        _tokenizable(v, where, f"{key}[{i}]")
+        _usable(v, where, f"{key}[{i}]")
+    return value
+
+
+def _usable(value: str, where: str, key: str) -> str:
+    """value, refused at load when nothing in it can be read or scored: only invisible characters,
+    or a template's placeholder ("<your answer>") that no response can be checked against."""
+    _tokenizable(value, where, key)
+    if not visible(value):
+        raise EvalDataError(f"{where}, field {key!r}: holds only invisible characters "
+                            "(zero-width, format or control characters)")
+    if is_placeholder(value):
+        raise EvalDataError(f"{where}, field {key!r}: {shown(value)} is a template's "
+                            "placeholder, not a text")
     return value
 
 
@@ -607,6 +652,9 @@ def longbench_v2_item(rec: dict, where: str, index: int) -> EvalItem:
     if answer not in ("A", "B", "C", "D"):
         raise _bad(where, rec, "answer", "one of the letters A, B, C, D")
     choices = tuple(_text(rec, f"choice_{x}", where) for x in "ABCD")
+    if (other := repeated_gold_option(choices, "ABCD".index(answer))) is not None:
+        raise EvalDataError(f"{where}, field 'choice_{'ABCD'[other]}': the same text as the "
+                            f"answer, choice_{answer}: two letters would be right")
     return EvalItem("longbench_v2", _ident(rec, "_id", where), "doc_mc",
                     _text(rec, "context", where), _text(rec, "question", where), (answer,), choices)
 
@@ -678,7 +726,7 @@ def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
     if benchmark not in BENCHMARKS:
         raise EvalDataError(f"{path}: unknown benchmark {benchmark!r}; "
                             f"expected one of {', '.join(BENCHMARKS)}")
-    items = []
+    items, seen = [], {}
     for index, (where, rec) in enumerate(records):
         if not isinstance(rec, dict):
             raise EvalDataError(f"{where}: expected an object of fields, got {type(rec).__name__}")
@@ -690,6 +738,9 @@ def load_benchmark(path: str, benchmark: str | None = None) -> list[EvalItem]:
             items.append(docmath_item(rec, where, index))
         else:
             items.append(longbench_item(rec, where, index, benchmark))
+        # a question twice counts twice in pass@k, and its samples cannot be told apart by id
+        if (first := seen.setdefault(items[-1].id, where)) != where:
+            raise EvalDataError(f"{where}: id {shown(items[-1].id)} repeats ({first})")
     return items
 
 
@@ -698,12 +749,18 @@ def load_eval_data(specs: list[str]) -> list[EvalItem]:
     files of one benchmark pool together."""
     if not specs:
         raise EvalDataError("no benchmark files given")
-    items = []
+    items, files = [], {}
     for spec in specs:
         name, sep, rest = spec.partition(":")
         # Only a known benchmark name before the colon counts,
         # so a path that contains ':' still works.
-        items += load_benchmark(rest, name) if sep and name in BENCHMARKS else load_benchmark(spec)
+        named = sep and name in BENCHMARKS
+        loaded = load_benchmark(rest, name) if named else load_benchmark(spec)
+        key = (loaded[0].benchmark, os.path.realpath(rest if named else spec))
+        if key in files:  # every question of the benchmark would count twice
+            raise EvalDataError(f"{spec}: the same {key[0]} file as {files[key]}, given twice")
+        files[key] = spec
+        items += loaded
     return items
 
 
@@ -1183,14 +1240,16 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
 
 def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     """Before any process group, model or file of the run exists: the ranks must split into vLLM
-    engine groups and FSDP shard groups, every engine needs data, and --resume needs a checkpoint
-    it can continue (infra.resume_checkpoint). Returns that checkpoint, if any."""
+    engine groups and FSDP shard groups, every engine needs data, log.out_dir must take files
+    (check_out_dir), and --resume needs a checkpoint it can continue (infra.resume_checkpoint).
+    Returns that checkpoint, if any."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     _, groups = engine_groups(cfg, rank, world)
     mesh_shape(cfg, world)  # an FSDP shard size that does not divide the world stops here
     if len(corpus) < groups:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
+    check_out_dir(Path(cfg.log.out_dir), rank)
     attn = attention_implementation(cfg, torch.cuda.is_available())
     sp = cfg.train.sequence_parallel
     if world % sp:
@@ -1207,6 +1266,30 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
                   "the prompt", flush=True)
         cfg.train.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
+
+
+def check_out_dir(out: Path, rank: int) -> None:
+    """log.out_dir, where the metrics, checkpoints and export go, must be a folder this rank can
+    create and write a file in: found out here by writing (and removing) a probe file, not when
+    the first metrics line is due, after vLLM and the model have started. Running as root, a
+    folder's permission bits do not stop a write: only the write itself tells."""
+    probe = out / f".write-probe-rank{rank}"
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)  # left by a run killed between the two lines below
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        try:
+            os.write(fd, b"spell.py checks that log.out_dir takes files\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # a read-only or full disk, a name too long, a path through a file...
+        raise ConfigError(f"log.out_dir {shown(str(out))}: cannot write there "
+                          f"({e.strerror or type(e).__name__})") from None
 
 
 # ==================================================================================================
@@ -1422,6 +1505,18 @@ def context_bound(model_config) -> float:
     return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
 
 
+def check_context(model_dir: str, tokens: int, what: str) -> None:
+    """Stop, before vLLM starts, when the longest sequence a run asks vLLM to hold (`tokens`, made
+    of the keys `what` names) is beyond the model's context (context_bound of its config.json):
+    vLLM would refuse it only once it is starting, deep in its own traceback."""
+    from transformers import AutoConfig
+
+    bound = context_bound(AutoConfig.from_pretrained(model_dir))
+    if tokens > bound:
+        raise ConfigError(f"{what} = {tokens} tokens, beyond the {bound:.0f}-token context of "
+                          f"the model {model_dir} (its config.json); lower them")
+
+
 def check_vllm_groups(k: int) -> None:
     """Stop unless vLLM's tensor-parallel group of this rank is ranks g*k .. g*k + k - 1, the group
     engine_groups keys the rollouts by (call after start_vllm)."""
@@ -1459,16 +1554,28 @@ def check_groups_agree(fingerprints: Sequence[int], k: int) -> None:
                                "their requests or vLLM's scheduling differed")
 
 
-def tensor_parallel_owners(ranks: list[int], lengths: list[int], k: int) -> list[int]:
-    """With tensor-parallel rollouts (k ranks per engine), the rank of its group that trains each
-    sequence. Every rank of a group holds the group's rollouts, but only its first rank reported
-    them, so the batch names that rank. Sequences go, longest first, to the group's least loaded
-    rank; no tokens travel for it, and rebalance evens out the rest."""
+def tensor_parallel_owners(ranks: list[int], lengths: list[int], groups: Sequence[Any],
+                           k: int) -> list[int]:
+    """With tensor-parallel rollouts (k ranks per engine), the rank of its engine that trains each
+    sequence. Every rank of an engine holds the engine's rollouts, but only its first rank reported
+    them, so the batch names that rank. The sequences of one group (equal `groups` entries: a
+    question's G answers, a response's votes) share a prompt and move together, so the update
+    encodes it once (shared-prefix packing); split over the ranks, each rank would encode it
+    again. Groups go, most tokens first, to the engine's least loaded rank; no tokens travel for
+    it, and rebalance evens out the rest."""
+    members: dict[Any, list[int]] = defaultdict(list)
+    for n, g in enumerate(groups):
+        members[g].append(n)
+    tokens = {g: sum(lengths[n] for n in ns) for g, ns in members.items()}
     load: dict[int, int] = defaultdict(int)
     owners = list(ranks)
-    for n in sorted(range(len(ranks)), key=lambda n: -lengths[n]):
-        owners[n] = min(range(ranks[n], ranks[n] + k), key=lambda r: (load[r], r))
-        load[owners[n]] += lengths[n]
+    for g in sorted(members, key=lambda g: -tokens[g]):  # stable: ties in order of appearance
+        first = ranks[members[g][0]]
+        assert all(ranks[n] == first for n in members[g]), "a group spans engines"
+        owner = min(range(first, first + k), key=lambda r: (load[r], r))
+        for n in members[g]:
+            owners[n] = owner
+        load[owner] += tokens[g]
     return owners
 
 
@@ -1764,6 +1871,16 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, 
     return tokens_to_heads(out, group), None  # (1, S, Hq, D)
 
 
+def sp_gather_row(values: torch.Tensor, which: torch.Tensor, total: int, group) -> torch.Tensor:
+    """The whole row's (total,) values on every rank of an SP group, from each rank's values at
+    its `which` (sp_completion_logprobs): for what reads a whole sequence (its mean ratio, its mean
+    entropy). Plain data, no gradient; a few floats per token."""
+    row = values.new_zeros(total)
+    for idx, part in all_gather_objects((which.cpu(), values.cpu()), group):
+        row[idx.to(row.device)] = part.to(row.device)
+    return row
+
+
 def enable_sequence_parallel(model, group, inner: str) -> None:
     """Make `model` attend through ulysses_attention over `group` (this rank's sp_group), with HF
     attention `inner` (sdpa, flex_attention) over the whole row. Works on a plain HF model and on
@@ -1953,7 +2070,7 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     for part in all_gather_objects(mine) if world > 1 else [mine]:
         files.update(part)
     if rank == 0:
-        write_atomic(tmp / "meta.json", json.dumps({**meta, "files": files}))
+        write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         fsync_path(final.parent)  # the rename itself
@@ -1961,6 +2078,21 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
         write_atomic(final.parent / "latest", final.name)
     barrier()
     return final
+
+
+def meta_checksum(meta: dict) -> str:
+    """CRC-32 of meta.json's record without its own checksum, as sorted JSON: a hand edit of the
+    step, the world, the fingerprint or a file's record changes it. It catches a mistake, not a
+    forger, who can recompute it (what keeps a planted file from running code is
+    checkpoint_reader)."""
+    body = {key: value for key, value in meta.items() if key != "meta_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def sealed_meta(meta: dict) -> dict:
+    """meta (as JSON gives it back) with its own checksum, meta_crc32 (meta_checksum)."""
+    meta = json.loads(json.dumps(meta))
+    return {**meta, "meta_crc32": meta_checksum(meta)}
 
 
 def write_run_config(cfg, ckpt: Path | None) -> None:
@@ -2016,9 +2148,9 @@ def seal_files(folder: Path, rank: int) -> dict[str, dict]:
 
 
 def verify_files(path: Path, files: dict[str, tuple[int, str]],
-                 ranks: Sequence[int] | None) -> None:
+                 ranks: Sequence[int] | None, also: Collection[str] = ()) -> None:
     """Every recorded file has its recorded size;
-    those written by `ranks` (None: all) their CRC-32."""
+    those written by `ranks` (None: all), and those named in `also`, their CRC-32."""
     for name, (size, _) in files.items():
         try:
             st = os.lstat(path / name)  # the entry itself: a link to /dev/zero would never end
@@ -2030,20 +2162,23 @@ def verify_files(path: Path, files: dict[str, tuple[int, str]],
             raise CheckpointError(f"{path}: {name} has {found} bytes, {size} were saved "
                                   "(cut short or overwritten)")
     for name, (_, crc) in files.items():
-        if ranks is None or checkpoint_file_rank(name) in ranks:
+        if ranks is None or checkpoint_file_rank(name) in ranks or name in also:
             if (found := file_checksum(path / name)) != crc:
                 raise CheckpointError(f"{path}: {name} is corrupted "
                                       f"(CRC-32 {found}, {crc} when saved)")
 
 
-def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None) -> dict:
+def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
+                     also: Collection[str] = ()) -> dict:
     """The meta.json of a complete, intact checkpoint saved by `world` ranks;
     CheckpointError otherwise.
 
-    Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all), so
-    that resuming ranks share the reading. meta.json must record every file the checkpoint holds, by
-    its plain name inside the folder: a name with a "/" or "..", a link or a device is refused, so
-    that resuming reads nothing outside the checkpoint and nothing that never ends.
+    Every file's size is checked; the CRC-32 only of the files written by `ranks` (default: all)
+    and of those named in `also`, so that resuming ranks share the reading. meta.json must record
+    every file the checkpoint holds, by its plain name inside the folder: a name with a "/" or "..",
+    a link or a device is refused, so that resuming reads nothing outside the checkpoint and nothing
+    that never ends. meta.json itself must be as saved (meta_checksum), and its step the one its
+    folder is named after.
     """
     try:
         meta = json.loads(read_small_file(path / "meta.json"))
@@ -2070,7 +2205,18 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None)
     if unrecorded := sorted(set([".metadata", *on_disk] + [f"rank{r}.pt" for r in range(world)])
                             - set(files)):
         raise CheckpointError(f"{path}: meta.json records no size or checksum of {unrecorded[0]}")
-    verify_files(path, files, ranks)
+    if "meta_crc32" not in meta:
+        raise CheckpointError(f"{path}: meta.json records no checksum of its own (saved by an "
+                              "older spell.py?), so an edit to it cannot be told")
+    if (found := meta_checksum(meta)) != meta["meta_crc32"]:
+        raise CheckpointError(f"{path}: meta.json was changed after it was saved (CRC-32 {found}, "
+                              f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint "
+                              "and file records cannot be trusted")
+    folder_step = re.fullmatch(r"step_([0-9]+)", path.name)
+    if meta["step"] < 1 or (folder_step and int(folder_step[1]) != meta["step"]):
+        raise CheckpointError(f"{path}: meta.json says step {meta['step']}, not the step of its "
+                              "folder's name")
+    verify_files(path, files, ranks, also)
     return meta
 
 
@@ -2084,6 +2230,99 @@ def load_rank_state(path: Path, rank: int) -> dict:
         lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
         raise CheckpointError(f"{path}: rank{rank}.pt cannot be read safely ({cause})") from None
+
+
+# What a DCP checkpoint's .metadata may name when it is unpickled: DCP's own records and the torch
+# types they hold (torch.Size, a dtype, a layout), as torch 2.13 writes them. Anything else (a
+# function to call) is refused before it runs: torch.distributed.checkpoint reads .metadata with
+# plain pickle and has no safe mode.
+DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+def dcp_metadata_global(module: str, name: str) -> Any:
+    """The class or function a DCP .metadata pickle may name (DCP_METADATA_GLOBALS, the classes of
+    DCP_METADATA_MODULES, a torch dtype); pickle.UnpicklingError for any other."""
+    allowed = (module, name) in DCP_METADATA_GLOBALS
+    if module in DCP_METADATA_MODULES:
+        value = getattr(importlib.import_module(module), name, None)
+        allowed = isinstance(value, type) and value.__module__ == module
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        allowed = True
+    if not allowed:
+        raise pickle.UnpicklingError(f"names {shown(f'{module}.{name}')}, which no DCP "
+                                     "checkpoint holds")
+    return getattr(importlib.import_module(module), name)
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata with only the globals of dcp_metadata_global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return dcp_metadata_global(module, name)
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """A checkpoint folder's .metadata, read by DCPMetadataUnpickler; CheckpointError if refused."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            return DCPMetadataUnpickler(f).load()
+    # a refused global, or a cut or foreign file (the pickle machine's own errors)
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
+            IndexError, KeyError) as e:
+        raise CheckpointError(f"{path}: .metadata cannot be read safely ({e})") from None
+
+
+def checkpoint_reader(path: Path):
+    """(storage_reader, planner) for torch.distributed.checkpoint.load that unpickle nothing a run
+    did not write: .metadata through load_dcp_metadata (read here once, so that a refusal is one
+    clear line), and each non-tensor entry (the optimiser's hyperparameters) checked by torch.load's
+    weights_only before DCP's own plain torch.load reads it (tensors DCP already reads with
+    weights_only). A refused .metadata raises CheckpointError here, a refused entry an
+    UnpicklingError inside dcp.load."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    load_dcp_metadata(path)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata = load_dcp_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:  # plain numbers, strings, lists: what weights_only admits
+                torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+            except Exception as e:  # an UnpicklingError, or a cut entry
+                lines = [line for line in str(e).splitlines() if line.strip()] or [repr(e)]
+                cause = next((line for line in lines if "GLOBAL" in line), lines[-1])
+                # DCP wraps it; spell.load_checkpoint names the folder
+                raise pickle.UnpicklingError(f"the entry {read_item.dest_index.fqn} cannot be "
+                                             f"read safely ({cause})") from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return Reader(str(path)), Planner()
+
+
+def check_metrics_file(path: Path) -> None:
+    """metrics.jsonl, where the run appends a line per step: absent, or a plain file. A FIFO would
+    hang the resume's trim, a folder fail it, a link to /dev/null swallow every step."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket")
+        raise ConfigError(f"{path}: {kind}, not a plain file; the run appends its metrics there "
+                          "(move it away, or choose another log.out_dir)")
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -2121,8 +2360,9 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
     out = Path(cfg.log.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+    check_metrics_file(out / "metrics.jsonl")
     if not resume:
-        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if p.exists()]
+        found = [p for p in (checkpoint_dir(cfg), out / "metrics.jsonl") if os.path.lexists(p)]
         if found:
             raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); "
                               "pass --resume to continue it, or choose another log.out_dir")
@@ -2149,13 +2389,21 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
             raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
                                   f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
-        if "fingerprint" not in meta:
+        if not isinstance(meta.get("fingerprint"), dict) or not meta["fingerprint"]:
             raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "
                                   "older spell.py?), so its config and data cannot be compared")
         if changes := fingerprint_changes(meta["fingerprint"], run_fingerprint(cfg)):
             raise CheckpointError(f"{path}: saved by a run with another {'; '.join(changes)}. "
                                   "Resume with its values (meta.json holds its config), or start "
                                   "a new run in another log.out_dir")
+    elif folders := sorted((p.name for p in checkpoint_dir(cfg).glob("step_*")
+                            if re.fullmatch(r"step_[0-9]{6,}", p.name) and p.is_dir()),
+                           key=lambda name: int(name[5:])):
+        # `latest` is written last: without it, starting over would log every step again
+        raise CheckpointError(f"{pointer}: missing, though {checkpoint_dir(cfg)} holds "
+                              f"{len(folders)} step folder(s), the newest {folders[-1]}; write "
+                              f"the one to continue into it (echo {folders[-1]} > {pointer}), "
+                              "or start a new run in another log.out_dir")
     if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
         print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
               flush=True)

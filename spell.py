@@ -35,10 +35,11 @@ The paper in this file, top to bottom:
   lines 6-24: rounds until the batch ..... rollout_round, batch_is_full
   line 25, §4.3: dynamic sampling ........ select_batch: select_responder, select_questioner,
                                            select_verifier
-  Eq. 8, Eq. 9: advantages ............... group_advantages, ADVANTAGES
+  Eq. 8, Eq. 9: advantages ............... group_advantages, role_advantages, ADVANTAGES
   Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS, loss_weights
   line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
-                                           vLLM vs trainer: rollout_correction)
+                                           vLLM vs trainer: ROLLOUT_CORRECTIONS; QwenLong-L1.5's
+                                           entropy control: AEPO)
   what a step logs ....................... step_metrics, log_line
   Algorithm 1: the loop .................. main
   Eq. 11, App. C.2: evaluation ........... evaluation.py
@@ -49,7 +50,7 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
-  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES
+  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AEPO
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
   a config key ........... the dataclasses below (a comment on the field documents it for
@@ -78,8 +79,12 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
   5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
      (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
-     authors' de-duplication is a no-op and they also store questions every rollout solved. A
-     history that outgrows the prompt budget loses its oldest entries (the paper is silent).
+     authors' de-duplication is a no-op and they also store questions every rollout solved. An
+     entry holds its question's C_new, as line 21 pushes it, so the context stays within (L + 1) m
+     documents; the authors store the whole context, which only the cluster's size bounds (the
+     two agree on clusters of at most (L + 1) m = 20 documents). A history that outgrows the
+     prompt budget loses its oldest entries, and their documents, until it fits (the paper is
+     silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt, each fenced on one line and capped (fence), with the
      instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
@@ -256,16 +261,25 @@ class TrainConfig:
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
     mini_batches: int = 1
     policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
-    loss_norm: str = "role"  # a key of LOSS_NORMS: role | group | token | sequence | constant
-    advantage: str = "zscore"  # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO)
+    # a key of LOSS_NORMS: role | group | token | sequence | constant | role_constant
+    loss_norm: str = "role"
+    # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO) | task_std (QwenLong-L1.5 Eq. 7: the
+    # std over the batch's samples of the task) | task_mean (GoLongRL's TMN: the root mean group
+    # variance of the task)
+    advantage: str = "zscore"
+    # AEPO (QwenLong-L1.5 §4.4): [low, high] bounds on the batch entropy (its Eq. 11, logged as
+    # train/batch_entropy). Once an update's entropy exceeds high, the next batches leave out every
+    # negative-advantage sample until an update's entropy falls below low. [0, 0] = off
+    aepo: tuple[float, float] = (0.0, 0.0)
     micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
     # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
     # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
     shared_prefix: bool = True
-    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs (rollout_correction): none, the
-    # paper's on-policy loss | tis | mask; C = rollout_correction_cap
-    rollout_correction: Literal["none", "tis", "mask"] = "none"
-    rollout_correction_cap: float = 2.0  # C >= 1 of rollout_correction's tis and mask
+    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs, a key of ROLLOUT_CORRECTIONS:
+    # none, the paper's on-policy loss | tis | mask (per token) | seq_mask | seq_mask_tis (a
+    # sequence whose geometric mean ratio leaves [1/C, C] drops whole); C = rollout_correction_cap
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0  # C >= 1 of ROLLOUT_CORRECTIONS
     fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
     # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
     # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
@@ -328,11 +342,17 @@ def check_config(cfg: Config) -> None:
     """
     infra.check_every_key(cfg)
     m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
+    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in ("rollout.questioner_template", "rollout.responder_template"):
+        # a file name under prompts/: no path, and short (5000 characters fail the file system)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value(key)):
+            raise infra.ConfigError(f"{key} must be a prompt family, 1 to 64 letters, digits, '_' "
+                                    f"or '-' (prompts/<family>_<task>.txt), got "
+                                    f"{infra.shown(value(key))}")
     agree = cfg.reward.verifier_agreement
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
     needs = {role: missing_templates(cfg, role, rlvr)
              for role in ("questioner", "history", "responder")}
-    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
         "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
         "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
@@ -349,6 +369,19 @@ def check_config(cfg: Config) -> None:
         # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
         ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
         ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
+        ("train.weight_decay", t.lr * t.weight_decay < 1,
+         f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
+         "1 - lr x weight_decay per step: at 0 or below it wipes or flips them)"),
+        # loss_weights deals a step's groups to this many optimiser steps, one loop pass each;
+        # past batch_groups some mini-batches hold no responder group, and 1e12 of them never end
+        ("train.mini_batches", t.mini_batches <= t.batch_groups,
+         f"<= train.batch_groups ({t.batch_groups}): each mini-batch needs a responder group"),
+        # a round tokenises every drawn prompt, keeps it and hands them all to vLLM at once;
+        # rollout.max_rounds is how a step draws more (the paper draws 480 for 128 groups)
+        ("rollout.clusters_per_round", r.clusters_per_round <= 100 * t.batch_groups,
+         f"<= 100 x train.batch_groups ({100 * t.batch_groups}): one round holds every prompt "
+         "it draws; draw more with rollout.max_rounds"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
         ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
@@ -383,6 +416,9 @@ def check_config(cfg: Config) -> None:
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
         ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
          ">= 1 (tokens are kept or weighed up to C, masked outside [1/C, C])"),
+        ("train.rollout_correction_cap", t.rollout_correction != "mask"
+         or t.rollout_correction_cap > 1, "> 1 with train.rollout_correction = \"mask\" (it "
+         "keeps the tokens with 1/C <= rho <= C: at C = 1 hardly any token trains)"),
         ("train.grad_clip", t.grad_clip > 0,
          "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
         ("train.clip_low", 0 <= t.clip_low < 1,
@@ -396,6 +432,11 @@ def check_config(cfg: Config) -> None:
          "sequence ratio would read one rank's share of each sequence)"),
         ("train.loss_norm", t.loss_norm in LOSS_NORMS, "|".join(LOSS_NORMS)),
         ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
+        ("train.rollout_correction", t.rollout_correction in ROLLOUT_CORRECTIONS,
+         "|".join(ROLLOUT_CORRECTIONS)),
+        ("train.aepo", tuple(t.aepo) == (0, 0) or 0 < t.aepo[0] <= t.aepo[1],
+         "[low, high] with 0 < low <= high (entropy bounds; a low of 0 would mask for good), "
+         "or [0, 0] (off)"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"},
          "\"\", \"que\", \"ver\" or \"que,ver\""),
     ]
@@ -1369,7 +1410,8 @@ def majority_vote(votes: Sequence[int | None]) -> int | None:
 
 @dataclass
 class HistoryEntry:
-    """One solvable question: the documents the questioner saw, the question and its answer."""
+    """One solvable question (C_l, q_l, a_l): the documents newly drawn for it (C_new, Algorithm 1
+    line 21), the question and its answer."""
     doc_ids: list[int]
     question: str
     answer: str
@@ -1378,9 +1420,10 @@ class HistoryEntry:
 class HistoryMemory:
     """H_C: per (cluster, task) the L latest solvable questions (§4.1, Algorithm 1 lines 3, 20-21).
 
-    The questioner's context is the union of the history's documents plus m new ones, so each solved
-    question widens the evidence by m documents until the cluster is used up: this growth is the
-    paper's length curriculum.
+    The questioner's context is the union of the entries' documents C_l plus m new ones (C_new), so
+    each solved question widens the evidence by m documents, up to (L + 1) m: the paper's length
+    curriculum. An entry holds its own C_new, as line 21 pushes it (departure 5: the authors store
+    the whole context), so forgetting the oldest entry takes its documents out of the prompt.
     """
 
     def __init__(self, size: int):
@@ -1396,7 +1439,8 @@ class HistoryMemory:
 
     def push(self, cluster_id: str, task: str, doc_ids: Sequence[int], question: str,
              answer: str) -> bool:
-        """Append a solvable question; a repeat of a stored question is ignored. True if stored."""
+        """Append a solvable question with its C_new (line 21); a repeat of a stored question is
+        ignored. True if stored."""
         if self.size == 0:
             return False
         entries = self.entries.setdefault(self.key(cluster_id, task), [])
@@ -1418,13 +1462,16 @@ class HistoryMemory:
         return True
 
     def questioner_context(self, cluster_id: str, task: str, n_docs: int, m: int,
-                           rng: np.random.Generator) -> tuple[list[int], list[HistoryEntry]]:
-        """Documents and examples for the questioner: history docs + m unseen ones (§4.1)."""
+                           rng: np.random.Generator
+                           ) -> tuple[list[int], list[int], list[HistoryEntry]]:
+        """X^que (§4.1): its documents, the union of the entries' C_l and C_new, m documents drawn
+        from the rest (line 8); then C_new, and the entries as examples."""
         history = self.get(cluster_id, task)
         seen = sorted({i for e in history for i in e.doc_ids if i < n_docs})
         unseen = sorted(set(range(n_docs)) - set(seen))
         new = rng.choice(unseen, size=min(m, len(unseen)), replace=False).tolist() if unseen else []
-        return sorted(seen + [int(i) for i in new]), history
+        new = sorted(int(i) for i in new)
+        return sorted(seen + new), new, history
 
     def state_dict(self) -> dict:
         return {"size": self.size,
@@ -1555,6 +1602,7 @@ class Completion(NamedTuple):
     text: str
     logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS or stop token, included in token_ids) or "length"
+    nonfinite_logprobs: int = 0  # tokens vLLM gave a NaN or infinite log-prob (logprobs then None)
 
 
 @dataclass
@@ -1564,6 +1612,7 @@ class Rollout:
     task: str
     doc_ids: list[int]  # the documents the questioner saw
     que_prompt: list[int]
+    new_doc_ids: list[int] = field(default_factory=list)  # C_new: those drawn for this question
     # the questioner's generation
     que_output: Completion = Completion(token_ids=[], text="", logprobs=None, finish_reason="stop")
     question: dict | None = None  # parsed (q, a); None = format error
@@ -1640,10 +1689,10 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         # the letter that must be correct, drawn uniformly (departure 3)
         letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
         evicted = -1
-        while True:  # a history grown past the prompt budget forgets its oldest entry (departure)
+        while True:  # a history grown past the prompt budget forgets its oldest entry (dep. 5)
             evicted += 1
-            doc_ids, examples = history.questioner_context(cluster.id, task, len(cluster.documents),
-                                                           cfg.rollout.docs_per_question, rng)
+            doc_ids, new, examples = history.questioner_context(
+                cluster.id, task, len(cluster.documents), cfg.rollout.docs_per_question, rng)
             docs = [cluster.documents[i] for i in doc_ids]
             ids = chat_ids(tok, questioner_prompt(task, docs, examples, letter,
                                                   cfg.rollout.questioner_template))
@@ -1653,7 +1702,7 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
         if not fits:
             continue  # m documents alone are too long: skip this draw, no penalty
         rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
-                                evicted=evicted))
+                                new_doc_ids=new, evicted=evicted))
         letters.append(letter)
     outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
@@ -1776,8 +1825,8 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
         # and written by the questioner (not RLVR's set)
         if 0 < solve_rate < 1 and r.que_prompt:
-            history.push(r.cluster.id, r.task, r.doc_ids, format_question(r.question),
-                         r.question["answer"])
+            history.push(r.cluster.id, r.task, r.new_doc_ids, format_question(r.question),
+                         r.question["answer"])  # (C_new, q, a), line 21
 
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
@@ -1841,6 +1890,7 @@ class Summary:
     abstained: list[int]  # per response: votes without a verdict tag
     ver_lens: list[list[int]]
     ver_cut: list[list[bool]]
+    nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1860,7 +1910,10 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         res_cut=[cut(c) for c in r.responses],
         abstained=[sum(v is None for v in votes) for votes in r.votes],
         ver_lens=[[len(c.token_ids) for c in vs] for vs in r.verdicts],
-        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts])
+        ver_cut=[[cut(c) for c in vs] for vs in r.verdicts],
+        nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
+                                                                *(v for vs in r.verdicts
+                                                                  for v in vs)]))
 
 
 @dataclass(frozen=True)
@@ -1975,11 +2028,12 @@ def select_responder(summaries: list[Summary], cfg: Config,
     if not eligible:
         return []
     kept = sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist())
+    advantages = role_advantages([summaries[k].res_rewards for k in kept],
+                                 [summaries[k].task for k in kept], cfg.train.advantage)
     items = []
-    for k in kept:
+    for k, group in zip(kept, advantages):
         s = summaries[k]
-        advantages = group_advantages(s.res_rewards, [0] * len(s.res_rewards), cfg.train.advantage)
-        for i, a in enumerate(advantages):  # Eq. 8 within the question's group of G responses
+        for i, a in enumerate(group):  # Eq. 8 within the question's group of G responses
             items.append(TrainItem(rank=s.rank, idx=s.idx, role="res", i=i, advantage=a,
                                    group=("res", s.rank, s.idx), length=s.res_lens[i],
                                    cut=s.res_cut[i]))
@@ -2040,24 +2094,25 @@ def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
                                    [s.agreements[i] for s, i in candidates],
                                    max_groups, rng, cfg.reward.verifier_agreement, abstained,
                                    cfg.reward.consistency_filter)
+    groups = [candidates[c] for c in keep]  # (question, response i)
+    advantages = role_advantages([s.ver_rewards[i] for s, i in groups],
+                                 [s.task for s, _ in groups], cfg.train.advantage)
     items = []
-    for c in keep:
-        s, i = candidates[c]
-        rewards = s.ver_rewards[i]
-        advantages = group_advantages(rewards, [0] * len(rewards), cfg.train.advantage)
-        for j, a in enumerate(advantages):  # Eq. 8 within the response's group of votes
+    for (s, i), group in zip(groups, advantages):
+        for j, a in enumerate(group):  # Eq. 8 within the response's group of votes
             items.append(TrainItem(rank=s.rank, idx=s.idx, role="ver", i=i, j=j, advantage=a,
                                    group=("ver", s.rank, s.idx, i), length=s.ver_lens[i][j],
                                    cut=s.ver_cut[i][j]))
     return items, {"ver_groups": len(keep), "ver_candidates": len(candidates)}
 
 
-def select_batch(summaries: list[Summary], cfg: Config,
-                 rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
+def select_batch(summaries: list[Summary], cfg: Config, rng: np.random.Generator,
+                 aepo_masking: bool = False) -> tuple[list[TrainItem], dict]:
     """Algorithm 1, line 25: role-specific dynamic sampling (§4.3), with advantages (Eq. 8-9) and
     loss weights (Eq. 12), for the whole step.
 
-    `summaries` holds every rank's questions. Returns the kept training sequences of all ranks
+    `summaries` holds every rank's questions. aepo_masking (AEPO's state, train.aepo) drops the
+    samples with negative advantages. Returns the kept training sequences of all ranks
     (TrainItem.rank: where each one's tokens live) and counts for the log.
     """
     res = select_responder(summaries, cfg, rng)
@@ -2073,8 +2128,11 @@ def select_batch(summaries: list[Summary], cfg: Config,
         masked = it.cut and cfg.reward.overlong == "mask"
         return it.length > 0 and it.role in trained and not masked
 
-    items = loss_weights([it for it in res + que + ver if trains(it)], cfg)
-    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items)}
+    trainable = [it for it in res + que + ver if trains(it)]
+    kept = aepo_batch(trainable, aepo_masking)  # QwenLong-L1.5 §4.4 (off: all of them)
+    items = loss_weights(kept, cfg)
+    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items),
+              "aepo_masking": int(aepo_masking), "aepo_masked": len(trainable) - len(kept)}
     if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
     if "ver" not in trained:
@@ -2113,10 +2171,12 @@ def rollout_tokens(rollouts: list[Rollout]) -> Iterator[str | list[int]]:
 
 
 def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
-    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its group:
-    every rank of a group holds the group's rollouts, but only its first rank reported them, so
-    select_batch names that rank (infra.tensor_parallel_owners)."""
-    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items], k)
+    """With tensor-parallel rollouts (k ranks per engine), hand each item to a rank of its engine:
+    every rank of an engine holds its rollouts, but only its first rank reported them, so
+    select_batch names that rank. A TrainItem.group moves whole, its prompt encoded once
+    (infra.tensor_parallel_owners)."""
+    ranks = infra.tensor_parallel_owners([it.rank for it in items], [it.length for it in items],
+                                         [it.group for it in items], k)
     return [replace(it, rank=r) for it, r in zip(items, ranks)]
 
 
@@ -2124,7 +2184,8 @@ def share_within_groups(items: list[TrainItem], k: int) -> list[TrainItem]:
 # 7. Advantages and the loss (Eq. 2, 8, 9, 12)                                          [algorithm]
 # ==================================================================================================
 
-def zscore_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def zscore_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean) / (std + eps) within one group (Eq. 8; Eq. 9 over a task's questioner
     batch). The std is the unbiased estimator, as the authors' torch.std; a group of one has no
     baseline, so no signal (departure 7). (n,) -> (n,)."""
@@ -2133,30 +2194,80 @@ def zscore_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std(correction=1) + eps)
 
 
-def mean_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                    eps: float = 1e-6) -> torch.Tensor:
     """Dr.GRPO (SPICE §2.4): A_i = r_i - mean, no division by the std, so a nearly unanimous group
     is not scaled up. (n,) -> (n,)."""
     return rewards - rewards.mean()
 
 
-# train.advantage -> A_i of one group's rewards
-ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "zscore": zscore_advantages, "mean": mean_advantages}
+def task_std_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                        eps: float = 1e-6) -> torch.Tensor:
+    """QwenLong-L1.5 §4.2, Eq. 7: A_i = (r_i - mean of the group) / (std of the rewards of every
+    sample of the group's task in the batch + eps). Unbiased std over the task's samples pooled
+    (their code's torch.std); a group of one has no baseline (departure 7). (n,) -> (n,)."""
+    if len(rewards) < 2:
+        return torch.zeros_like(rewards)
+    pooled = torch.cat(list(task)) if len(task) else rewards  # (samples of the task,)
+    return (rewards - rewards.mean()) / (pooled.std(correction=1) + eps)
 
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[Any],
-                     kind: str = "zscore") -> list[float]:
+def task_mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
+                         eps: float = 1e-6) -> torch.Tensor:
+    """GoLongRL's task-level mean normalisation (TMN, its difficulty reweighting off): A_i =
+    (r_i - mean of the group) / (sqrt(the mean over the task's groups of each group's unbiased
+    variance) + eps), each group weighing the same. A group of one has no baseline (departure 7)
+    and no variance, so it is left out of the mean (GoLongRL counts it as variance 1). (n,) -> (n,).
+    """
+    if len(rewards) < 2:
+        return torch.zeros_like(rewards)
+    variances = [g.var(correction=1) for g in (task if len(task) else [rewards]) if len(g) > 1]
+    scale = torch.stack(variances).mean().sqrt()  # the task's root mean group variance
+    return (rewards - rewards.mean()) / (scale + eps)
+
+
+# train.advantage -> A_i of one group's rewards, given the rewards of every group of its task in the
+# batch (`task`, the group included; empty: the group is its task's batch). The responder's and the
+# verifier's batch of a task are their kept groups of that task's questions. The questioner's group
+# is already its task's batch (Eq. 9), so there task_std and task_mean are Eq. 9's z-score.
+ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
+    "zscore": zscore_advantages, "mean": mean_advantages, "task_std": task_std_advantages,
+    "task_mean": task_mean_advantages}
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str = "zscore",
+                     tasks: Sequence[str] | None = None) -> list[float]:
     """Every sample's advantage, computed within its group (the samples with equal `groups` entries)
-    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size."""
+    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size. tasks[i] is
+    sample i's task: a group's task batch is every group of its task here (None: each group is
+    its own task's batch, as the questioner's per-task groups are)."""
     advantage = ADVANTAGES[kind]
     r = torch.tensor(rewards, dtype=torch.float32)  # (N,)
     out = torch.zeros_like(r)
     members: dict[Any, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
-    for idx in members.values():
-        out[idx] = advantage(r[idx])
+    task_of = {g: g if tasks is None else tasks[idx[0]] for g, idx in members.items()}
+    assert tasks is None or all(tasks[i] == task_of[g] for g, idx in members.items()
+                                for i in idx), "a group's samples must share their task"
+    batch: dict[Any, list[torch.Tensor]] = defaultdict(list)  # task -> its groups' rewards
+    for g, idx in members.items():
+        batch[task_of[g]].append(r[idx])
+    for g, idx in members.items():
+        out[idx] = advantage(r[idx], batch[task_of[g]])
     return out.tolist()
+
+
+def role_advantages(group_rewards: Sequence[Sequence[float]], tasks: Sequence[str],
+                    kind: str = "zscore") -> list[list[float]]:
+    """A role's kept groups (responder: a question's G responses; verifier: a response's votes),
+    each with the task of its question: every group's advantages (group_advantages), the task-level
+    variants reading the groups of the same task."""
+    flat = group_advantages([r for g in group_rewards for r in g],
+                            [n for n, g in enumerate(group_rewards) for _ in g], kind,
+                            tasks=[t for t, g in zip(tasks, group_rewards) for _ in g])
+    ends = np.cumsum([len(g) for g in group_rewards]).tolist()
+    return [flat[end - len(g):end] for g, end in zip(group_rewards, ends)]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -2222,10 +2333,28 @@ def constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence
     return [1.0 / (max_len * len(lengths))] * len(lengths)
 
 
+def role_constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
+                       max_len: int) -> list[float]:
+    """SPICE (§2.4, Eq. 2): Dr.GRPO's constant normaliser within each role, max_len x the role's
+    number of sequences, the roles added up: each role's objective is its own mean, as Eq. 2 sums
+    one expectation per role. SPICE's batch holds G Challenger and G Reasoner trajectories per
+    document (its Alg. 1), so its one constant splits the objective just so; with every question of
+    every round training the Challenger (reward.questioner_pool = "all") and at most
+    train.batch_groups groups the Reasoner, one constant (constant_norm) would hand the Challenger
+    a share that grows with the rounds. Here a role's share is its mean length over the sum of the
+    roles' mean lengths, SPICE's split, whatever the counts."""
+    if roles is None or len(roles) != len(lengths):
+        raise ValueError("role_constant_norm needs the role of every sequence")
+    if max_len < 1:
+        raise ValueError("role_constant_norm needs max_len >= 1")
+    count = {role: list(roles).count(role) for role in set(roles)}
+    return [1.0 / (max_len * count[role]) for role in roles]
+
+
 # train.loss_norm -> per-sequence token weights of the batch
 LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
     "role": role_norm, "group": group_norm, "token": token_norm, "sequence": sequence_norm,
-    "constant": constant_norm}
+    "constant": constant_norm, "role_constant": role_constant_norm}
 
 
 def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
@@ -2256,6 +2385,18 @@ def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
 # -sum_t w_t A_t grad log pi(y_t): they differ only off-policy.
 
 
+def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` over each token's sequence, at every token of it; 0 outside every
+    sequence (seq_ids -1). Differentiable. (T,), (T,) -> (T,)."""
+    on = seq_ids >= 0  # (T,)
+    ids = seq_ids.clamp(min=0)
+    n = int(seq_ids.max()) + 1 if on.any() else 1
+    masked = torch.where(on, values, torch.zeros_like(values))
+    sums = masked.new_zeros(n).index_add(0, ids, masked)  # (n,)
+    counts = masked.new_zeros(n).index_add(0, ids, on.to(masked.dtype))
+    return torch.where(on, (sums / counts.clamp(min=1))[ids], torch.zeros_like(values))
+
+
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and how many
@@ -2284,13 +2425,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     log rho_t), clipped as in Eq. 2, so a sequence is kept or clipped whole. GSPO's own clip range
     is about 3e-4 / 4e-4 (train.clip_low / clip_high). With train.loss_norm = "sequence" this is
     GSPO's objective exactly; other normalisers weigh each sequence by its tokens' weights."""
-    on = seq_ids >= 0  # (T,)
-    ids = seq_ids.clamp(min=0)
-    n = int(seq_ids.max()) + 1 if on.any() else 1
-    log_ratio = torch.where(on, logp - old_logp, torch.zeros_like(logp))
-    sums = log_ratio.new_zeros(n).index_add(0, ids, log_ratio)  # (n,)
-    counts = log_ratio.new_zeros(n).index_add(0, ids, on.to(log_ratio.dtype))
-    ratio = torch.exp(sums / counts.clamp(min=1))[ids]  # (T,) s_i at every token of sequence i
+    ratio = torch.exp(sequence_mean(logp - old_logp, seq_ids))  # (T,) s_i at every token of i
     return clipped_objective(ratio, advantages, weights, clip_low, clip_high)
 
 
@@ -2314,32 +2449,128 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
     "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
-def rollout_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, kind: str,
-                       cap: float) -> torch.Tensor:
-    """A factor on each token's weight for the gap between the policy vLLM sampled with (bf16 on
-    GPU, its own kernels) and the one trained (fp32 masters): rho_t = pi_train(y_t) / pi_vLLM(y_t),
-    both before the update. none: 1, the paper's on-policy loss. tis: min(rho_t, C), truncated
-    importance sampling. mask: 1 where 1/C <= rho_t <= C, else 0, the token leaves the loss.
-    (T,), (T,) -> (T,), no gradient (train.rollout_correction, train.rollout_correction_cap = C).
-    """
-    rho = torch.exp(trainer_logp.detach() - rollout_logp)
-    if kind == "tis":
-        return rho.clamp(max=cap)
-    if kind == "mask":
-        return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
-    return torch.ones_like(rho)
+# The rollout correction: a factor on each token's weight for the gap between the policy vLLM
+# sampled with (bf16 on GPU, its own kernels) and the one trained (fp32 masters), from the
+# log-ratio log rho_t = log pi_train(y_t) - log pi_vLLM(y_t), both before the update, and the
+# sequence id of each token. The weights keep the normaliser of the whole batch (loss_weights): a
+# token or a sequence the correction drops leaves the loss, not the normaliser (as MLPerf's RL
+# reference settled it). C is train.rollout_correction_cap. No gradient flows through it.
 
 
-def rollout_gap_stats(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                      recorded: torch.Tensor, cap: float) -> dict[str, float]:
-    """Sums for the log over the tokens vLLM recorded log-probs for: |log pi_trainer - log pi_vLLM|,
-    and what spell.rollout_correction does or would do with rho = pi_trainer / pi_vLLM: min(rho, C)
-    and the tokens outside [1/C, C]. All (T,)."""
-    rho = torch.exp(trainer_logp - rollout_logp)[recorded]
-    return {"rollout_logp_gap_sum": float((trainer_logp - rollout_logp)[recorded].abs().sum()),
+def no_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1: the paper's on-policy loss. (T,) -> (T,)."""
+    return torch.ones_like(log_rho)
+
+
+def tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: min(rho_t, C). (T,) -> (T,)."""
+    return log_rho.exp().clamp(max=cap)
+
+
+def mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1 where 1/C <= rho_t <= C, else 0: the token leaves the loss. (T,) -> (T,)."""
+    rho = log_rho.exp()
+    return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
+
+
+def sequence_kept(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """1 at every token of a sequence whose geometric mean ratio, exp(mean_t log rho_t), lies in
+    [1/C, C], else 0: the sequence is kept or rejected whole. (T,) -> (T,)."""
+    mean_log_rho = sequence_mean(log_rho, seq_ids)  # (T,) log of the geometric mean
+    return (mean_log_rho.abs() <= math.log(cap)).to(log_rho.dtype)
+
+
+def seq_mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
+    """The sequence-level mask (the level TRL's rejection defaults to): sequence_kept. (T,) ->
+    (T,)."""
+    return sequence_kept(log_rho, seq_ids, cap)
+
+
+def seq_mask_tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor,
+                            cap: float) -> torch.Tensor:
+    """NeMo-RL's seq-mask-tis: the sequence-level mask, and min(rho_t, C) on the kept sequences'
+    tokens. (T,) -> (T,)."""
+    return sequence_kept(log_rho, seq_ids, cap) * tis_correction(log_rho, seq_ids, cap)
+
+
+# train.rollout_correction -> the factor on each token's weight
+ROLLOUT_CORRECTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "none": no_correction, "tis": tis_correction, "mask": mask_correction,
+    "seq_mask": seq_mask_correction, "seq_mask_tis": seq_mask_tis_correction}
+
+
+def rollout_gap_stats(log_rho: torch.Tensor, recorded: torch.Tensor, seq_ids: torch.Tensor,
+                      cap: float) -> dict[str, float]:
+    """Sums for the log over the tokens vLLM recorded log-probs for: |log rho| = |log pi_trainer -
+    log pi_vLLM|, and what ROLLOUT_CORRECTIONS do or would do with rho: min(rho, C), the tokens
+    outside [1/C, C], and the sequences whose geometric mean ratio is outside [1/C, C] (rejected
+    by seq_mask and seq_mask_tis). All (T,)."""
+    rho = log_rho.exp()[recorded]
+    rejected = recorded & (sequence_kept(log_rho, seq_ids, cap) == 0)  # (T,)
+    return {"rollout_logp_gap_sum": float(log_rho[recorded].abs().sum()),
             "rollout_logp_tokens": int(recorded.sum()),
             "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
-            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum())}
+            "rollout_outside_cap": int(((rho < 1 / cap) | (rho > cap)).sum()),
+            "rollout_sequences": sequences_with(recorded, seq_ids),
+            "rollout_rejected": sequences_with(rejected, seq_ids)}
+
+
+def sequences_with(flags: torch.Tensor, seq_ids: torch.Tensor) -> int:
+    """How many sequences hold a token whose flag is set. (T,), (T,) -> a count."""
+    n = len(seq_ids) + 1  # more than any sequence id: no data-dependent shape
+    hits = flags.new_zeros(n, dtype=torch.float32).index_add(0, seq_ids.clamp(min=0), flags.float())
+    return int((hits > 0).sum())
+
+
+class AEPO:
+    """QwenLong-L1.5 §4.4, AEPO, with the rule as its authors settled it after the paper (source in
+    docs/reference.md): a hysteresis on the batch entropy H (Eq. 11). Once H exceeds `high`, every
+    sample with a negative advantage leaves the batch (aepo_batch); they stay out until H falls
+    below `low`.
+
+    H is known only after an update, from the update's own per-token entropies over the samples it
+    trained: the state that step t's H sets applies to step t+1's batch. (verl, the authors'
+    framework, measures H over the whole batch in a log-prob pass before the update, which an
+    on-policy step here does not run.) Bounds (0, 0): off, never masking. The state goes into the
+    checkpoint (run_state), so a resumed run masks as the uninterrupted one.
+    """
+
+    def __init__(self, low: float, high: float):
+        self.low, self.high, self.masking = low, high, False
+
+    def observe(self, entropy: float) -> None:
+        """The state after an update whose batch entropy (Eq. 11) was `entropy`."""
+        if self.high <= 0:
+            return
+        if entropy > self.high:
+            self.masking = True
+        elif entropy < self.low:
+            self.masking = False
+
+    def state_dict(self) -> dict:
+        return {"masking": self.masking}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.masking = bool(state["masking"])
+
+
+def aepo_batch(items: list[TrainItem], masking: bool) -> list[TrainItem]:
+    """AEPO's mask (§4.4): while masking, the samples with A_i < 0 leave the batch, so the loss
+    normaliser (loss_weights) is the one of the kept samples, as in the authors' code, which drops
+    them from the batch before the update."""
+    return [it for it in items if not (masking and it.advantage < 0)]
+
+
+def batch_entropy_sum(entropy: torch.Tensor, seq_ids: torch.Tensor) -> float:
+    """Eq. 11 before its division by |B|: every sequence's mean token entropy, added up
+    (update_policy adds it over micro-batches and ranks, and divides by the sequences). (T,), (T,)
+    -> a number."""
+    on = (seq_ids >= 0).float()  # (T,)
+    values = entropy.detach().float() * on
+    ids, n = seq_ids.clamp(min=0), len(seq_ids) + 1  # n: more than any id, no data-dependent shape
+    sums = values.new_zeros(n).index_add(0, ids, values)  # (n,)
+    counts = values.new_zeros(n).index_add(0, ids, on)
+    return float((sums / counts.clamp(min=1)).sum())  # a sequence without tokens adds 0
 
 
 # ==================================================================================================
@@ -2493,17 +2724,32 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
     seq_ids = per_token(list(range(len(seqs)))).long()
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
     old = logp.detach() if old_logp is None else old_logp
-    # (n,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
+    # (N,) vLLM's log-probs of the row's tokens; a sequence without them (a dummy) counts as
+    # sampled by `old`
     behaviour = torch.cat([torch.tensor(s.rollout_logprobs if s.rollout_logprobs is not None
-                                        else [0.0] * len(s.completion)) for s in seqs])  # (N,)
+                                        else [0.0] * len(s.completion)) for s in seqs])
     recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
     sampled = torch.where(recorded, behaviour.to(device)[mine], old)
-    weights = weights * rollout_correction(old, sampled, t.rollout_correction,
-                                           t.rollout_correction_cap)
+    # what is per sequence (a sequence-level mask, Eq. 11's entropy) reads the whole row: under
+    # sequence parallelism each rank holds a share of its tokens (whole_row gathers them)
+    row = functools.partial(whole_row, policy, mine, sum(lengths))
+    row_ids = torch.arange(len(seqs), device=device).repeat_interleave(
+        torch.tensor(lengths, device=device))  # (N,)
+    log_rho = row((old - sampled).detach())  # (N,)
+    weights = weights * ROLLOUT_CORRECTIONS[t.rollout_correction](
+        log_rho, row_ids, t.rollout_correction_cap)[mine]
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
                                                t.clip_low, t.clip_high)
-    gap = rollout_gap_stats(old, sampled, recorded, t.rollout_correction_cap)
+    # the row's statistics, counted once: by the first rank of a sequence-parallel group
+    reports = getattr(policy, "sp_group", None) is None or dist.get_rank(policy.sp_group) == 0
+    whole = {"recorded": row(recorded.float()) > 0, "entropy": row(entropy.float())}
+    gap = rollout_gap_stats(log_rho, whole["recorded"], row_ids, t.rollout_correction_cap)
+    if not reports:
+        gap = dict.fromkeys(gap, 0)
     stats.update(entropy_sum=float(entropy.sum()),
+                 # Eq. 11 (AEPO)
+                 seq_entropy_sum=batch_entropy_sum(whole["entropy"], row_ids) if reports else 0.0,
+                 seqs=len(seqs) if reports else 0,
                  tokens=len(logp),  # trained
                  row_tokens=row_share(packed, policy),  # encoded
                  **gap)
@@ -2511,8 +2757,9 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
-TOKEN_SUMS = ("entropy_sum", "tokens", "row_tokens", "rollout_logp_gap_sum", "rollout_logp_tokens",
-              "rollout_is_weight_sum", "rollout_outside_cap")
+TOKEN_SUMS = ("entropy_sum", "seq_entropy_sum", "seqs", "tokens", "row_tokens",
+              "rollout_logp_gap_sum", "rollout_logp_tokens", "rollout_is_weight_sum",
+              "rollout_outside_cap", "rollout_sequences", "rollout_rejected")
 STAT_SUMS = ("loss", "clipped", "active", "split_groups", *TOKEN_SUMS)
 
 
@@ -2785,8 +3032,9 @@ def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
 
 
 # update_policy's sums that the metrics turn into means (train_metrics)
-PER_TOKEN_SUMS = ("entropy_sum", "rollout_logp_gap_sum", "rollout_logp_tokens",
-                  "rollout_is_weight_sum", "rollout_outside_cap")
+PER_TOKEN_SUMS = ("entropy_sum", "seq_entropy_sum", "seqs", "rollout_logp_gap_sum",
+                  "rollout_logp_tokens", "rollout_is_weight_sum", "rollout_outside_cap",
+                  "rollout_sequences", "rollout_rejected")
 
 
 def train_metrics(train: dict, sequences: int) -> dict:
@@ -2795,12 +3043,18 @@ def train_metrics(train: dict, sequences: int) -> dict:
     m.update({f"train/{k}": v for k, v in train.items() if k not in PER_TOKEN_SUMS})
     if train.get("tokens"):
         m["train/entropy"] = train["entropy_sum"] / train["tokens"]
+    if train.get("seqs"):  # QwenLong-L1.5 Eq. 11: the mean over sequences of their mean entropy
+        m["train/batch_entropy"] = train["seq_entropy_sum"] / train["seqs"]
     # per token vLLM recorded: mean |log pi_trainer - log pi_vLLM|, the mean truncated ratio
     # min(rho, C) and the share outside [1/C, C] (what train.rollout_correction does, or would do)
     if n := train.get("rollout_logp_tokens"):
         m["train/rollout_logp_gap"] = train["rollout_logp_gap_sum"] / n
         m["train/rollout_is_weight"] = train["rollout_is_weight_sum"] / n
         m["train/rollout_outside_cap"] = train["rollout_outside_cap"] / n
+    # per sequence vLLM recorded: the share whose geometric mean ratio is outside [1/C, C] (what
+    # seq_mask and seq_mask_tis reject, or would)
+    if n := train.get("rollout_sequences"):
+        m["train/rollout_rejected"] = train["rollout_rejected"] / n
     return m
 
 
@@ -2824,6 +3078,11 @@ def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) ->
     ok = [s for s in flat if s.status == "ok"]
     return {**questioner_metrics(flat, counts), **responder_metrics(ok, counts),
             **verifier_metrics(ok, counts), **train_metrics(train, counts["sequences"]),
+            # AEPO: whether it masked this step's batch (0/1), and how many samples it took out
+            "train/aepo_masking": counts["aepo_masking"],
+            "train/aepo_masked": counts["aepo_masked"],
+            # tokens vLLM gave a NaN or infinite log-prob: their completions trained as unrecorded
+            "train/rollout_logp_nonfinite": sum(s.nonfinite_logprobs for s in flat),
             **perf_metrics(flat, times)}
 
 
@@ -2896,7 +3155,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
-    step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng)
+    aepo = AEPO(*cfg.train.aepo)  # QwenLong-L1.5's entropy control; never masks at [0, 0]
+    step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
+                           aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
@@ -2915,13 +3176,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         clock.stage("rollout")
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
         summaries = gather_summaries(rollouts, cfg, rank, reports)
-        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step))
+        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step), aepo.masking)
         items = share_within_groups(items, cfg.rollout.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
         seqs = sequence_parallel_batch(seqs, policy)
         train = update_policy(policy, optimizer, seqs, cfg, world, device) if items else {}
+        if items:  # AEPO: this update's batch entropy (Eq. 11) sets the next step's masking
+            aepo.observe(train["seq_entropy_sum"] / train["seqs"])
         clock.stage("update")
         # 4. the new weights into every rank's vLLM engine
         wake_and_sync(llm, policy, cfg, device, updated=bool(items))
@@ -2932,7 +3195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_step(log, cfg, step, summaries, counts, train, times, rollouts, world)
         stop = infra.all_reduce_max(int(STOP["requested"]), device) > 0
         if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
-            state = run_state(step, sampler, history, rng)
+            state = run_state(step, sampler, history, rng, aepo)
             save_checkpoint(cfg, step, policy, optimizer, state, rank, world)
         if stop:
             infra.print0("SIGTERM: checkpoint saved, exiting")
@@ -2989,6 +3252,11 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
+    r = cfg.rollout
+    infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
+                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
+                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
+                        f"{max_new_tokens(cfg)}")
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
@@ -2996,7 +3264,6 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
-    r = cfg.rollout
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
@@ -3091,13 +3358,16 @@ def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p
 
 def to_completion(output, with_logprobs: bool) -> Completion:
     """vLLM `CompletionOutput` -> `Completion` (the sampled token's entry of each per-step log-prob
-    dict)."""
+    dict). A completion with a log-prob that is not finite counts as unrecorded (logprobs None):
+    rollout_correction's rho of a NaN is NaN, and the loss with it; its tokens train as if sampled
+    by the trainer (rho = 1), and how many there were is logged (train/rollout_logp_nonfinite)."""
     token_ids = list(output.token_ids)
-    lps = None
+    lps, nonfinite = None, 0
     if with_logprobs:
         lps = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs)]
-    return Completion(token_ids=token_ids, text=output.text, logprobs=lps,
-                      finish_reason=str(output.finish_reason))
+        nonfinite = sum(not math.isfinite(x) for x in lps)
+    return Completion(token_ids=token_ids, text=output.text, logprobs=None if nonfinite else lps,
+                      finish_reason=str(output.finish_reason), nonfinite_logprobs=nonfinite)
 
 
 def shard_policy(model, mesh, *, param_dtype: torch.dtype,
@@ -3286,6 +3556,15 @@ def rank_logprobs(model, packed: dict, temperature: float,
     return infra.sp_completion_logprobs(model, packed, temperature, impl)
 
 
+def whole_row(model, mine: torch.Tensor, total: int, values: torch.Tensor) -> torch.Tensor:
+    """A packed row's (N,) per-token values from this rank's (n,) at `mine`: the values themselves
+    without sequence parallelism, else gathered from the group's ranks (no gradient)."""
+    group = getattr(model, "sp_group", None)
+    if group is None:
+        return values
+    return infra.sp_gather_row(values.detach(), mine, total, group)
+
+
 def row_share(packed: dict, model) -> int:
     """The tokens of a packed row this rank encodes: all, or its shard under sequence
     parallelism (the row padded to a multiple of the group)."""
@@ -3329,11 +3608,7 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
         items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
     except infra.EvalDataError as e:
         raise infra.CorpusError(str(e)) from None
-    if not ours:
-        seen: dict[str, int] = {}
-        for i, it in enumerate(items):
-            if (j := seen.setdefault(it.id, i)) != i:  # clusters are told apart by id
-                raise infra.CorpusError(f"{spec}: question id {it.id!r} repeats (items {j} and {i})")
+    if not ours:  # ids are unique (infra.load_benchmark): clusters are told apart by id
         clusters = []
         for it in items:
             qa = {"question": it.question, "answer": it.answers[0]}
@@ -3346,14 +3621,25 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
     for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
-        if bad := _surrogate_fields(rec):  # validate_question would only say "no question"
-            raise infra.CorpusError(f"{where}: field {bad[0]!r} {infra.SURROGATE_NOTE}")
+        # what validate_question would only call "no question", said precisely
+        for key, value in _qa_fields(rec).items():
+            if not infra.is_utf8(value):
+                raise infra.CorpusError(f"{where}: field {key!r} {infra.SURROGATE_NOTE}")
+            if not infra.visible(value) or infra.is_placeholder(value):
+                raise infra.CorpusError(f"{where}: field {key!r} is {infra.shown(value)}, "
+                                        "nothing a response can be checked against")
         c.qa = validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = ("'question', 'answer'"
                       + (", 'options'" if TASKS[c.task].multiple_choice else ""))
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
+        options = [c.qa["options"][k] for k in LETTERS] if "options" in c.qa else []
+        if options and (other := infra.repeated_gold_option(
+                options, LETTERS.index(c.qa["answer"]))) is not None:
+            raise infra.CorpusError(f"{where}: field 'options.{LETTERS[other]}' has the text of "
+                                    f"the answer, options.{c.qa['answer']}: two letters would "
+                                    "be right")
     return clusters
 
 
@@ -3365,28 +3651,31 @@ def _first_json_line(path: Path) -> object:
         return None
 
 
-def _surrogate_fields(rec: dict) -> list[str]:
-    """The fields of a QA-set record ('question', 'answer', 'options.X') with a lone surrogate."""
+def _qa_fields(rec: dict) -> dict[str, str]:
+    """The text fields of a QA-set record: 'question', 'answer', 'options.X' (those that are
+    strings)."""
     options = rec.get("options") if isinstance(rec.get("options"), dict) else {}
     fields = {"question": rec.get("question"), "answer": rec.get("answer"),
               **{f"options.{k}": v for k, v in options.items()}}
-    return [key for key, v in fields.items() if isinstance(v, str) and not infra.is_utf8(v)]
+    return {key: v for key, v in fields.items() if isinstance(v, str)}
 
 
 # ---- checkpoints (torch.distributed.checkpoint; integrity checks in infra) and the HF export
 
 
 def run_state(step: int, sampler: ClusterSampler, history: HistoryMemory,
-              rng: np.random.Generator) -> dict:
-    """What this rank needs to continue the run exactly: the sampler, the history memory and the
-    generators (vLLM's request seeds derive from the step, so rollouts repeat too)."""
+              rng: np.random.Generator, aepo: AEPO) -> dict:
+    """What this rank needs to continue the run exactly: the sampler, the history memory, AEPO's
+    masking state and the generators (vLLM's request seeds derive from the step, so rollouts
+    repeat too)."""
     return {"step": step, "sampler": sampler.state_dict(), "history": history.state_dict(),
-            "rng": rng.bit_generator.state, "rng_state": infra.rng_state()}
+            "aepo": aepo.state_dict(), "rng": rng.bit_generator.state,
+            "rng_state": infra.rng_state()}
 
 
 def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimizer, llm,
                     device: torch.device, sampler: ClusterSampler, history: HistoryMemory,
-                    rng: np.random.Generator) -> int:
+                    rng: np.random.Generator, aepo: AEPO) -> int:
     """Restore the checkpoint --resume found (then the engine gets the restored weights), and write
     the run's config beside its metrics; returns the step reached (0 for a fresh run)."""
     rank, world, step = dist.get_rank(), dist.get_world_size(), 0
@@ -3395,6 +3684,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
         step = saved["step"]
         sampler.load_state_dict(saved["sampler"])
         history.load_state_dict(saved["history"])
+        aepo.load_state_dict(saved.get("aepo", {"masking": False}))  # absent: saved before AEPO
         rng.bit_generator.state = saved["rng"]
         infra.set_rng_state(saved["rng_state"])
         sync_weights(llm, weights_to_sync(policy, compute_dtype(device),
@@ -3435,15 +3725,21 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    # sizes only: resume_checkpoint read the checksums moments ago
-    infra.check_checkpoint(path, world, ranks=())
+    # sizes, and the CRC-32 of what every rank's DCP reads first: resume_checkpoint read the
+    # other checksums moments ago, each rank its own files
+    meta = infra.check_checkpoint(path, world, ranks=(), also=(".metadata",))
     state = {"model": get_model_state_dict(policy),
              "optim": get_optimizer_state_dict(policy, optimizer)}
     rank_state = infra.load_rank_state(path, rank)  # plain data, unpickled safely (weights_only)
+    if rank_state.get("step") != meta["step"]:
+        raise infra.CheckpointError(f"{path}: rank{rank}.pt holds step "
+                                    f"{infra.shown(rank_state.get('step'))}, meta.json "
+                                    f"{meta['step']}")
+    # DCP reads .metadata and its non-tensor entries with plain pickle, and torch 2.13 has no safe
+    # mode: infra.checkpoint_reader admits DCP's own records and plain values only
+    reader, planner = infra.checkpoint_reader(path)
     try:
-        # DCP unpickles .metadata (and non-tensor entries) with plain pickle and has no safe mode
-        # in torch 2.13: meta.json's checksums catch damage there, not a forged file
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=reader, planner=planner)
     # a truncated or foreign file; DCP's CheckpointException is a BaseException, not an Exception
     except (Exception, dcp.api.CheckpointException) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -8,10 +8,13 @@ import copy
 import json
 import math
 import os
+import pickle
 import re
+import shlex
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +214,44 @@ def test_loader_errors_name_file_position_and_field(tmp_path, name, index, mutat
     message = str(err.value)
     assert message.startswith(f"{path}, {where}, field {field!r}: expected"), message
     assert words in message
+
+
+@pytest.mark.parametrize("name, index, mutate, where, message", [
+    ("hotpotqa.jsonl", 1, lambda r: r.update(answers=["Hamburg", "<your answer>"]),
+     "line 2, field 'answers[1]'", "'<your answer>' is a template's placeholder, not a text"),
+    ("frames.jsonl", 0, lambda r: r.update(Answer="<answer>"), "line 1, field 'Answer'",
+     "'<answer>' is a template's placeholder"),
+    ("musique.jsonl", 2, lambda r: r.update(context="\u200b\u200b\u2060\n"),
+     "line 3, field 'context'", "holds only invisible characters"),
+    ("longbench_v2.json", 2, lambda r: r.update({f"choice_{x}": "Same" for x in "ABCD"}),
+     "item 2, field 'choice_", "the same text as the answer, choice_"),
+    ("hotpotqa.jsonl", 3, lambda r: r.update(_id="hotpotqa-fixture-0001"), "line 4",
+     "id 'hotpotqa-fixture-0001' repeats ({path}, line 2)"),
+])
+def test_eval_items_nothing_can_be_scored_against_are_refused(tmp_path, name, index, mutate,
+                                                              where, message):
+    """Items that load but cannot be used: a gold that is a template's placeholder, a context of
+    zero-width characters, four identical options (every letter right), an id that repeats (the
+    question counts twice in pass@k). The file, the place and the field are named."""
+    path = mutated_fixture(tmp_path, name, index, mutate)
+    with pytest.raises(infra.EvalDataError) as e:
+        infra.load_eval_data([path])
+    assert str(e.value).startswith(f"{path}, {where}"), e.value
+    assert message.format(path=path) in str(e.value), e.value
+
+
+def test_the_same_eval_file_twice_is_refused(tmp_path):
+    """A benchmark file given twice (under another name too) would count every question twice; the
+    same file read as two benchmarks pools apart, and loads."""
+    path = str(FIXTURES / "hotpotqa.jsonl")
+    shutil.copy(path, tmp_path / "hotpotqa.jsonl")
+    (tmp_path / "again.jsonl").symlink_to(tmp_path / "hotpotqa.jsonl")
+    for specs in ([path, path], [str(tmp_path / "hotpotqa.jsonl"), str(tmp_path / "again.jsonl")],
+                  [path, f"hotpotqa:{path}"]):
+        with pytest.raises(infra.EvalDataError) as e:
+            infra.load_eval_data(specs)
+        assert str(e.value) == f"{specs[1]}: the same hotpotqa file as {specs[0]}, given twice"
+    assert len(infra.load_eval_data([path, f"musique:{path}"])) == 8
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -605,13 +646,19 @@ def test_bucketed_sync_matches_unbucketed(tmp_path, nproc, shard_size):
 # ------------------------------------------------------------------------------------------------
 
 def test_tensor_parallel_owners():
-    """Tensor-parallel rollouts: sequences named by a group's first rank spread over that group's
-    ranks, longest first to the least loaded, in order; with k = 1 nothing moves."""
+    """Tensor-parallel rollouts: groups named by an engine's first rank spread over that engine's
+    ranks, whole, most tokens first to the least loaded; with k = 1 nothing moves."""
     ranks, lengths = [0, 0, 2, 0, 0, 0], [3, 5, 7, 1, 4, 3]
-    # group 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
-    # group 1: 7 -> rank 2
-    assert infra.tensor_parallel_owners(ranks, lengths, 2) == [1, 0, 2, 1, 1, 0]
-    assert infra.tensor_parallel_owners([0, 1, 3], [3, 5, 2], 1) == [0, 1, 3]
+    groups = ["a", "b", "c", "d", "e", "f"]  # one sequence each: as sequences, longest first
+    # engine 0 (ranks 0, 1): 5 -> 0, 4 -> 1, 3 -> 1, 3 -> 0, 1 -> 1 (loads 8 and 8);
+    # engine 1: 7 -> rank 2
+    assert infra.tensor_parallel_owners(ranks, lengths, groups, 2) == [1, 0, 2, 1, 1, 0]
+    assert infra.tensor_parallel_owners([0, 1, 3], [3, 5, 2], "xyz", 1) == [0, 1, 3]
+    # groups a (3 + 1 + 3 = 7 tokens) and b (5 + 4 = 9): b -> 0, a -> 1, each whole
+    assert infra.tensor_parallel_owners(ranks, lengths, ["a", "b", "c", "a", "b", "a"], 2) == \
+        [1, 0, 2, 1, 0, 1]
+    with pytest.raises(AssertionError, match="a group spans engines"):
+        infra.tensor_parallel_owners([0, 2], [1, 1], ["a", "a"], 2)
 
 
 def test_token_fingerprint_and_group_check():
@@ -768,7 +815,8 @@ def test_each_rank_checksums_the_files_it_wrote(tmp_path):
             == [0, 0, 1, 1, 0, 1])
     files = {**infra.seal_files(step, 0), **infra.seal_files(step, 1)}
     assert len(files) == 6
-    (step / "meta.json").write_text(json.dumps({"step": 1, "world": 2, "files": files}))
+    (step / "meta.json").write_text(json.dumps(infra.sealed_meta({"step": 1, "world": 2,
+                                                                  "files": files})))
     flip_middle_byte(step / "__1_1.distcp")
     infra.check_checkpoint(step, world=2, ranks=[0])
     for ranks in ([1], None):
@@ -816,10 +864,11 @@ def deadline(seconds: int):
 
 
 def set_files(step: Path, **files: dict) -> None:
-    """Change the files that step's meta.json records."""
+    """Change the files that step's meta.json records, as a forger would: with meta.json's own
+    checksum made anew."""
     meta = json.loads((step / "meta.json").read_text())
     meta["files"].update(files)
-    (step / "meta.json").write_text(json.dumps(meta))
+    (step / "meta.json").write_text(json.dumps(infra.sealed_meta(meta)))
 
 
 def test_meta_json_names_only_files_of_the_checkpoint(tmp_path):
@@ -838,7 +887,7 @@ def test_meta_json_names_only_files_of_the_checkpoint(tmp_path):
                                 "not a file of the checkpoint folder"), e.value
         meta = json.loads((step / "meta.json").read_text())
         del meta["files"][name]
-        (step / "meta.json").write_text(json.dumps(meta))
+        (step / "meta.json").write_text(json.dumps(infra.sealed_meta(meta)))
     assert infra.check_checkpoint(step, world=1)["step"] == 1
 
 
@@ -1002,6 +1051,193 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
     assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) == step
     assert (out_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert "dropped 1 line(s) of metrics.jsonl logged after step 1" in capsys.readouterr().out
+
+
+def test_step_folders_without_latest_are_refused_and_the_metrics_kept(tmp_path):
+    """`latest` is written last: a run whose pointer is gone (a crash just before it, a stray rm)
+    still holds its checkpoints. --resume used to start over and drop every metrics line; now it
+    names the newest folder and changes nothing."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    for step in (1, 2):
+        tiny_checkpoint(out_dir, step=step)
+    pointer = out_dir / "checkpoints" / "latest"
+    pointer.unlink()
+    (out_dir / "checkpoints" / "step_000003.tmp").mkdir()  # a save cut short: not a checkpoint
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    before = snapshot(out_dir)
+    with pytest.raises(infra.CheckpointError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert str(e.value) == (f"{pointer}: missing, though {pointer.parent} holds 2 step folder(s), "
+                            f"the newest step_000002; write the one to continue into it (echo "
+                            f"step_000002 > {pointer}), or start a new run in another "
+                            "log.out_dir"), e.value
+    assert snapshot(out_dir) == before
+    pointer.write_text("step_000002")  # as the message says
+    assert (infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+            == pointer.parent / "step_000002")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "folder", "link"])
+@pytest.mark.parametrize("resume", [True, False])
+def test_metrics_file_that_is_not_a_plain_file_is_refused(tmp_path, kind, resume):
+    """metrics.jsonl is where every step's line goes: a FIFO hung --resume (the trim reads it for
+    ever), a folder raised IsADirectoryError, a link to /dev/null swallowed every step. Refused
+    with one line, before anything starts, with or without --resume."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    tiny_checkpoint(out_dir)
+    path = out_dir / "metrics.jsonl"
+    {"FIFO": os.mkfifo, "folder": os.mkdir, "link": lambda p: p.symlink_to("/dev/null")}[kind](path)
+    before = snapshot(out_dir)
+    name = {"FIFO": "a FIFO", "folder": "a folder", "link": "a symbolic link"}[kind]
+    with deadline(10), pytest.raises(infra.ConfigError) as e:
+        infra.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
+    assert str(e.value) == (f"{path}: {name}, not a plain file; the run appends its metrics there "
+                            "(move it away, or choose another log.out_dir)"), e.value
+    assert snapshot(out_dir) == before and os.path.lexists(path)
+
+
+def edit_meta(folder: Path, reseal: bool, **changes) -> None:
+    """Change keys of a checkpoint's meta.json by hand; `reseal` also makes its own checksum anew,
+    as a forger would."""
+    meta = {**json.loads((folder / "meta.json").read_text()), **changes}
+    (folder / "meta.json").write_text(json.dumps(infra.sealed_meta(meta) if reseal else meta))
+
+
+@pytest.mark.parametrize("changes", [{"step": 2}, {"step": -3}, {"fingerprint": {}},
+                                     {"world": 1, "step": 1}])
+def test_edited_meta_json_is_refused(tmp_path, changes):
+    """meta.json records its own CRC-32 (infra.meta_checksum): a step moved forward (resume trims
+    the metrics after it) or negative (every line dropped), an emptied fingerprint (every config
+    would resume), any edit at all is refused, metrics untouched. The same values with the checksum
+    made anew meet the step and fingerprint checks; the last case (the saved values) changes
+    nothing and resumes."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    step = tiny_checkpoint(out_dir, cfg=copy.deepcopy(cfg))
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    edit_meta(step, False, **changes)
+    edited = changes != {"world": 1, "step": 1}
+    if not edited:  # the same values: json.dumps wrote the same text
+        assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) == step
+        return
+    before = snapshot(out_dir)
+    with pytest.raises(infra.CheckpointError, match=re.escape(
+            f"{step}: meta.json was changed after it was saved (CRC-32 ")):
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    edit_meta(step, True)  # the forger's checksum
+    message = (f"meta.json says step {changes['step']}, not the step of its folder's name"
+               if "step" in changes else "meta.json records no run fingerprint")
+    with pytest.raises(infra.CheckpointError, match=re.escape(f"{step}: {message}")):
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert snapshot(out_dir) == {**before, "checkpoints/step_000001/meta.json":
+                                 (step / "meta.json").read_bytes()}
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: what a planted checkpoint file could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def reseal_files(step: Path) -> None:
+    """meta.json's records of every file made anew (sizes, CRC-32 and its own checksum): a planted
+    file the size and checksum checks cannot tell from the run's own."""
+    files = {k: v for k, v in infra.seal_files(step, 0).items() if k != "meta.json"}
+    set_files(step, **files)
+
+
+@pytest.mark.parametrize("where", [".metadata", "entry"])
+def test_planted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path, where):
+    """torch.distributed.checkpoint unpickles .metadata and its non-tensor entries with plain
+    pickle. With meta.json's records forged to match, the checksums cannot help: what stops the
+    code is infra.checkpoint_reader, which admits DCP's own records and plain values only. Before
+    it, both plants ran their command (measured: the marker file appeared)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    marker = tmp_path / "the_plant_ran"
+    step = tiny_checkpoint(tmp_path / "run")
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    if where == ".metadata":
+        (step / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+        message = (".metadata cannot be read safely (names 'posix.system', which no DCP "
+                   "checkpoint holds)")
+    else:  # the optimiser's learning rate, a non-tensor entry of a .distcp file
+        model(torch.ones(2, 64)).sum().backward()
+        optimizer.step()
+        state = get_optimizer_state_dict(model, optimizer)
+        state["param_groups"][0]["lr"] = RunsCode(marker)
+        for p in [*step.glob("*.distcp"), step / ".metadata"]:
+            p.unlink()
+        with warnings.catch_warnings():  # no process group: DCP says it saves as one process
+            warnings.simplefilter("ignore")
+            dcp.save({"model": get_model_state_dict(model), "optim": state},
+                     checkpoint_id=str(step))
+        message = ("cannot be read (_pickle.UnpicklingError: the entry optim.param_groups.0.lr "
+                   "cannot be read safely (Trying to load unsupported GLOBAL posix.system")
+    reseal_files(step)
+    infra.check_checkpoint(step, world=1)  # every record matches: only the reader can refuse
+    with pytest.raises(infra.CheckpointError, match=re.escape(f"{step}: {message}")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fresh = torch.nn.Linear(64, 32)
+            spell.load_checkpoint(step, fresh, torch.optim.AdamW(fresh.parameters()), 0, 1)
+    assert not marker.exists()
+
+
+def test_rank_state_of_another_step_is_refused(tmp_path):
+    """A rank's own state (sampler, history, generators) must be the step meta.json names: a
+    rank0.pt copied from another checkpoint would continue another step's walk."""
+    step = tiny_checkpoint(tmp_path / "run")
+    torch.save({"step": 5}, step / "rank0.pt")
+    reseal_files(step)
+    model = torch.nn.Linear(64, 32)
+    with pytest.raises(infra.CheckpointError,
+                       match=re.escape(f"{step}: rank0.pt holds step 5, meta.json 1")):
+        spell.load_checkpoint(step, model, torch.optim.AdamW(model.parameters()), 0, 1)
+    torch.save({"step": 1}, step / "rank0.pt")
+    reseal_files(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert spell.load_checkpoint(step, model, torch.optim.AdamW(model.parameters()), 0, 1) \
+            == {"step": 1}
+
+
+@pytest.mark.parametrize("where", ["through a file", "5000 characters", "/proc"])
+def test_out_dir_that_cannot_take_files_is_refused_at_launch(tmp_path, monkeypatch, where):
+    """log.out_dir is tried at launch (infra.check_out_dir: a probe file written and removed),
+    before the process group, vLLM or the model: each of these used to fail at the first write,
+    after them. (The tests run as root, whom a folder's permission bits do not stop.)"""
+    blocker = tmp_path / "a file"
+    blocker.write_text("keep me")
+    out_dir = {"through a file": blocker / "run", "5000 characters": tmp_path / ("x" * 5000),
+               "/proc": Path("/proc/spell-run")}[where]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={out_dir}"])
+    reason = {"through a file": "Not a directory", "5000 characters": "File name too long",
+              "/proc": "No such file or directory"}[where]
+    assert str(e.value) == f"log.out_dir {infra.shown(str(out_dir))}: cannot write there ({reason})"
+    assert snapshot(tmp_path) == before
+
+
+def test_out_dir_probe_leaves_nothing_behind(tmp_path):
+    """A writable log.out_dir: created if missing, and the probe file gone again."""
+    infra.check_out_dir(tmp_path / "new" / "run", rank=3)
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["run"]
+    assert list((tmp_path / "new" / "run").iterdir()) == []
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path):
