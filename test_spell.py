@@ -2640,6 +2640,178 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
 
 
 # ------------------------------------------------------------------------------------------------
+# 8b. The LM head in one pass (fused_head): on-policy, kernels.fused_logprob_loss
+# ------------------------------------------------------------------------------------------------
+
+def random_loss_inputs(seed: int, n: int = 40) -> tuple[torch.Tensor, ...]:
+    """(advantages, weights, seq_ids), (n,) each, as micro_batch_loss builds them: 5 sequences of
+    irregular lengths, each with one advantage and one weight at all its tokens; the last weight 0
+    (a dummy sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_ids = torch.sort(torch.randint(0, 5, (n,), generator=g)).values
+    advantages = torch.randn(5, generator=g)[seq_ids]
+    weights = (torch.rand(5, generator=g) * torch.tensor([1.0, 1, 1, 1, 0]))[seq_ids]
+    return advantages, weights, seq_ids
+
+
+@pytest.mark.parametrize("name", sorted(spell.LINEAR_POLICY_LOSSES))
+def test_linear_policy_losses_have_one_gradient_on_policy(name):
+    """Each entry of LINEAR_POLICY_LOSSES is what fused_head assumes: on-policy (old = log pi) its
+    gradient in log pi is the same at any log-probs, bitwise (the ratio is exp(0) = 1 exactly),
+    and for the three built in it is Eq. 12's -w_t A_t."""
+    assert spell.LINEAR_POLICY_LOSSES <= set(spell.POLICY_LOSSES)
+    cfg = spell.Config()
+    cfg.train.policy_loss = name
+    advantages, weights, seq_ids = random_loss_inputs(seed=0)
+    g = torch.Generator().manual_seed(1)
+    points = [torch.zeros(40), -12 * torch.rand(40, generator=g),
+              -0.01 * torch.rand(40, generator=g)]
+    grads = [spell.logprob_gradient(cfg, x, x, advantages, weights, seq_ids) for x in points]
+    assert all(torch.equal(grads[0], other) for other in grads[1:])
+    if name in ("grpo", "gspo", "cispo"):
+        # fp32: -w A rounds once (PPO's min passes half to each branch, and A / 2 + A / 2 is
+        # exact); GSPO's per-sequence sum of k equal terms, divided by k, adds a few ulps (4 u32)
+        torch.testing.assert_close(grads[0], -advantages * weights, rtol=2.4e-7, atol=0)
+
+
+def quadratic_loss(logp, old_logp, advantages, weights, seq_ids, clip_low=0.2, clip_high=0.2):
+    """A policy loss that is not linear in log pi: Eq. 12's plus a pull of every log pi towards 0
+    (d loss / d log pi = -w A + w log pi, which moves with log pi)."""
+    loss, stats = spell.grpo_loss(logp, old_logp, advantages, weights, seq_ids, clip_low,
+                                  clip_high)
+    return loss + 0.5 * (weights * logp ** 2).sum(), stats
+
+
+def head_paths(monkeypatch) -> list[str]:
+    """Record which LM-head entry point micro_batch_loss calls ("fused": kernels.fused_logprob_loss,
+    "two-pass": kernels.fused_logprob), and run it on the chunked torch twin: the path is what the
+    caller asks for. The Triton kernels themselves are pinned in test_kernels.py and below."""
+    import kernels
+
+    calls = []
+    plain, fused = kernels.fused_logprob, kernels.fused_logprob_loss
+
+    def two_pass_spy(*args, backend="auto", **kw):
+        calls.append("two-pass")
+        return plain(*args, backend="torch", **kw)
+
+    def fused_spy(*args, backend="auto", **kw):
+        calls.append("fused")
+        return fused(*args, backend="torch", **kw)
+
+    monkeypatch.setattr(kernels, "fused_logprob", two_pass_spy)
+    monkeypatch.setattr(kernels, "fused_logprob_loss", fused_spy)
+    return calls
+
+
+# (what is set, the LM-head path every training micro-batch takes)
+HEAD_PATH_CASES = [
+    ({}, "fused"),  # the paper's update: one optimiser step, Eq. 12, no correction
+    ({"policy_loss": "gspo"}, "fused"),
+    ({"policy_loss": "cispo"}, "fused"),
+    ({"logprob_impl": "torch"}, "two-pass"),  # the torch twin has no one-pass form
+    ({"ppo_epochs": 2}, "two-pass"),  # the second pass's ratio is no longer 1
+    ({"mini_batches": 2}, "two-pass"),  # nor the second mini-batch's
+    # min(rho, C) and the mask read the trainer's log-prob: c_t is unknown before the forward
+    ({"rollout_correction": "tis"}, "two-pass"),
+    ({"rollout_correction": "mask"}, "two-pass"),
+    ({"policy_loss": "quadratic"}, "two-pass"),  # a POLICY_LOSSES entry not declared linear
+]
+
+
+@pytest.mark.parametrize("case", range(len(HEAD_PATH_CASES)))
+def test_head_path_of_each_update_kind(case, monkeypatch):
+    """update_policy takes the one-pass LM head exactly where c_t is known before the forward,
+    and the two-pass path in every case fused_head excludes, for every micro-batch (the
+    no-gradient pass for the old log-probs included)."""
+    overrides, path = HEAD_PATH_CASES[case]
+    monkeypatch.setitem(spell.POLICY_LOSSES, "quadratic", quadratic_loss)
+    cfg = spell.Config()
+    cfg.train.logprob_impl, cfg.train.micro_batch_tokens, cfg.train.grad_clip = "triton", 4096, 1e9
+    for key, value in overrides.items():
+        setattr(cfg.train, key, value)
+    assert spell.fused_head(cfg) == (path == "fused")
+    batch = update_batch()[:4]  # two groups: one per mini-batch when there are two
+    seqs = [s._replace(mini_batch=i // 3 if cfg.train.mini_batches == 2 else 0)
+            for i, s in enumerate(batch)]
+    calls = head_paths(monkeypatch)
+    model = tiny_llama()
+    spell.update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), seqs, cfg, 1,
+                        torch.device("cpu"))
+    assert calls and set(calls) == {path}, calls
+
+
+def test_a_loss_declared_linear_that_is_not_stops_the_run(monkeypatch):
+    """A nonlinear loss listed in LINEAR_POLICY_LOSSES would get the gradient at log pi = 0, not
+    at the trained log-probs: micro_batch_loss compares the two and stops with the loss's name."""
+    monkeypatch.setitem(spell.POLICY_LOSSES, "quadratic", quadratic_loss)
+    monkeypatch.setattr(spell, "LINEAR_POLICY_LOSSES", {"quadratic"})
+    head_paths(monkeypatch)
+    cfg = spell.Config()
+    cfg.train.logprob_impl, cfg.train.policy_loss = "triton", "quadratic"
+    with pytest.raises(AssertionError, match="'quadratic' is not linear.*LINEAR_POLICY_LOSSES"):
+        spell.micro_batch_loss(tiny_llama(), update_batch()[:3], None, cfg, torch.device("cpu"))
+
+
+def head_gradients(arch: str, cfg: spell.Config, seqs: list[spell.Seq]):
+    """micro_batch_loss on a fresh tiny model, its backward from 3 x the loss (so the kernel's
+    backward must apply the incoming scalar): the loss, log-probs, stats, parameter gradients, and
+    the FLOPs torch's counter sees in the forward and in the backward (it sees no Triton kernel:
+    only the torch GEMMs around them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_llama(arch=arch)
+    with FlopCounterMode(display=False) as forward_flops:
+        loss, logp, stats = spell.micro_batch_loss(model, seqs, None, cfg, torch.device("cpu"))
+    with FlopCounterMode(display=False) as backward_flops:
+        (3 * loss).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (loss.detach(), logp, stats, grads, forward_flops.get_total_flops(),
+            backward_flops.get_total_flops())
+
+
+# (architecture, train.shared_prefix, train.policy_loss): each loss, both architectures, both row
+# layouts (a shared prompt's answers read the head at `index` positions spread over the row)
+FUSED_HEAD_CASES = [("llama", True, "grpo"), ("qwen2", True, "cispo"), ("llama", False, "gspo")]
+
+
+@pytest.mark.parametrize("arch,shared,loss_name", FUSED_HEAD_CASES)
+def test_fused_head_equals_the_two_pass_head(arch, shared, loss_name, monkeypatch):
+    """The update's LM head in one pass (kernels.fused_logprob_loss, dX and dW made in the forward)
+    and in two (kernels.fused_logprob, its backward a second pass over the vocabulary) give the
+    same loss, log-probs, logged stats and parameter gradients, through a real tiny Llama / Qwen2
+    (head_dim 64, fp32, Triton under its interpreter on CPU). And the head's GEMMs moved: the
+    torch GEMMs that make dX and dW (4 N H V FLOPs) run in the forward on the one-pass path, in
+    the backward on the two-pass one, which also recomputes the logits there in Triton (2 N H V,
+    invisible to the counter): 6 N H V against 8."""
+    cfg = spell.Config()
+    cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
+    cfg.train.shared_prefix, cfg.train.policy_loss = shared, loss_name
+    assert spell.fused_head(cfg)
+    one = head_gradients(arch, cfg, update_batch())
+    monkeypatch.setattr(spell, "fused_head", lambda cfg: False)  # the path before fused_head
+    two = head_gradients(arch, cfg, update_batch())
+    # the same kernel tiles make the log-probs on both paths (test_kernels.py: bitwise), and the
+    # loss and stats are the same functions of them
+    assert torch.equal(one[1], two[1])
+    assert one[0].item() == two[0].item() and one[2] == two[2]
+    n, h, v = one[2]["tokens"], 128, 1000
+    assert one[4] - two[4] == 4 * n * h * v, "the one-pass forward makes dX and dW"
+    assert two[5] - one[5] == 4 * n * h * v, "the one-pass backward makes neither"
+    # fp32. The paths differ in where the scalar 3 enters: into each token's upstream gradient
+    # 3 c_t (two-pass), or onto dX and dW after the head's GEMMs (one-pass), one rounding each
+    # side. So dZ differs by 2 u32 relative, and the GEMMs over it, with V = 1000 terms the
+    # longest sums in the gradient, round typically sqrt(V) u32 of the tensor's scale; the
+    # decoder's backward is linear in dX and sums fewer terms (H = 128 and the row). 8 sqrt(V)
+    # u32 x scale leaves 4x over those (measured: 3e-7 at scale 0.6, 5e-7 of it).
+    scale = max(g.abs().max().item() for g in two[3].values())
+    assert scale > 1e-3, "a gradient this small would pass as rounding"
+    diff = max((one[3][k] - two[3][k]).abs().max().item() for k in two[3])
+    print(f"METRIC fused_head_{arch}_{loss_name}_max_abs_diff={diff:.3g} (scale {scale:.3g})")
+    assert diff <= 8 * math.sqrt(v) * 2.0 ** -24 * scale
+
+
+# ------------------------------------------------------------------------------------------------
 # 9. The cluster sampler
 # ------------------------------------------------------------------------------------------------
 
