@@ -49,7 +49,8 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
-  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES
+  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES (and LINEAR_POLICY_LOSSES,
+                           the ones the LM head trains in one pass: fused_head)
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
   a config key ........... the dataclasses below (a comment on the field documents it for
@@ -270,7 +271,8 @@ class TrainConfig:
     # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
     # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
     sequence_parallel: int = 1
-    logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
+    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
+    logprob_impl: Literal["torch", "triton"] = "torch"
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
     seed: int = 42  # every draw and vLLM's sampling derive from it (a run repeats)

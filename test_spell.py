@@ -2541,10 +2541,14 @@ def rank_share(batch: list[spell.Seq], rank: int, world: int) -> list[spell.Seq]
 
 # (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing,
 # train.shared_prefix). Shared: a group's prompt once in the row; a budget of 1 splits every group
-# into one answer per micro-batch, 64 some of them
+# into one answer per micro-batch, 64 some of them. On this on-policy update "triton" trains the
+# LM head in one pass (spell.fused_head); "triton-two-pass" is Triton with the rollout correction
+# "tis", which sends it down the two-pass path with the same loss (the batch has no vLLM log-probs,
+# so rho = 1 and min(rho, C) = 1)
 UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, True),
                    ("sgd_all_in_one", 4096, "torch", "sgd", False, True),
                    ("sgd_triton", 64, "triton", "sgd", False, True),
+                   ("sgd_triton_two_pass", 64, "triton-two-pass", "sgd", False, True),
                    ("sgd_checkpointed", 64, "torch", "sgd", True, True),
                    ("sgd_unshared", 64, "torch", "sgd", False, False),
                    ("sgd_unshared_triton_checkpointed", 64, "triton", "sgd", True, False),
@@ -2557,8 +2561,10 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
     groups of 2), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
-    with different micro-batch sizes, both log-prob paths, shared prefixes and checkpointing, gives
-    the gradient of the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    with different micro-batch sizes, both log-prob paths (the Triton one with its LM head in one
+    pass and in two), shared prefixes and checkpointing, gives the gradient of the global loss
+    -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1). And in bf16 compute, where FSDP2 casts
+    a forward method's floating-point inputs, the one-pass head gets its coefficients whole."""
     results = {}
     for key, nproc, shard, sp in (("1", 1, 0, 1), ("2", 2, 0, 1), ("4", 4, 2, 1),
                                   ("sp2", 2, 0, 2), ("sp2xdp2", 4, 0, 2)):
@@ -2569,7 +2575,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # the gradient of the same global loss by autograd
     model = tiny_llama()
     loss = 0.0
-    for prompt, completion, a, w, _ in update_batch():
+    for prompt, completion, a, w, *_ in update_batch():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         loss = loss - w * a * token_logprobs(logits, torch.tensor(completion), 0.7).sum()
     loss.backward()
@@ -2596,6 +2602,22 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
         # from_pretrained returns it; without checkpointing, once
         calls = res["layer_calls"]
         assert calls["sgd_checkpointed"] == 2 * calls["sgd_triton"] > 0, calls
+        # each micro-batch's LM head took the path its variant names
+        for name, _, impl, *_ in UPDATE_VARIANTS:
+            path = "fused" if impl == "triton" else "two-pass"
+            assert set(res["head_paths"][name]) == {path}, (nproc, name, res["head_paths"][name])
+        # bf16 compute, both head paths: the logits are fp32 sums of bf16 operands either way and
+        # dZ is fp32 (the CPU upcasts 16-bit GEMM operands); dX and dW are rounded to bf16 once on
+        # the two-pass path, and on the one-pass path once more when scaled by the world size
+        # (exact for 1, 2 and 4). Rounding dX differently by u_bf16 = 2^-9 relative, the bf16
+        # decoder's backward then rounds every product of its own (u_bf16 each): 8 u_bf16 x scale
+        # bounds a few such roundings in the sums. A coefficient of the wrong sign or without its
+        # weight moves the gradient by its scale; one rounded to bf16 in FSDP2's cast of the
+        # forward's inputs only by u_bf16, so the coefficients the kernel got are checked whole.
+        diff, scale, whole = res["bf16_head"]
+        print(f"METRIC bf16_fused_head_{nproc}rank_max_abs_diff={diff:.3g} (scale {scale:.3g})")
+        assert scale > 1e-3 and diff <= 8 * 2.0 ** -9 * scale, (nproc, diff, scale)
+        assert whole, "the one-pass head got coefficients rounded on the way (FSDP2's input cast)"
     # AdamW with an active gradient clip: the same clipped gradient on 1 and 2 ranks, read from the
     # first moment. Not the parameters: Adam's first step lr g / (|g| + eps) is about lr sign(g)
     # whatever the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where
@@ -4167,6 +4189,68 @@ def worker_export_vllm(export: str) -> None:
     print(f"METRIC export_question_ok={int(spell.parse_question(out.text, 'doc_qa') is not None)}")
 
 
+def head_path_log() -> list[str]:
+    """The LM-head entry point each call of the update takes, in order: "fused" for
+    kernels.fused_logprob_loss, "two-pass" for kernels.fused_logprob (wrapped; they still run)."""
+    import kernels
+
+    log = []
+    plain, fused = kernels.fused_logprob, kernels.fused_logprob_loss
+
+    def logged(fn, path):
+        def call(*args, **kwargs):
+            log.append(path)
+            return fn(*args, **kwargs)
+        return call
+
+    kernels.fused_logprob = logged(plain, "two-pass")
+    kernels.fused_logprob_loss = logged(fused, "fused")
+    return log
+
+
+def bf16_head_gap(mesh, sp_group, batch: list[spell.Seq], rank: int,
+                  world: int) -> tuple[float, float, bool]:
+    """The tiny Llama sharded with bf16 compute (FSDP2 then casts floating-point inputs of
+    completion_logprobs to bf16): one micro-batch of this rank's share of the batch through the
+    Triton LM head in one pass and in two, backward from world x the loss as update_policy does.
+    Returns the largest gap between the two paths' full gradients, their scale, and whether the
+    kernel received every coefficient whole: fp32 -A_i w_i (Eq. 12's, exactly: see
+    test_linear_policy_losses_have_one_gradient_on_policy), not rounded to bf16 on the way."""
+    import torch.distributed as dist
+
+    import kernels
+
+    grads, received = [], []
+    fused_loss = kernels.fused_logprob_loss
+
+    def receiving(hidden, weight, targets, coef, *args, **kwargs):
+        received.append(coef)
+        return fused_loss(hidden, weight, targets, coef, *args, **kwargs)
+
+    kernels.fused_logprob_loss = receiving
+    for fused in (True, False):
+        cfg = spell.Config()
+        cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
+        cfg.train.rollout_correction = "none" if fused else "tis"  # rho = 1: the same loss
+        cfg.train.sequence_parallel = 1 if sp_group is None else sp_group.size()
+        assert spell.fused_head(cfg) == fused
+        policy = spell.shard_policy(tiny_llama(), mesh, param_dtype=torch.bfloat16)
+        if sp_group is not None:
+            infra.enable_sequence_parallel(policy, sp_group, "sdpa")
+        mine = spell.sequence_parallel_batch(rank_share(batch, rank, world), policy)
+        loss, _, _ = spell.micro_batch_loss(policy, mine, None, cfg, torch.device("cpu"))
+        (loss * world).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in policy.named_parameters()})
+    kernels.fused_logprob_loss = fused_loss
+    diff = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1])
+    scale = max(g.abs().max().item() for g in grads[1].values())
+    eq12 = {(-torch.tensor(s.advantage) * torch.tensor(s.weight)).item() for s in mine}
+    whole = (len(received) == 1 and received[0].dtype == torch.float32
+             and set(received[0].tolist()) <= eq12)
+    dist.barrier()
+    return diff, scale, whole
+
+
 def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str = "1") -> None:
     """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the
     mesh of train.fsdp_shard_size = shard_size, with train.sequence_parallel ranks to a row (the
@@ -4181,11 +4265,13 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     sp = int(sequence_parallel)
     sp_group = infra.sp_group(world, sp) if sp > 1 else None  # every rank, once, in order
     batch = update_batch()
-    results = {"layer_calls": {}}
+    results = {"layer_calls": {}, "head_paths": {}}
+    paths = head_path_log()
     for name, budget, impl, opt, checkpointing, shared in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
-        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
+        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl.split("-")[0]
+        cfg.train.rollout_correction = "tis" if impl == "triton-two-pass" else "none"
         cfg.train.shared_prefix, cfg.train.sequence_parallel = shared, sp
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
@@ -4204,8 +4290,10 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
             mine = spell.balance_sequences(batch if rank == 0 else [], cfg)
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
         mine = spell.sequence_parallel_batch(mine, policy)
+        paths.clear()
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
+        results["head_paths"][name] = list(paths)
         results.setdefault("logged", {})[name] = {k: stats[k] for k in ("loss", "entropy_sum",
                                                                        "tokens", "clipfrac")}
         after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
@@ -4214,6 +4302,7 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
             results["grad_norm"] = stats["grad_norm"]
             results["adamw_exp_avg"] = {n: optimizer.state[p]["exp_avg"].full_tensor()
                                         for n, p in policy.named_parameters()}
+    results["bf16_head"] = bf16_head_gap(mesh, sp_group, batch, rank, world)
     if rank == 0:
         torch.save(results, out_file)
     # Tear the group down together: left to interpreter exit, a gloo rank can abort in its
