@@ -2534,8 +2534,9 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
         zero = torch.zeros_like(advantages)
         coef = logprob_gradient(cfg, zero, zero, advantages, weights, seq_ids)
     # (n,) each; head_loss = sum_t c_t log pi(y_t), carrying the head's gradient (None: two-pass)
-    logp, entropy, head_loss = rank_logprobs(policy, packed, cfg.rollout.temperature,
-                                             t.logprob_impl, coef)
+    logp, entropy, which, head_loss = rank_logprobs(policy, packed, cfg.rollout.temperature,
+                                                    t.logprob_impl, coef)
+    assert torch.equal(which, mine), "the LM head ran on other targets than rank_targets named"
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
     old = logp.detach() if old_logp is None else old_logp
     # (n,) vLLM's log-probs; a sequence without them (a dummy) counts as sampled by `old`
@@ -3356,16 +3357,15 @@ def rank_targets(model, packed: dict) -> torch.Tensor:
 
 def rank_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
                   coef: torch.Tensor | None = None):
-    """This rank's share of a packed row's completion tokens (rank_targets): log pi and entropy
-    (detached), (n,) each, and with coef (n,) for those tokens the head's loss, else None. All N of
-    them, or under sequence parallelism (train.sequence_parallel: model.sp_group) those its shard
-    of the row predicts (infra.sp_completion_logprobs; the group's ranks together cover each
-    once)."""
+    """This rank's share of a packed row's completion tokens: log pi, entropy (detached) and their
+    places among the row's N targets, (n,) each, and with coef (n,) for those tokens (in
+    rank_targets' order) the head's loss, else None. All N of them, or under sequence parallelism
+    (train.sequence_parallel: model.sp_group) those its shard of the row predicts
+    (infra.sp_completion_logprobs; the group's ranks together cover each once)."""
     if getattr(model, "sp_group", None) is None:
-        return packed_logprobs(model, packed, temperature, impl, coef)
-    logp, entropy, _, head_loss = infra.sp_completion_logprobs(model, packed, temperature, impl,
-                                                               coef=coef)
-    return logp, entropy, head_loss
+        logp, entropy, head_loss = packed_logprobs(model, packed, temperature, impl, coef)
+        return logp, entropy, torch.arange(len(logp), device=logp.device), head_loss
+    return infra.sp_completion_logprobs(model, packed, temperature, impl, coef=coef)
 
 
 def row_share(packed: dict, model) -> int:
