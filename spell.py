@@ -2503,8 +2503,8 @@ def fused_head(cfg: Config) -> bool:
     t = cfg.train
     return (t.logprob_impl == "triton"
             and t.ppo_epochs == 1 and t.mini_batches == 1  # past one step, c_t reads the ratio
-            # tis's min(rho, C) and mask's cut read rho = pi_trainer / pi_vLLM, the trainer's
-            # log-prob included: c_t is known only after the head's forward
+            # a rollout correction (tis's min(rho, C), a mask) reads rho = pi_trainer / pi_vLLM,
+            # the trainer's log-prob included: c_t is known only after the head's forward
             and t.rollout_correction == "none"
             and t.policy_loss in LINEAR_POLICY_LOSSES)
 
