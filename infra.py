@@ -1900,11 +1900,13 @@ def enable_sequence_parallel(model, group, inner: str) -> None:
 
 
 def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
-                           forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           forward=None, coef: torch.Tensor | None = None):
     """spell.packed_logprobs under sequence parallelism: this rank's share of the row's targets.
-    Returns log pi(target) and entropy (detached), (n,) fp32, and `which`, (n,): the (N,) targets
-    they belong to. The group's ranks together cover every target once. Every rank of the group
-    must call it (the all-to-alls are collectives), with the same packed row.
+    Returns log pi(target) and entropy (detached), (n,) fp32, `which`, (n,): the (N,) targets
+    they belong to, and the LM head's loss sum_t coef_t log pi(y_t) when `coef` (n,) gives this
+    rank's coefficients, in `which`'s order (else None). The group's ranks together cover every
+    target once. Every rank of the group must call it (the all-to-alls are collectives), with the
+    same packed row.
 
     forward: the decoder-plus-LM-head function (spell.completion_logprobs' signature); by default
     the FSDP2-registered model.completion_logprobs that spell.shard_policy installs.
@@ -1918,9 +1920,14 @@ def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = 
     forward = forward or model.completion_logprobs
     if isinstance(forward, types.FunctionType):  # a plain function: bind it to the model
         forward = types.MethodType(forward, model)
-    lp, ent = forward(shard["input_ids"].to(device), shard["position_ids"].to(device), mask,
-                      shard["index"].to(device), shard["targets"].to(device), temperature, impl)
-    return lp, ent.detach(), shard["which"].to(device)
+    assert coef is None or coef.shape == shard["which"].shape, \
+        f"{len(coef)} coefficients for the {len(shard['which'])} targets this rank's shard predicts"
+    # fp32 bit-cast to int32: FSDP2 would round a floating-point input to the compute dtype
+    bits = None if coef is None else coef.float().contiguous().view(torch.int32)
+    lp, ent, head_loss = forward(shard["input_ids"].to(device), shard["position_ids"].to(device),
+                                 mask, shard["index"].to(device), shard["targets"].to(device),
+                                 temperature, impl, bits)
+    return lp, ent.detach(), shard["which"].to(device), head_loss
 
 
 # ==================================================================================================

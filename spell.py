@@ -50,7 +50,8 @@ To fork, edit here (all above main(); the recipe presets in presets/ show keys c
   a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
-  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, AEPO
+  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES (LINEAR_POLICY_LOSSES: those
+                           the LM head trains in one pass, fused_head), ROLLOUT_CORRECTIONS, AEPO
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
   a config key ........... the dataclasses below (a comment on the field documents it for
@@ -284,7 +285,8 @@ class TrainConfig:
     # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
     # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
     sequence_parallel: int = 1
-    logprob_impl: Literal["torch", "triton"] = "torch"  # torch: chunked reference | triton: fused
+    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
+    logprob_impl: Literal["torch", "triton"] = "torch"
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
     seed: int = 42  # every draw and vLLM's sampling derive from it (a run repeats)
@@ -2448,6 +2450,27 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
     "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
+# The objectives whose on-policy gradient is the same at every log-prob: d loss / d log pi(y_t)
+# = c_t, set by the advantages and weights alone (the ratio is exp(0) = 1 wherever log pi is). On
+# those the LM head can train in one pass over the vocabulary, given c_t before its forward
+# (fused_head). A POLICY_LOSSES entry not listed here trains on the two-pass path, correctly; one
+# listed wrongly stops the run at its first micro-batch (micro_batch_loss checks c_t there).
+LINEAR_POLICY_LOSSES = {"grpo", "gspo", "cispo"}
+
+
+def logprob_gradient(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor,
+                     advantages: torch.Tensor, weights: torch.Tensor,
+                     seq_ids: torch.Tensor) -> torch.Tensor:
+    """d loss / d log pi(y_t) of POLICY_LOSSES[train.policy_loss] at the log-probs `logp`, by
+    autograd on (T,) tensors: no model, no vocabulary. All (T,)."""
+    t = cfg.train
+    with torch.enable_grad():
+        x = logp.detach().clone().requires_grad_()
+        loss, _ = POLICY_LOSSES[t.policy_loss](x, old_logp.detach(), advantages, weights, seq_ids,
+                                               t.clip_low, t.clip_high)
+        (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return torch.zeros_like(x) if grad is None else grad
+
 
 # The rollout correction: a factor on each token's weight for the gap between the policy vLLM
 # sampled with (bf16 on GPU, its own kernels) and the one trained (fp32 masters), from the
@@ -2702,17 +2725,32 @@ def dummy_sequence() -> Seq:
     return Seq(prompt=[0], completion=[0], advantage=0.0, weight=0.0)
 
 
+def fused_head(cfg: Config) -> bool:
+    """Whether the LM head trains in one pass over the vocabulary (kernels.fused_logprob_loss: dX
+    and dW made in its forward, 6 T H V FLOPs instead of 8, train.logprob_impl "triton"). It needs
+    each token's coefficient c_t = d loss / d log pi(y_t) before the head's forward, known on the
+    paper's on-policy update only: one optimiser step a batch (the ratio is 1), no rollout
+    correction, a policy loss in LINEAR_POLICY_LOSSES. Else the two-pass path: the same gradient."""
+    t = cfg.train
+    return (t.logprob_impl == "triton"
+            and t.ppo_epochs == 1 and t.mini_batches == 1  # past one step, c_t reads the ratio
+            # a rollout correction (tis's min(rho, C), a mask) reads rho = pi_trainer / pi_vLLM,
+            # the trainer's log-prob included: c_t is known only after the head's forward
+            and t.rollout_correction == "none"
+            and t.policy_loss in LINEAR_POLICY_LOSSES)
+
+
 def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg: Config,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
     correction, over this rank's completion tokens: all of them, or under sequence parallelism
-    the ones its shard of the row predicts (rank_logprobs). old_logp: those tokens' log-probs
+    the ones its shard of the row predicts (rank_targets). old_logp: those tokens' log-probs
     before the update, past its first optimiser step (None: on-policy). Returns (loss, the
-    tokens' log-probs, detached, stats)."""
+    tokens' log-probs, detached, stats). With fused_head the LM head's gradient is made in its
+    forward from c_t; the loss and stats are the two-pass path's, from the same log-probs."""
     t = cfg.train
     packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
-    # (n,) each: this rank's tokens, `mine` their places among the row's N completion tokens
-    logp, entropy, mine = rank_logprobs(policy, packed, cfg.rollout.temperature, t.logprob_impl)
+    mine = rank_targets(policy, packed).to(device)  # (n,) places among the row's N targets
     lengths = [len(s.completion) for s in seqs]
 
     def per_token(values: list[float]) -> torch.Tensor:  # one value per sequence -> (n,)
@@ -2722,6 +2760,14 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
     advantages = per_token([s.advantage for s in seqs])
     weights = per_token([s.weight for s in seqs])
     seq_ids = per_token(list(range(len(seqs)))).long()
+    coef = None  # (n,) c_t, on the fused path: the gradient at log pi = 0, the same everywhere
+    if fused_head(cfg) and old_logp is None:
+        zero = torch.zeros_like(advantages)
+        coef = logprob_gradient(cfg, zero, zero, advantages, weights, seq_ids)
+    # (n,) each; head_loss = sum_t c_t log pi(y_t), carrying the head's gradient (None: two-pass)
+    logp, entropy, which, head_loss = rank_logprobs(policy, packed, cfg.rollout.temperature,
+                                                    t.logprob_impl, coef)
+    assert torch.equal(which, mine), "the LM head ran on other targets than rank_targets named"
     # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
     old = logp.detach() if old_logp is None else old_logp
     # (N,) vLLM's log-probs of the row's tokens; a sequence without them (a dummy) counts as
@@ -2740,6 +2786,16 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
         log_rho, row_ids, t.rollout_correction_cap)[mine]
     loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
                                                t.clip_low, t.clip_high)
+    if head_loss is not None:
+        # c_t was taken at log pi = 0: the loss's gradient at the trained log-probs must be it
+        actual = logprob_gradient(cfg, logp, old, advantages, weights, seq_ids)
+        # equal for a linear loss up to a few roundings of its own (exactly, for the three built in)
+        moved = (actual - coef).abs() > 4 * torch.finfo(torch.float32).eps * coef.abs()  # (n,)
+        assert not moved.any(), (
+            f"train.policy_loss {t.policy_loss!r} is not linear in log pi on-policy (its gradient "
+            f"moves with log pi at {int(moved.sum())} tokens): take it out of LINEAR_POLICY_LOSSES")
+        # the value as the two-pass path logs it; the gradient the kernel made (the bracket is 0)
+        loss = loss.detach() + (head_loss - head_loss.detach())
     # the row's statistics, counted once: by the first rank of a sequence-parallel group
     reports = getattr(policy, "sp_group", None) is None or dist.get_rank(policy.sp_group) == 0
     whole = {"recorded": row(recorded.float()) > 0, "entropy": row(entropy.float())}
@@ -3510,10 +3566,15 @@ def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False
 
 
 def completion_logprobs(model, input_ids, position_ids, attention_mask, index, targets,
-                        temperature: float, impl: str = "torch"):
+                        temperature: float, impl: str = "torch", coef_bits=None):
     """Decoder forward on a packed row, then the LM head only at the `index` positions: log-probs
-    and entropies, (N,), (N,) fp32. A method of the FSDP2 root after shard_policy (so its
-    parameters, the LM head included, are gathered while it runs); callable on a plain HF model.
+    and entropies, (N,), (N,) fp32, and the head's loss sum_t c_t log pi(y_t) when coefficients
+    are given (None otherwise). A method of the FSDP2 root after shard_policy (so its parameters,
+    the LM head included, are gathered while it runs); callable on a plain HF model.
+
+    coef_bits: c_t, (N,) fp32 bit-cast to int32, for kernels.fused_logprob_loss. FSDP2 casts every
+    floating-point input of a forward method to the compute dtype (bf16 on GPU), which would
+    round c_t; integers pass untouched.
     """
     # No KV cache. attention_mask None: HF finds the sequence boundaries in position_ids. A 4-D mask
     # or a BlockMask (shared rows) is used as given, position_ids then only feed RoPE.
@@ -3523,15 +3584,23 @@ def completion_logprobs(model, input_ids, position_ids, attention_mask, index, t
     # the LM head: kernels.fused_logprob never materialises [N, V] logits ("triton"), its chunked
     # torch twin bounds them ("torch"); test_kernels.py pins both to a float64 reference
     weight = model.lm_head.weight
-    return kernels.fused_logprob(hidden.to(weight.dtype).contiguous(), weight, targets,
-                                 temperature, backend=impl)
+    hidden = hidden.to(weight.dtype).contiguous()
+    if coef_bits is None:
+        return (*kernels.fused_logprob(hidden, weight, targets, temperature, backend=impl), None)
+    # one pass over the vocabulary: dX and dW of the head's loss are made here, logp and the
+    # entropy come back detached (fused_head; test_spell.py pins it to the two-pass path)
+    loss, logp, entropy = kernels.fused_logprob_loss(hidden, weight, targets,
+                                                     coef_bits.view(torch.float32), temperature,
+                                                     backend=impl)
+    return logp, entropy, loss
 
 
-def packed_logprobs(model, packed: dict, temperature: float,
-                    impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(target) and entropy of every completion token of a packed row: (N,), (N,) fp32, the
-    entropy detached. Split per completion with `packed["spans"]`. Works on a plain HF model and on
-    one sharded by shard_policy (then every rank must call it, as any FSDP forward).
+def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
+                    coef: torch.Tensor | None = None):
+    """log pi(target) and entropy of every completion token of a packed row, (N,), (N,) fp32, the
+    entropy detached, and with coef (N,) the head's loss (completion_logprobs), else None. Split per
+    completion with `packed["spans"]`. Works on a plain HF model and on one sharded by shard_policy
+    (then every rank must call it, as any FSDP forward).
     """
     weight = model.lm_head.weight
     device = weight.device
@@ -3539,21 +3608,34 @@ def packed_logprobs(model, packed: dict, temperature: float,
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))
-    lp, ent = forward(packed["input_ids"].to(device), packed["position_ids"].to(device), mask,
-                      packed["index"].to(device), packed["targets"].to(device), temperature, impl)
-    return lp, ent.detach()
+    bits = None if coef is None else coef.float().contiguous().view(torch.int32)
+    lp, ent, head_loss = forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
+                                 mask, packed["index"].to(device), packed["targets"].to(device),
+                                 temperature, impl, bits)
+    return lp, ent.detach(), head_loss
 
 
-def rank_logprobs(model, packed: dict, temperature: float,
-                  impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rank_targets(model, packed: dict) -> torch.Tensor:
+    """The places among a packed row's N targets of those this rank computes, (n,): all of them,
+    or under sequence parallelism (model.sp_group) those its shard of the row predicts
+    (infra.shard_row's `which`, the one sp_completion_logprobs computes)."""
+    group = getattr(model, "sp_group", None)
+    if group is None:
+        return torch.arange(len(packed["targets"]))
+    return infra.shard_row(packed, group.size(), dist.get_rank(group))["which"]
+
+
+def rank_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
+                  coef: torch.Tensor | None = None):
     """This rank's share of a packed row's completion tokens: log pi, entropy (detached) and their
-    places among the row's N targets, (n,) each. All N of them, or under sequence parallelism
+    places among the row's N targets, (n,) each, and with coef (n,) for those tokens (in
+    rank_targets' order) the head's loss, else None. All N of them, or under sequence parallelism
     (train.sequence_parallel: model.sp_group) those its shard of the row predicts
     (infra.sp_completion_logprobs; the group's ranks together cover each once)."""
     if getattr(model, "sp_group", None) is None:
-        logp, entropy = packed_logprobs(model, packed, temperature, impl)
-        return logp, entropy, torch.arange(len(logp), device=logp.device)
-    return infra.sp_completion_logprobs(model, packed, temperature, impl)
+        logp, entropy, head_loss = packed_logprobs(model, packed, temperature, impl, coef)
+        return logp, entropy, torch.arange(len(logp), device=logp.device), head_loss
+    return infra.sp_completion_logprobs(model, packed, temperature, impl, coef=coef)
 
 
 def whole_row(model, mine: torch.Tensor, total: int, values: torch.Tensor) -> torch.Tensor:

@@ -1736,7 +1736,8 @@ def worker_sp_parity(out_file: str) -> None:
         forward = spell.completion_logprobs
         loss, checks, which_all = 0.0, [], []
         for row, w, ref in zip(rows, weights, ref_logps):
-            lp, _, which = infra.sp_completion_logprobs(model, row, TEMPERATURE, forward=forward)
+            lp, _, which, _ = infra.sp_completion_logprobs(model, row, TEMPERATURE,
+                                                           forward=forward)
             checks.append(logp_check(lp.detach(), which, ref))
             which_all.append(gather(which.tolist()))
             loss = loss + (w[which] * lp).sum()  # this rank's share of the micro-batch loss
@@ -1778,7 +1779,7 @@ def worker_sp_parity(out_file: str) -> None:
         calls.update(n=0)
         loss, checks, which_all = 0.0, [], []
         for row, w, ref in zip(rows, weights, ref_logps):
-            lp, _, which = infra.sp_completion_logprobs(policy, row, TEMPERATURE)
+            lp, _, which, _ = infra.sp_completion_logprobs(policy, row, TEMPERATURE)
             checks.append(logp_check(lp.detach(), which, ref))
             which_all.append(gather(which.tolist()))
             loss = loss + (w[which] * lp).sum()
@@ -1812,8 +1813,8 @@ def worker_sp_flex(out_file: str) -> None:
         checks = []
         with torch.no_grad():
             for row in sp_rows():
-                lp, _, which = infra.sp_completion_logprobs(model, row, TEMPERATURE,
-                                                         forward=spell.completion_logprobs)
+                lp, _, which, _ = infra.sp_completion_logprobs(model, row, TEMPERATURE,
+                                                            forward=spell.completion_logprobs)
                 checks.append(logp_check(lp, which, spell.packed_logprobs(ref, row,
                                                                           TEMPERATURE)[0]))
         parts = [None] * dist.get_world_size()

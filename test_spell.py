@@ -2883,10 +2883,14 @@ def rank_share(batch: list[spell.Seq], rank: int, world: int) -> list[spell.Seq]
 
 # (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing,
 # train.shared_prefix). Shared: a group's prompt once in the row; a budget of 1 splits every group
-# into one answer per micro-batch, 64 some of them
+# into one answer per micro-batch, 64 some of them. On this on-policy update "triton" trains the
+# LM head in one pass (spell.fused_head); "triton-two-pass" is Triton with the rollout correction
+# "tis", which sends it down the two-pass path with the same loss (the batch has no vLLM log-probs,
+# so rho = 1 and min(rho, C) = 1)
 UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, True),
                    ("sgd_all_in_one", 4096, "torch", "sgd", False, True),
                    ("sgd_triton", 64, "triton", "sgd", False, True),
+                   ("sgd_triton_two_pass", 64, "triton-two-pass", "sgd", False, True),
                    ("sgd_checkpointed", 64, "torch", "sgd", True, True),
                    ("sgd_unshared", 64, "torch", "sgd", False, False),
                    ("sgd_unshared_triton_checkpointed", 64, "triton", "sgd", True, False),
@@ -2899,8 +2903,10 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
     groups of 2), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
-    with different micro-batch sizes, both log-prob paths, shared prefixes and checkpointing, gives
-    the gradient of the global loss -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1)."""
+    with different micro-batch sizes, both log-prob paths (the Triton one with its LM head in one
+    pass and in two), shared prefixes and checkpointing, gives the gradient of the global loss
+    -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1). And in bf16 compute, where FSDP2 casts
+    a forward method's floating-point inputs, the one-pass head gets its coefficients whole."""
     results = {}
     for key, nproc, shard, sp in (("1", 1, 0, 1), ("2", 2, 0, 1), ("4", 4, 2, 1),
                                   ("sp2", 2, 0, 2), ("sp2xdp2", 4, 0, 2)):
@@ -2938,6 +2944,22 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
         # from_pretrained returns it; without checkpointing, once
         calls = res["layer_calls"]
         assert calls["sgd_checkpointed"] == 2 * calls["sgd_triton"] > 0, calls
+        # each micro-batch's LM head took the path its variant names
+        for name, _, impl, *_ in UPDATE_VARIANTS:
+            path = "fused" if impl == "triton" else "two-pass"
+            assert set(res["head_paths"][name]) == {path}, (nproc, name, res["head_paths"][name])
+        # bf16 compute, both head paths: the logits are fp32 sums of bf16 operands either way and
+        # dZ is fp32 (the CPU upcasts 16-bit GEMM operands); dX and dW are rounded to bf16 once on
+        # the two-pass path, and on the one-pass path once more when scaled by the world size
+        # (exact for 1, 2 and 4). Rounding dX differently by u_bf16 = 2^-9 relative, the bf16
+        # decoder's backward then rounds every product of its own (u_bf16 each): 8 u_bf16 x scale
+        # bounds a few such roundings in the sums. A coefficient of the wrong sign or without its
+        # weight moves the gradient by its scale; one rounded to bf16 in FSDP2's cast of the
+        # forward's inputs only by u_bf16, so the coefficients the kernel got are checked whole.
+        diff, scale, whole = res["bf16_head"]
+        print(f"METRIC bf16_fused_head_{nproc}rank_max_abs_diff={diff:.3g} (scale {scale:.3g})")
+        assert scale > 1e-3 and diff <= 8 * 2.0 ** -9 * scale, (nproc, diff, scale)
+        assert whole, "the one-pass head got coefficients rounded on the way (FSDP2's input cast)"
     # AdamW with an active gradient clip: the same clipped gradient on 1 and 2 ranks, read from the
     # first moment. Not the parameters: Adam's first step lr g / (|g| + eps) is about lr sign(g)
     # whatever the clip factor, and turns gradient rounding into lr / eps = 1e5 times as much where
@@ -2979,6 +3001,180 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
     assert stats["micro_batches"] == mini_batches
     assert (stats["clipfrac"] > 0) == (mini_batches == 2), stats["clipfrac"]
     assert stats["tokens"] == sum(len(s.completion) for s in seqs)
+
+
+# ------------------------------------------------------------------------------------------------
+# 8b. The LM head in one pass (fused_head): on-policy, kernels.fused_logprob_loss
+# ------------------------------------------------------------------------------------------------
+
+def random_loss_inputs(seed: int, n: int = 40) -> tuple[torch.Tensor, ...]:
+    """(advantages, weights, seq_ids), (n,) each, as micro_batch_loss builds them: 5 sequences of
+    irregular lengths, each with one advantage and one weight at all its tokens; the last weight 0
+    (a dummy sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_ids = torch.sort(torch.randint(0, 5, (n,), generator=g)).values
+    advantages = torch.randn(5, generator=g)[seq_ids]
+    weights = (torch.rand(5, generator=g) * torch.tensor([1.0, 1, 1, 1, 0]))[seq_ids]
+    return advantages, weights, seq_ids
+
+
+@pytest.mark.parametrize("name", sorted(spell.LINEAR_POLICY_LOSSES))
+def test_linear_policy_losses_have_one_gradient_on_policy(name):
+    """Each entry of LINEAR_POLICY_LOSSES is what fused_head assumes: on-policy (old = log pi) its
+    gradient in log pi is the same at any log-probs, bitwise (the ratio is exp(0) = 1 exactly),
+    and for the three built in it is Eq. 12's -w_t A_t."""
+    assert spell.LINEAR_POLICY_LOSSES <= set(spell.POLICY_LOSSES)
+    cfg = spell.Config()
+    cfg.train.policy_loss = name
+    advantages, weights, seq_ids = random_loss_inputs(seed=0)
+    g = torch.Generator().manual_seed(1)
+    points = [torch.zeros(40), -12 * torch.rand(40, generator=g),
+              -0.01 * torch.rand(40, generator=g)]
+    grads = [spell.logprob_gradient(cfg, x, x, advantages, weights, seq_ids) for x in points]
+    assert all(torch.equal(grads[0], other) for other in grads[1:])
+    if name in ("grpo", "gspo", "cispo"):
+        # fp32: -w A rounds once (PPO's min passes half to each branch, and A / 2 + A / 2 is
+        # exact); GSPO's per-sequence sum of k equal terms, divided by k, adds a few ulps (4 u32)
+        torch.testing.assert_close(grads[0], -advantages * weights, rtol=2.4e-7, atol=0)
+
+
+def quadratic_loss(logp, old_logp, advantages, weights, seq_ids, clip_low=0.2, clip_high=0.2):
+    """A policy loss that is not linear in log pi: Eq. 12's plus a pull of every log pi towards 0
+    (d loss / d log pi = -w A + w log pi, which moves with log pi)."""
+    loss, stats = spell.grpo_loss(logp, old_logp, advantages, weights, seq_ids, clip_low,
+                                  clip_high)
+    return loss + 0.5 * (weights * logp ** 2).sum(), stats
+
+
+def head_paths(monkeypatch) -> list[str]:
+    """Record which LM-head entry point micro_batch_loss calls ("fused": kernels.fused_logprob_loss,
+    "two-pass": kernels.fused_logprob), and run it on the chunked torch twin: the path is what the
+    caller asks for. The Triton kernels themselves are pinned in test_kernels.py and below."""
+    import kernels
+
+    calls = []
+    plain, fused = kernels.fused_logprob, kernels.fused_logprob_loss
+
+    def two_pass_spy(*args, backend="auto", **kw):
+        calls.append("two-pass")
+        return plain(*args, backend="torch", **kw)
+
+    def fused_spy(*args, backend="auto", **kw):
+        calls.append("fused")
+        return fused(*args, backend="torch", **kw)
+
+    monkeypatch.setattr(kernels, "fused_logprob", two_pass_spy)
+    monkeypatch.setattr(kernels, "fused_logprob_loss", fused_spy)
+    return calls
+
+
+# (what is set, the LM-head path every training micro-batch takes)
+HEAD_PATH_CASES = [
+    ({}, "fused"),  # the paper's update: one optimiser step, Eq. 12, no correction
+    ({"policy_loss": "gspo"}, "fused"),
+    ({"policy_loss": "cispo"}, "fused"),
+    ({"logprob_impl": "torch"}, "two-pass"),  # the torch twin has no one-pass form
+    ({"ppo_epochs": 2}, "two-pass"),  # the second pass's ratio is no longer 1
+    ({"mini_batches": 2}, "two-pass"),  # nor the second mini-batch's
+    # min(rho, C) and the mask read the trainer's log-prob: c_t is unknown before the forward
+    ({"rollout_correction": "tis"}, "two-pass"),
+    ({"rollout_correction": "mask"}, "two-pass"),
+    ({"rollout_correction": "seq_mask"}, "two-pass"),
+    ({"rollout_correction": "seq_mask_tis"}, "two-pass"),
+    ({"policy_loss": "quadratic"}, "two-pass"),  # a POLICY_LOSSES entry not declared linear
+]
+
+
+@pytest.mark.parametrize("case", range(len(HEAD_PATH_CASES)))
+def test_head_path_of_each_update_kind(case, monkeypatch):
+    """update_policy takes the one-pass LM head exactly where c_t is known before the forward,
+    and the two-pass path in every case fused_head excludes, for every micro-batch (the
+    no-gradient pass for the old log-probs included)."""
+    overrides, path = HEAD_PATH_CASES[case]
+    monkeypatch.setitem(spell.POLICY_LOSSES, "quadratic", quadratic_loss)
+    cfg = spell.Config()
+    cfg.train.logprob_impl, cfg.train.micro_batch_tokens, cfg.train.grad_clip = "triton", 4096, 1e9
+    for key, value in overrides.items():
+        setattr(cfg.train, key, value)
+    assert spell.fused_head(cfg) == (path == "fused")
+    batch = update_batch()[:4]  # two groups: one per mini-batch when there are two
+    seqs = [s._replace(mini_batch=i // 3 if cfg.train.mini_batches == 2 else 0)
+            for i, s in enumerate(batch)]
+    calls = head_paths(monkeypatch)
+    model = tiny_llama()
+    spell.update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), seqs, cfg, 1,
+                        torch.device("cpu"))
+    assert calls and set(calls) == {path}, calls
+
+
+def test_a_loss_declared_linear_that_is_not_stops_the_run(monkeypatch):
+    """A nonlinear loss listed in LINEAR_POLICY_LOSSES would get the gradient at log pi = 0, not
+    at the trained log-probs: micro_batch_loss compares the two and stops with the loss's name."""
+    monkeypatch.setitem(spell.POLICY_LOSSES, "quadratic", quadratic_loss)
+    monkeypatch.setattr(spell, "LINEAR_POLICY_LOSSES", {"quadratic"})
+    head_paths(monkeypatch)
+    cfg = spell.Config()
+    cfg.train.logprob_impl, cfg.train.policy_loss = "triton", "quadratic"
+    with pytest.raises(AssertionError, match="'quadratic' is not linear.*LINEAR_POLICY_LOSSES"):
+        spell.micro_batch_loss(tiny_llama(), update_batch()[:3], None, cfg, torch.device("cpu"))
+
+
+def head_gradients(arch: str, cfg: spell.Config, seqs: list[spell.Seq]):
+    """micro_batch_loss on a fresh tiny model, its backward from 3 x the loss (so the kernel's
+    backward must apply the incoming scalar): the loss, log-probs, stats, parameter gradients, and
+    the FLOPs torch's counter sees in the forward and in the backward (it sees no Triton kernel:
+    only the torch GEMMs around them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_llama(arch=arch)
+    with FlopCounterMode(display=False) as forward_flops:
+        loss, logp, stats = spell.micro_batch_loss(model, seqs, None, cfg, torch.device("cpu"))
+    with FlopCounterMode(display=False) as backward_flops:
+        (3 * loss).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (loss.detach(), logp, stats, grads, forward_flops.get_total_flops(),
+            backward_flops.get_total_flops())
+
+
+# (architecture, train.shared_prefix, train.policy_loss): each loss, both architectures, both row
+# layouts (a shared prompt's answers read the head at `index` positions spread over the row)
+FUSED_HEAD_CASES = [("llama", True, "grpo"), ("qwen2", True, "cispo"), ("llama", False, "gspo")]
+
+
+@pytest.mark.parametrize("arch,shared,loss_name", FUSED_HEAD_CASES)
+def test_fused_head_equals_the_two_pass_head(arch, shared, loss_name, monkeypatch):
+    """The update's LM head in one pass (kernels.fused_logprob_loss, dX and dW made in the forward)
+    and in two (kernels.fused_logprob, its backward a second pass over the vocabulary) give the
+    same loss, log-probs, logged stats and parameter gradients, through a real tiny Llama / Qwen2
+    (head_dim 64, fp32, Triton under its interpreter on CPU). And the head's GEMMs moved: the
+    torch GEMMs that make dX and dW (4 N H V FLOPs) run in the forward on the one-pass path, in
+    the backward on the two-pass one, which also recomputes the logits there in Triton (2 N H V,
+    invisible to the counter): 6 N H V against 8."""
+    cfg = spell.Config()
+    cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
+    cfg.train.shared_prefix, cfg.train.policy_loss = shared, loss_name
+    assert spell.fused_head(cfg)
+    one = head_gradients(arch, cfg, update_batch())
+    monkeypatch.setattr(spell, "fused_head", lambda cfg: False)  # the path before fused_head
+    two = head_gradients(arch, cfg, update_batch())
+    # the same kernel tiles make the log-probs on both paths (test_kernels.py: bitwise), and the
+    # loss and stats are the same functions of them
+    assert torch.equal(one[1], two[1])
+    assert one[0].item() == two[0].item() and one[2] == two[2]
+    n, h, v = one[2]["tokens"], 128, 1000
+    assert one[4] - two[4] == 4 * n * h * v, "the one-pass forward makes dX and dW"
+    assert two[5] - one[5] == 4 * n * h * v, "the one-pass backward makes neither"
+    # fp32. The paths differ in where the scalar 3 enters: into each token's upstream gradient
+    # 3 c_t (two-pass), or onto dX and dW after the head's GEMMs (one-pass), one rounding each
+    # side. So dZ differs by 2 u32 relative, and the GEMMs over it, with V = 1000 terms the
+    # longest sums in the gradient, round typically sqrt(V) u32 of the tensor's scale; the
+    # decoder's backward is linear in dX and sums fewer terms (H = 128 and the row). 8 sqrt(V)
+    # u32 x scale leaves 4x over those (measured: 3e-7 at scale 0.6, 5e-7 of it).
+    scale = max(g.abs().max().item() for g in two[3].values())
+    assert scale > 1e-3, "a gradient this small would pass as rounding"
+    diff = max((one[3][k] - two[3][k]).abs().max().item() for k in two[3])
+    print(f"METRIC fused_head_{arch}_{loss_name}_max_abs_diff={diff:.3g} (scale {scale:.3g})")
+    assert diff <= 8 * math.sqrt(v) * 2.0 ** -24 * scale
 
 
 # ------------------------------------------------------------------------------------------------
@@ -4567,6 +4763,68 @@ def worker_export_vllm(export: str) -> None:
     print(f"METRIC export_question_ok={int(spell.parse_question(out.text, 'doc_qa') is not None)}")
 
 
+def head_path_log() -> list[str]:
+    """The LM-head entry point each call of the update takes, in order: "fused" for
+    kernels.fused_logprob_loss, "two-pass" for kernels.fused_logprob (wrapped; they still run)."""
+    import kernels
+
+    log = []
+    plain, fused = kernels.fused_logprob, kernels.fused_logprob_loss
+
+    def logged(fn, path):
+        def call(*args, **kwargs):
+            log.append(path)
+            return fn(*args, **kwargs)
+        return call
+
+    kernels.fused_logprob = logged(plain, "two-pass")
+    kernels.fused_logprob_loss = logged(fused, "fused")
+    return log
+
+
+def bf16_head_gap(mesh, sp_group, batch: list[spell.Seq], rank: int,
+                  world: int) -> tuple[float, float, bool]:
+    """The tiny Llama sharded with bf16 compute (FSDP2 then casts floating-point inputs of
+    completion_logprobs to bf16): one micro-batch of this rank's share of the batch through the
+    Triton LM head in one pass and in two, backward from world x the loss as update_policy does.
+    Returns the largest gap between the two paths' full gradients, their scale, and whether the
+    kernel received every coefficient whole: fp32 -A_i w_i (Eq. 12's, exactly: see
+    test_linear_policy_losses_have_one_gradient_on_policy), not rounded to bf16 on the way."""
+    import torch.distributed as dist
+
+    import kernels
+
+    grads, received = [], []
+    fused_loss = kernels.fused_logprob_loss
+
+    def receiving(hidden, weight, targets, coef, *args, **kwargs):
+        received.append(coef)
+        return fused_loss(hidden, weight, targets, coef, *args, **kwargs)
+
+    kernels.fused_logprob_loss = receiving
+    for fused in (True, False):
+        cfg = spell.Config()
+        cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
+        cfg.train.rollout_correction = "none" if fused else "tis"  # rho = 1: the same loss
+        cfg.train.sequence_parallel = 1 if sp_group is None else sp_group.size()
+        assert spell.fused_head(cfg) == fused
+        policy = spell.shard_policy(tiny_llama(), mesh, param_dtype=torch.bfloat16)
+        if sp_group is not None:
+            infra.enable_sequence_parallel(policy, sp_group, "sdpa")
+        mine = spell.sequence_parallel_batch(rank_share(batch, rank, world), policy)
+        loss, _, _ = spell.micro_batch_loss(policy, mine, None, cfg, torch.device("cpu"))
+        (loss * world).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in policy.named_parameters()})
+    kernels.fused_logprob_loss = fused_loss
+    diff = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1])
+    scale = max(g.abs().max().item() for g in grads[1].values())
+    eq12 = {(-torch.tensor(s.advantage) * torch.tensor(s.weight)).item() for s in mine}
+    whole = (len(received) == 1 and received[0].dtype == torch.float32
+             and set(received[0].tolist()) <= eq12)
+    dist.barrier()
+    return diff, scale, whole
+
+
 def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str = "1") -> None:
     """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the
     mesh of train.fsdp_shard_size = shard_size, with train.sequence_parallel ranks to a row (the
@@ -4581,11 +4839,13 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     sp = int(sequence_parallel)
     sp_group = infra.sp_group(world, sp) if sp > 1 else None  # every rank, once, in order
     batch = update_batch()
-    results = {"layer_calls": {}}
+    results = {"layer_calls": {}, "head_paths": {}}
+    paths = head_path_log()
     for name, budget, impl, opt, checkpointing, shared in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
-        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl
+        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl.split("-")[0]
+        cfg.train.rollout_correction = "tis" if impl == "triton-two-pass" else "none"
         cfg.train.shared_prefix, cfg.train.sequence_parallel = shared, sp
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
@@ -4604,8 +4864,10 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
             mine = spell.balance_sequences(batch if rank == 0 else [], cfg)
             assert world == 1 or 0 < len(mine) < len(batch), (rank, len(mine))
         mine = spell.sequence_parallel_batch(mine, policy)
+        paths.clear()
         stats = spell.update_policy(policy, optimizer, mine, cfg, world, torch.device("cpu"))
         results["layer_calls"][name] = len(calls)
+        results["head_paths"][name] = list(paths)
         results.setdefault("logged", {})[name] = {k: stats[k] for k in ("loss", "entropy_sum",
                                                                        "tokens", "clipfrac")}
         after = {n: p.full_tensor().detach() for n, p in policy.named_parameters()}
@@ -4614,6 +4876,7 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
             results["grad_norm"] = stats["grad_norm"]
             results["adamw_exp_avg"] = {n: optimizer.state[p]["exp_avg"].full_tensor()
                                         for n, p in policy.named_parameters()}
+    results["bf16_head"] = bf16_head_gap(mesh, sp_group, batch, rank, world)
     if rank == 0:
         torch.save(results, out_file)
     # Tear the group down together: left to interpreter exit, a gloo rank can abort in its
