@@ -3085,6 +3085,19 @@ HEAD_PATH_CASES = [
 ]
 
 
+def test_rank_targets_are_the_heads_targets():
+    """micro_batch_loss reads its per-token values at rank_targets' places before the LM head runs;
+    the head must run on exactly those (under sequence parallelism both read infra.shard_row's
+    `which`; the update parity test runs that path)."""
+    model = tiny_llama()
+    packed = spell.pack_sequences([([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([7], [8, 9, 10])],
+                                  shared=True)
+    with torch.no_grad():
+        _, _, which, head_loss = spell.rank_logprobs(model, packed, 0.7)
+    assert torch.equal(which, spell.rank_targets(model, packed)) and head_loss is None
+    assert which.tolist() == list(range(6))
+
+
 @pytest.mark.parametrize("case", range(len(HEAD_PATH_CASES)))
 def test_head_path_of_each_update_kind(case, monkeypatch):
     """update_policy takes the one-pass LM head exactly where c_t is known before the forward,
