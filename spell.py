@@ -156,6 +156,10 @@ class ModelConfig:
     # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
     attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
+    # RoPE scaling beyond the model's own context, the same for vLLM and the trainer
+    # (infra.rope_overrides): "yarn:4" = YaRN with factor 4 over the model's max_position_embeddings
+    # (Qwen2.5: 32K -> 128K, as its model card says); "" = the model's config.json as it is
+    rope_scaling: str = ""
 
 
 @dataclass
@@ -2893,6 +2897,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     group, groups = infra.engine_groups(cfg, rank, world)
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
+    infra.check_same_rope(llm, policy)  # the rollouts' positions are the trainer's
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
@@ -2991,6 +2996,10 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     model_dir = infra.resolve_model(cfg, rank)
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
+    # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy); the longest
+    # rollout must fit the context they give
+    config, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
+    infra.check_context(longest_sequence(cfg), config, tok.model_max_length)
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
@@ -3001,7 +3010,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
-                     tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+                     tensor_parallel_size=cfg.rollout.tensor_parallel_size, hf_overrides=overrides)
     infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     return model_dir, tok, llm
 
@@ -3013,8 +3022,9 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
+    config, _ = infra.model_config(model_dir, cfg.model.rope_scaling)  # as vLLM's (start_engine)
     policy = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32,  # the fp32 masters
+        model_dir, config=config, dtype=torch.float32,  # the fp32 masters
         attn_implementation=infra.attention_implementation(cfg, device.type == "cuda"))
     policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -690,6 +691,152 @@ def test_plan_rebalance():
         longest = max((x for lens in lengths for x in lens), default=0)
         # LPT over what each rank could not keep: no rank ends more than one sequence above the mean
         assert max(load) <= sum(load) / len(load) + longest
+
+
+# ------------------------------------------------------------------------------------------------
+# Long context: model.rope_scaling, the same for vLLM and the trainer, and the context bound
+# ------------------------------------------------------------------------------------------------
+
+# Qwen2.5-7B-Instruct's config.json: 32K positions, theta 1e6 (its card adds YaRN x 4 for 128K)
+QWEN25_7B_CONTEXT = dict(QWEN25_7B, max_position_embeddings=32768, rope_theta=1000000.0)
+
+
+def saved_config(tmp_path: Path, name: str, **fields) -> str:
+    """A folder holding only a Qwen2 config.json (what infra.model_config reads)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(**{**QWEN25_7B_CONTEXT, **fields}).save_pretrained(tmp_path / name)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("text", ["yarn", "yarn:", "yarn:1", "yarn:0.5", "yarn:-4", "yarn:nan",
+                                  "yarn:inf", "yarn:2000", "yarn:four", ":4", "linear:2",
+                                  "YARN:4", "yarn=4"])
+def test_rope_scaling_key_takes_type_and_factor(text):
+    """model.rope_scaling is "" or TYPE:FACTOR, a type both engines compute alike and a factor in
+    (1, 1024]; anything else is one error line naming the key, from a file or the command line."""
+    assert infra.parse_rope_scaling("") is None
+    assert infra.parse_rope_scaling("yarn:4") == ("yarn", 4.0)
+    assert infra.parse_rope_scaling("yarn:2.5") == ("yarn", 2.5)
+    assert spell.load_config(None, ["--model.rope_scaling=yarn:4"]).model.rope_scaling == "yarn:4"
+    with pytest.raises(infra.ConfigError, match=r"^model\.rope_scaling must be \"\" or "
+                                                r"TYPE:FACTOR .*, got " + re.escape(repr(text))):
+        spell.load_config(None, [f"--model.rope_scaling={text}"])
+
+
+def test_rope_overrides_are_one_dict_for_vllm_and_the_trainer(tmp_path):
+    """"yarn:4" on Qwen2.5-7B's config.json: YaRN x 4 over its 32K positions, its theta kept, and
+    131072 positions (vLLM 0.32 reads a YaRN model's context from max_position_embeddings as it
+    stands). The trainer's config carries exactly the dict vLLM gets as hf_overrides."""
+    qwen = saved_config(tmp_path, "qwen")
+    config, overrides = infra.model_config(qwen, "yarn:4")
+    assert overrides == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                             "original_max_position_embeddings": 32768},
+                         "max_position_embeddings": 131072}
+    assert infra.rope_view(config) == overrides
+    # the trainer holds its own copy: vLLM's dict cannot change under it
+    assert config.rope_parameters is not overrides["rope_parameters"]
+    # transformers builds YaRN from it: attention scaled by 0.1 ln(4) + 1 (its formula), no warning
+    # that the factor contradicts 131072 / 32768
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    _, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert scaling == pytest.approx(0.1 * math.log(4) + 1, rel=1e-12)
+    # "" leaves the model's config.json as it is
+    plain, none = infra.model_config(qwen, "")
+    assert none == {} and infra.rope_view(plain) == {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "max_position_embeddings": 32768}
+
+
+def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
+    """A config.json that already scales RoPE (Qwen2.5's card: add YaRN x 4, positions left at
+    32K): the same key completes it (131072 positions, so vLLM 0.32 allows 128K); another type or
+    factor is an error naming both; a YaRN config.json's own pretrained length is kept."""
+    card = saved_config(tmp_path, "card", rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    config, overrides = infra.model_config(card, "yarn:4")
+    assert overrides["max_position_embeddings"] == 131072
+    assert overrides["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                            "original_max_position_embeddings": 32768}
+    assert infra.context_bound(config) == 131072
+    # the card's file alone: vLLM 0.32 derives 32K, and a 128K rollout stops before vLLM starts
+    own, _ = infra.model_config(card, "")
+    assert infra.context_bound(own) == 32768
+    with pytest.raises(infra.ConfigError, match=r"= 131072 tokens exceed the model's context of "
+                                                r"32768 \(its config, model.rope_scaling applied\)"):
+        infra.check_context(131072, own, math.inf)
+    infra.check_context(131072, config, 131072)  # Qwen2.5's tokenizer_config: 131072
+    # Yarn-Llama-2's layout: positions already scaled, its own pretrained length
+    llama = saved_config(tmp_path, "llama", max_position_embeddings=65536, rope_scaling={
+        "type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096})
+    assert infra.model_config(llama, "yarn:16")[1]["max_position_embeddings"] == 65536
+    for fields, own_text in [
+            (dict(rope_scaling={"type": "yarn", "factor": 2.0,
+                                "original_max_position_embeddings": 32768}), "yarn with factor 2.0"),
+            (dict(rope_scaling={"type": "linear", "factor": 4.0}), "linear with factor 4.0")]:
+        other = saved_config(tmp_path, own_text.split()[0] + "2", **fields)
+        with pytest.raises(infra.ConfigError, match=re.escape(
+                f"model.rope_scaling = 'yarn:4' contradicts the model's config.json, whose RoPE "
+                f"scaling is {own_text}")):
+            infra.model_config(other, "yarn:4")
+
+
+def test_context_bound_derives_what_vllm_derives(tmp_path):
+    """Worked cases of vLLM 0.32's rule (pinned to vLLM itself in
+    test_rope_scaling_reaches_vllm_and_the_trainer_alike): the smallest length key, at most the
+    tokenizer's, times the factor of a scaling whose length is unscaled (linear), not YaRN's."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    qwen = Qwen2Config(**QWEN25_7B_CONTEXT)
+    assert infra.context_bound(qwen) == 32768
+    assert infra.context_bound(qwen, tokenizer_max=8192) == 8192
+    yarn = Qwen2Config(**QWEN25_7B_CONTEXT, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert infra.context_bound(yarn) == 32768  # older vLLM: 131072
+    linear = LlamaConfig(max_position_embeddings=4096,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert infra.context_bound(linear) == 8192
+    smallest = Qwen2Config(**QWEN25_7B_CONTEXT, max_seq_len=16384)
+    assert infra.context_bound(smallest) == 16384
+
+
+def test_check_context_counts_the_longest_rollout(tmp_path):
+    """The longest prompt plus the largest role budget (spell.longest_sequence) must fit; with
+    "yarn:4", Qwen2.5-7B holds 131072 and not one token more."""
+    qwen = saved_config(tmp_path, "qwen")
+    config, _ = infra.model_config(qwen, "yarn:4")
+    cfg = spell.load_config(None, ["--rollout.max_prompt_tokens=122880",
+                                   "--rollout.role_max_new_tokens=que:4096,res:8192,ver:2048"])
+    infra.check_context(spell.longest_sequence(cfg), config, 131072)
+    cfg.rollout.role_max_new_tokens["ver"] = 8193
+    with pytest.raises(infra.ConfigError, match=r"= 131073 tokens exceed the model's context of "
+                                                r"131072"):
+        infra.check_context(spell.longest_sequence(cfg), config, 131072)
+    with pytest.raises(infra.ConfigError, match="its tokenizer's model_max_length"):
+        infra.check_context(9000, config, 8192)
+
+
+def test_check_same_rope_names_both_sides(tmp_path):
+    """vLLM's config (llm.llm_engine.model_config.hf_config) against the trainer's (policy.config):
+    equal passes; any difference in the RoPE or the positions stops, naming both."""
+    qwen = saved_config(tmp_path, "qwen")
+    scaled, _ = infra.model_config(qwen, "yarn:4")
+    plain, _ = infra.model_config(qwen, "")
+
+    def llm(config):
+        engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=config))
+        return types.SimpleNamespace(llm_engine=engine)
+
+    policy = types.SimpleNamespace(config=infra.model_config(qwen, "yarn:4")[0])
+    infra.check_same_rope(llm(scaled), policy)
+    with pytest.raises(infra.ConfigError, match=r"vLLM's RoPE \{'rope_parameters': \{'rope_theta': "
+                                                r"1000000.0, 'rope_type': 'default'\}.* and the "
+                                                r"trainer's .*'rope_type': 'yarn'.* differ"):
+        infra.check_same_rope(llm(plain), policy)
+    positions = copy.deepcopy(scaled)
+    positions.max_position_embeddings = 32768
+    with pytest.raises(infra.ConfigError, match="differ"):
+        infra.check_same_rope(llm(positions), policy)
 
 
 # ------------------------------------------------------------------------------------------------
