@@ -1423,16 +1423,16 @@ SCALED_LENGTH_ROPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                        "deepseek_llama_scaling")
 
 
-def context_bound(model_config, tokenizer_max: float = math.inf) -> float:
-    """The most tokens vLLM 0.32 lets a model hold (inf if its config names no limit), derived as
-    vLLM derives it: the smallest of the config's length keys (model_max_length instead, when set),
-    at most the tokenizer's model_max_length, times the factor of a RoPE scaling whose length is
-    unscaled (SCALED_LENGTH_ROPES). A max_model_len beyond it makes vLLM refuse to start."""
+def context_bound(model_config) -> float:
+    """The most tokens vLLM 0.32 lets a generative model hold (inf if its config names no limit),
+    derived as vLLM derives it: the smallest of the config's length keys (model_max_length instead,
+    when set), times the factor of a RoPE scaling whose length is unscaled (SCALED_LENGTH_ROPES).
+    A max_model_len beyond it makes vLLM refuse to start. (The tokenizer's model_max_length counts
+    for pooling models only.)"""
     text = model_config.get_text_config()
     sizes = [v for v in (getattr(text, key, None) for key in CONTEXT_KEYS)
              if isinstance(v, (int, float)) and not isinstance(v, bool)]
     bound = getattr(text, "model_max_length", None) or min(sizes, default=math.inf)
-    bound = min(bound, tokenizer_max)
     rope = getattr(text, "rope_parameters", None) or {}
     factor = 1.0
     # a RoPE per layer type (Gemma's sliding and full attention): vLLM reads each in turn
@@ -1508,15 +1508,14 @@ def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
     return config, overrides
 
 
-def check_context(longest: int, model_config, tokenizer_max: float) -> None:
+def check_context(longest: int, model_config) -> None:
     """Stop before vLLM starts unless the model's context (context_bound, with model.rope_scaling
     applied) holds the longest rollout: the longest prompt and the largest role's budget."""
-    bound = context_bound(model_config, tokenizer_max)
+    bound = context_bound(model_config)
     if longest > bound:
-        limit = "its tokenizer's model_max_length" if bound == tokenizer_max else "its config"
         raise ConfigError(f"rollout.max_prompt_tokens + the largest role budget (rollout."
                           f"max_new_tokens, rollout.role_max_new_tokens) = {longest} tokens exceed "
-                          f"the model's context of {bound:.0f} ({limit}, model.rope_scaling "
+                          f"the model's context of {bound:.0f} (its config.json, model.rope_scaling "
                           f"applied); lower them, or scale RoPE (model.rope_scaling = \"yarn:4\" "
                           f"takes Qwen2.5 from 32K to 128K)")
 

@@ -2999,7 +2999,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy); the longest
     # rollout must fit the context they give
     config, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
-    infra.check_context(longest_sequence(cfg), config, tok.model_max_length)
+    infra.check_context(longest_sequence(cfg), config)
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
@@ -3047,13 +3047,18 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     `tensor_parallel_size` k, ranks r with the same r // k form one engine (infra.engine_groups), each
     holding 1/k of every layer; they must submit the same requests in the same order. vLLM reseeds
     the global RNGs while it starts (reseed after it), and engines given the same `seed` sample the
-    same rollouts. CPU settings: infra.vllm_platform_kwargs.
+    same rollouts. CPU settings: infra.vllm_platform_kwargs. model.rope_scaling reaches vLLM as
+    `hf_overrides` (infra.model_config).
     """
     from vllm import LLM
 
     assert dist.is_initialized(), "call dist.init_process_group before start_vllm (see docstring)"
     engine_kwargs = infra.vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
                                          engine_kwargs)
+    # A group's G answers (and a response's G votes) share one prompt: the prefix cache encodes it
+    # once and reuses its KV blocks. vLLM 0.32's default for decoders, asked for here; on CPU it
+    # samples the same tokens, with log-probs equal within rounding (docs/gpu.md)
+    engine_kwargs.setdefault("enable_prefix_caching", True)
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,

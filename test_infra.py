@@ -763,9 +763,10 @@ def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
     own, _ = infra.model_config(card, "")
     assert infra.context_bound(own) == 32768
     with pytest.raises(infra.ConfigError, match=r"= 131072 tokens exceed the model's context of "
-                                                r"32768 \(its config, model.rope_scaling applied\)"):
-        infra.check_context(131072, own, math.inf)
-    infra.check_context(131072, config, 131072)  # Qwen2.5's tokenizer_config: 131072
+                                                r"32768 \(its config.json, model.rope_scaling "
+                                                r"applied\)"):
+        infra.check_context(131072, own)
+    infra.check_context(131072, config)
     # Yarn-Llama-2's layout: positions already scaled, its own pretrained length
     llama = saved_config(tmp_path, "llama", max_position_embeddings=65536, rope_scaling={
         "type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096})
@@ -783,13 +784,12 @@ def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
 
 def test_context_bound_derives_what_vllm_derives(tmp_path):
     """Worked cases of vLLM 0.32's rule (pinned to vLLM itself in
-    test_rope_scaling_reaches_vllm_and_the_trainer_alike): the smallest length key, at most the
-    tokenizer's, times the factor of a scaling whose length is unscaled (linear), not YaRN's."""
+    test_rope_scaling_reaches_vllm_and_the_trainer_alike): the smallest length key, times the
+    factor of a scaling whose length is unscaled (linear), not YaRN's."""
     from transformers import LlamaConfig, Qwen2Config
 
     qwen = Qwen2Config(**QWEN25_7B_CONTEXT)
     assert infra.context_bound(qwen) == 32768
-    assert infra.context_bound(qwen, tokenizer_max=8192) == 8192
     yarn = Qwen2Config(**QWEN25_7B_CONTEXT, rope_scaling={
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
     assert infra.context_bound(yarn) == 32768  # older vLLM: 131072
@@ -807,13 +807,11 @@ def test_check_context_counts_the_longest_rollout(tmp_path):
     config, _ = infra.model_config(qwen, "yarn:4")
     cfg = spell.load_config(None, ["--rollout.max_prompt_tokens=122880",
                                    "--rollout.role_max_new_tokens=que:4096,res:8192,ver:2048"])
-    infra.check_context(spell.longest_sequence(cfg), config, 131072)
+    infra.check_context(spell.longest_sequence(cfg), config)
     cfg.rollout.role_max_new_tokens["ver"] = 8193
     with pytest.raises(infra.ConfigError, match=r"= 131073 tokens exceed the model's context of "
                                                 r"131072"):
-        infra.check_context(spell.longest_sequence(cfg), config, 131072)
-    with pytest.raises(infra.ConfigError, match="its tokenizer's model_max_length"):
-        infra.check_context(9000, config, 8192)
+        infra.check_context(spell.longest_sequence(cfg), config)
 
 
 def test_check_same_rope_names_both_sides(tmp_path):
@@ -837,6 +835,39 @@ def test_check_same_rope_names_both_sides(tmp_path):
     positions.max_position_embeddings = 32768
     with pytest.raises(infra.ConfigError, match="differ"):
         infra.check_same_rope(llm(positions), policy)
+
+
+def test_rope_scaling_reaches_vllm_and_the_trainer_alike(tiny_dir, tmp_path):
+    """The tiny model (2048 positions) with model.rope_scaling = "yarn:4", started as main() starts
+    it (spell.start_engine, spell.load_policy): vLLM's rotary tables over all 8192 positions equal
+    the trainer's, and so do the sampled tokens' log-probs on prompts past 2048; a trainer without
+    the key is stopped; prefix caching changes no sampled token; context_bound is vLLM's own
+    max_model_len rule on four configs."""
+    out = tmp_path / "rope.json"
+    output = torchrun(1, __file__, "rope", tiny_dir, str(out), str(tmp_path)).stdout
+    r = json.loads(out.read_text())
+    print({k: v for k, v in r.items() if k != "bounds"}, r["bounds"])
+    assert r["max_model_len"] == 8192, output[-3000:]
+    # cos and sin of the same fp32 angles, times the same YaRN scale 0.1 ln 4 + 1: an angle
+    # p x inv_freq <= 8192 rounds to half an ulp of 8192 (4.9e-4) on either side, so the tables
+    # may differ by 2 x 4.9e-4 x 1.14 = 1.1e-3 at most (measured: 0.0, the same computation)
+    assert r["cos_max_diff"] < 1.2e-3 and r["sin_max_diff"] < 1.2e-3
+    assert r["mismatch_stopped"], "a trainer without model.rope_scaling went unnoticed"
+    # as test_spell.py's parity test: fp32 both sides, the log-sum-exp over V = 49152 dominates the
+    # rounding, sqrt(V) u32 = 1.3e-5 typically; 1e-4 is 8x that
+    assert r["trainer_vllm_max_diff"] < 1e-4
+    # the same prompts under the plain RoPE read differently (measured 1.1)
+    assert r["plain_trainer_vllm_max_diff"] > 1e-2
+    # the prefix cache reuses the prompt's KV blocks, computed by the same kernels: the tokens
+    # sampled with the same request seeds are the same, the log-probs equal within the rounding
+    # above (a different batch layout sums in another order)
+    assert r["cached_tokens_equal"] and r["uncached_tokens_equal"]
+    assert r["cached_max_diff"] < 1e-4 and r["uncached_max_diff"] < 1e-4
+    # vLLM starts at context_bound and refuses one token more, for each config
+    assert r["bounds"] == [[name, bound, True, False] for name, bound, *_ in r["bounds"]]
+    assert [b[:2] for b in r["bounds"]] == [["plain", 2048], ["yarn:4", 8192],
+                                            ["config.json yarn x4", 2048],
+                                            ["config.json linear x2", 4096]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1736,6 +1767,114 @@ def worker_sp_flex(out_file: str) -> None:
     dist.destroy_process_group()
 
 
+def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
+    """One rank: test_rope_scaling_reaches_vllm_and_the_trainer_alike's measurements."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.config import ModelConfig
+
+    import evaluation
+
+    dist.init_process_group("gloo")
+    cpu, r = torch.device("cpu"), {}
+    # the tiny model's attention is near uniform (weights of scale 0.02), so positions hardly
+    # matter; queries and keys 8x larger make it peaked, and a wrong RoPE visible
+    sharp = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in sharp.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    source, tiny_dir = tiny_dir, str(Path(work) / "sharp")
+    shutil.copytree(source, tiny_dir)  # the tokenizer's files
+    sharp.save_pretrained(tiny_dir)  # and the sharper weights over the tiny model's
+    cfg = spell.load_config(None, [f"--model.path={tiny_dir}", "--model.rope_scaling=yarn:4",
+                                   "--rollout.max_prompt_tokens=7680", "--rollout.max_new_tokens=512",
+                                   "--rollout.dtype=float32"])
+    model_dir, tok, llm = spell.start_engine(cfg, 0, 1, cpu, 0, training=True)
+    policy, _ = spell.load_policy(cfg, model_dir, cpu, 1)
+    infra.check_same_rope(llm, policy)  # as main() does
+    r["max_model_len"] = llm.llm_engine.model_config.max_model_len
+    # the rotary tables: vLLM's cache holds cos | sin x mscale for every position
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    cache = runner.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache  # (8192, head_dim)
+    half = cache.shape[1] // 2
+    cos, sin = policy.model.rotary_emb(torch.zeros(1, dtype=torch.float32),
+                                       torch.arange(cache.shape[0])[None])  # (1, 8192, head_dim)
+    r["cos_max_diff"] = (cache[:, :half] - cos[0, :, :half]).abs().max().item()
+    r["sin_max_diff"] = (cache[:, half:] - sin[0, :, :half]).abs().max().item()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    try:
+        infra.check_same_rope(llm, plain)
+        r["mismatch_stopped"] = False
+    except infra.ConfigError:
+        r["mismatch_stopped"] = True
+
+    # sampled tokens' log-probs on prompts past the model's own 2048 positions
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (2500, 3500)]
+
+    def sample(engine):
+        # top_p 1: vLLM's log-probs are of the nucleus, renormalised (processed_logprobs)
+        return spell.generate(engine, prompts, n=4, temperature=TEMPERATURE, top_p=1.0,
+                              max_tokens=16, seeds=[1, 2], logprobs=True)
+
+    def max_diff_to(model, outs) -> float:
+        diffs = []
+        for p, cs in zip(prompts, outs):  # one row a prompt: a dense SDPA mask of 3.5K^2 at most
+            packed = spell.pack_sequences([(p, c.token_ids) for c in cs], shared=True)
+            with torch.no_grad():
+                lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+            diffs += [(lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
+                      for c, (s, e) in zip(cs, packed["spans"])]
+        return max(diffs)
+
+    first, cached = sample(llm), sample(llm)  # the second reads every full block from the cache
+    r["trainer_vllm_max_diff"] = max_diff_to(policy, first)
+    r["plain_trainer_vllm_max_diff"] = max_diff_to(plain, first)
+    evaluation.stop_vllm(llm)
+    uncached = sample(spell.start_vllm(model_dir, max_model_len=8192, seed=0, dtype="float32",
+                                       hf_overrides=infra.model_config(model_dir, "yarn:4")[1],
+                                       enable_prefix_caching=False))
+
+    def compare(a, b, name):
+        pairs = [(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+        r[f"{name}_tokens_equal"] = all(x.token_ids == y.token_ids for x, y in pairs)
+        r[f"{name}_max_diff"] = max(max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs))
+                                    for x, y in pairs)
+    compare(first, cached, "cached")
+    compare(first, uncached, "uncached")
+
+    # vLLM's own max_model_len rule against context_bound
+    def folder(name, **fields):
+        config = AutoConfig.from_pretrained(tiny_dir)
+        for key, value in fields.items():
+            setattr(config, key, value)
+        path = Path(work) / name
+        shutil.copytree(tiny_dir, path)
+        config.save_pretrained(path)
+        return str(path)
+
+    cases = [("plain", tiny_dir, ""), ("yarn:4", tiny_dir, "yarn:4"),
+             ("config.json yarn x4", folder("yarn", rope_parameters={
+                 "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                 "rope_theta": 10000.0}), ""),
+             ("config.json linear x2", folder("linear", rope_parameters={
+                 "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "")]
+    r["bounds"] = []
+    for name, path, key in cases:
+        config, overrides = infra.model_config(path, key)
+        bound = int(infra.context_bound(config))
+        starts = []
+        for n in (bound, bound + 1):
+            try:
+                ModelConfig(model=path, max_model_len=n, hf_overrides=overrides)
+                starts.append(True)
+            except ValueError:  # pydantic's ValidationError is one
+                starts.append(False)
+        r["bounds"].append([name, bound, *starts])
+    Path(out_file).write_text(json.dumps(r))
+
+
 if __name__ == "__main__":
     run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets,
-                "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex})
+                "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex, "rope": worker_rope})
