@@ -814,6 +814,32 @@ def test_check_context_counts_the_longest_rollout(tmp_path):
         infra.check_context(spell.longest_sequence(cfg), config)
 
 
+def test_long_context_preset_fills_the_scaled_context(tmp_path):
+    """presets/long-128k.toml stacked on config.toml, with Qwen2.5-7B's config.json: the longest
+    rollout is exactly the 131,072 positions of YaRN x 4 (and stops before vLLM without the key), a
+    responder group shared fits one sequence-parallel row, the SP size splits the model's heads,
+    and the start-up estimate fits 8 GPUs of 78 GiB. Whether the questioner's (L + 1) m documents
+    and the responder's whole cluster fit max_prompt_tokens depends on the corpus: not checked."""
+    from transformers import Qwen2Config
+
+    cfg = spell.load_config([str(REPO / "config.toml"), str(REPO / "presets" / "long-128k.toml")])
+    qwen = saved_config(tmp_path, "qwen")
+    config, _ = infra.model_config(qwen, cfg.model.rope_scaling)
+    longest = spell.longest_sequence(cfg)
+    assert longest == infra.context_bound(config) == 131072
+    infra.check_context(longest, config)
+    with pytest.raises(infra.ConfigError, match=r"exceed the model's context of 32768 .*yarn:4"):
+        infra.check_context(longest, infra.model_config(qwen, "")[0])
+    group = cfg.rollout.max_prompt_tokens + cfg.rollout.group_size * spell.max_new_tokens(cfg, "res")
+    assert group <= spell.row_budget(cfg), (group, spell.row_budget(cfg))
+    heads = QWEN25_7B["num_attention_heads"], QWEN25_7B["num_key_value_heads"]
+    infra.check_heads(*heads, cfg.train.sequence_parallel)
+    with pytest.raises(infra.ConfigError, match="must divide the model's 28 query heads"):
+        infra.check_heads(*heads, 8)  # why the preset's SP is 4, not 8
+    estimate = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), 8, 78.0, longest)
+    infra.check_memory(cfg, estimate, 78.0, 8)
+
+
 def test_check_same_rope_names_both_sides(tmp_path):
     """vLLM's config (llm.llm_engine.model_config.hf_config) against the trainer's (policy.config):
     equal passes; any difference in the RoPE or the positions stops, naming both."""
