@@ -3056,8 +3056,9 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     engine_kwargs = infra.vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
                                          engine_kwargs)
     # A group's G answers (and a response's G votes) share one prompt: the prefix cache encodes it
-    # once and reuses its KV blocks. vLLM 0.32's default for decoders, asked for here; on CPU it
-    # samples the same tokens, with log-probs equal within rounding (docs/gpu.md)
+    # once and reuses its KV blocks (at 128K, 7 GiB a prompt instead of 8 x 7). vLLM 0.32's
+    # default for decoders, asked for here. It changes the batches' layout, hence their rounding
+    # only: in fp32 the same tokens; in bf16 a tenth of bf16's own gap to fp32 (docs/gpu.md)
     engine_kwargs.setdefault("enable_prefix_caching", True)
     t0 = time.perf_counter()
     llm = LLM(
