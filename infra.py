@@ -1480,14 +1480,15 @@ def rope_overrides(rope_scaling: str, model_config) -> dict:
     text = model_config.get_text_config()
     own = dict(getattr(text, "rope_parameters", None) or {})
     if any(isinstance(v, dict) for v in own.values()):
-        raise ConfigError(f"model.rope_scaling = {rope_scaling!r}: the model has one RoPE per layer "
-                          "type; only a model with one RoPE for all layers can be scaled")
+        raise ConfigError(f"model.rope_scaling = {rope_scaling!r}: the model has one RoPE per "
+                          "layer type; only a model with one RoPE for all layers can be scaled")
     legacy = own.pop("type", None)  # transformers 4's name, still beside rope_type in old files
     own_kind, own_factor = own.get("rope_type", legacy or "default"), own.get("factor")
     if own_kind != "default" and (own_kind, own_factor) != (kind, factor):
         raise ConfigError(f"model.rope_scaling = {rope_scaling!r} contradicts the model's "
-                          f"config.json, whose RoPE scaling is {own_kind} with factor {own_factor}: "
-                          f"leave the key \"\" to use the model's own, or edit its config.json")
+                          f"config.json, whose RoPE scaling is {own_kind} with factor "
+                          f"{own_factor}: leave the key \"\" to use the model's own, or edit its "
+                          "config.json")
     # the pretrained length: a YaRN config.json names it; otherwise it is the model's context
     original = own.get("original_max_position_embeddings") if own_kind == kind else None
     original = original or text.max_position_embeddings
@@ -1497,8 +1498,8 @@ def rope_overrides(rope_scaling: str, model_config) -> dict:
 
 
 def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
-    """(the model's HF config with model.rope_scaling applied, the overrides applied). vLLM takes the
-    overrides as hf_overrides and sets each key on its own copy of config.json, as done here."""
+    """(the model's HF config with model.rope_scaling applied, the overrides applied). vLLM takes
+    the overrides as hf_overrides and sets each key on its own copy of config.json, as done here."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -1515,9 +1516,9 @@ def check_context(longest: int, model_config) -> None:
     if longest > bound:
         raise ConfigError(f"rollout.max_prompt_tokens + the largest role budget (rollout."
                           f"max_new_tokens, rollout.role_max_new_tokens) = {longest} tokens exceed "
-                          f"the model's context of {bound:.0f} (its config.json, model.rope_scaling "
-                          f"applied); lower them, or scale RoPE (model.rope_scaling = \"yarn:4\" "
-                          f"takes Qwen2.5 from 32K to 128K)")
+                          f"the model's context of {bound:.0f} (its config.json, "
+                          f"model.rope_scaling applied); lower them, or scale RoPE "
+                          f"(model.rope_scaling = \"yarn:4\" takes Qwen2.5 from 32K to 128K)")
 
 
 def rope_view(model_config) -> dict:

@@ -773,7 +773,8 @@ def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
     assert infra.model_config(llama, "yarn:16")[1]["max_position_embeddings"] == 65536
     for fields, own_text in [
             (dict(rope_scaling={"type": "yarn", "factor": 2.0,
-                                "original_max_position_embeddings": 32768}), "yarn with factor 2.0"),
+                                "original_max_position_embeddings": 32768}),
+             "yarn with factor 2.0"),
             (dict(rope_scaling={"type": "linear", "factor": 4.0}), "linear with factor 4.0")]:
         other = saved_config(tmp_path, own_text.split()[0] + "2", **fields)
         with pytest.raises(infra.ConfigError, match=re.escape(
@@ -830,7 +831,8 @@ def test_long_context_preset_fills_the_scaled_context(tmp_path):
     infra.check_context(longest, config)
     with pytest.raises(infra.ConfigError, match=r"exceed the model's context of 32768 .*yarn:4"):
         infra.check_context(longest, infra.model_config(qwen, "")[0])
-    group = cfg.rollout.max_prompt_tokens + cfg.rollout.group_size * spell.max_new_tokens(cfg, "res")
+    answers = cfg.rollout.group_size * spell.max_new_tokens(cfg, "res")
+    group = cfg.rollout.max_prompt_tokens + answers
     assert group <= spell.row_budget(cfg), (group, spell.row_budget(cfg))
     heads = QWEN25_7B["num_attention_heads"], QWEN25_7B["num_key_value_heads"]
     infra.check_heads(*heads, cfg.train.sequence_parallel)
@@ -889,8 +891,9 @@ def test_rope_scaling_reaches_vllm_and_the_trainer_alike(tiny_dir, tmp_path):
     # above (a different batch layout sums in another order)
     assert r["cached_tokens_equal"] and r["uncached_tokens_equal"]
     assert r["cached_max_diff"] < 1e-4 and r["uncached_max_diff"] < 1e-4
-    # vLLM starts at context_bound and refuses one token more, for each config
-    assert r["bounds"] == [[name, bound, True, False] for name, bound, *_ in r["bounds"]]
+    # vLLM starts at context_bound and refuses one token more, and reads the trainer's RoPE, for
+    # each config
+    assert r["bounds"] == [[name, bound, True, False, True] for name, bound, *_ in r["bounds"]]
     assert [b[:2] for b in r["bounds"]] == [["plain", 2048], ["yarn:4", 8192],
                                             ["config.json yarn x4", 2048],
                                             ["config.json linear x2", 4096]]
@@ -1814,8 +1817,8 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
     shutil.copytree(source, tiny_dir)  # the tokenizer's files
     sharp.save_pretrained(tiny_dir)  # and the sharper weights over the tiny model's
     cfg = spell.load_config(None, [f"--model.path={tiny_dir}", "--model.rope_scaling=yarn:4",
-                                   "--rollout.max_prompt_tokens=7680", "--rollout.max_new_tokens=512",
-                                   "--rollout.dtype=float32"])
+                                   "--rollout.max_prompt_tokens=7680",
+                                   "--rollout.max_new_tokens=512", "--rollout.dtype=float32"])
     model_dir, tok, llm = spell.start_engine(cfg, 0, 1, cpu, 0, training=True)
     policy, _ = spell.load_policy(cfg, model_dir, cpu, 1)
     infra.check_same_rope(llm, policy)  # as main() does
@@ -1893,11 +1896,13 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
         starts = []
         for n in (bound, bound + 1):
             try:
-                ModelConfig(model=path, max_model_len=n, hf_overrides=overrides)
+                vllm_config = ModelConfig(model=path, max_model_len=n, hf_overrides=overrides)
                 starts.append(True)
             except ValueError:  # pydantic's ValidationError is one
                 starts.append(False)
-        r["bounds"].append([name, bound, *starts])
+        # and vLLM reads the RoPE the trainer's config holds (check_same_rope's comparison)
+        same = infra.rope_view(vllm_config.hf_config) == infra.rope_view(config)
+        r["bounds"].append([name, bound, *starts, same])
     Path(out_file).write_text(json.dumps(r))
 
 

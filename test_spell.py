@@ -3420,6 +3420,9 @@ def test_engine_makes_room_for_the_largest_role_budget(monkeypatch):
 
     started = []
     monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: "model-dir")
+    # a model of 4096 positions, model.rope_scaling off
+    monkeypatch.setattr(infra, "model_config", lambda path, rope_scaling: (
+        transformers.LlamaConfig(max_position_embeddings=4096), {}))
     monkeypatch.setattr(infra, "engine_groups", lambda *a: (0, 1))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: CharTokenizer())
     monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(kw["max_model_len"]))
