@@ -1509,16 +1509,18 @@ def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
     return config, overrides
 
 
-def check_context(longest: int, model_config) -> None:
-    """Stop before vLLM starts unless the model's context (context_bound, with model.rope_scaling
-    applied) holds the longest rollout: the longest prompt and the largest role's budget."""
-    bound = context_bound(model_config)
-    if longest > bound:
-        raise ConfigError(f"rollout.max_prompt_tokens + the largest role budget (rollout."
-                          f"max_new_tokens, rollout.role_max_new_tokens) = {longest} tokens exceed "
-                          f"the model's context of {bound:.0f} (its config.json, "
-                          f"model.rope_scaling applied); lower them, or scale RoPE "
-                          f"(model.rope_scaling = \"yarn:4\" takes Qwen2.5 from 32K to 128K)")
+def check_context(model_dir: str, tokens: int, what: str, rope_scaling: str = "") -> None:
+    """Stop, before the tokenizer or vLLM loads, when the longest sequence a run asks vLLM to hold
+    (`tokens`, made of the keys `what` names) is beyond the model's context: context_bound of its
+    config.json with model.rope_scaling applied. vLLM would refuse it only once it is starting,
+    deep in its own traceback."""
+    bound = context_bound(model_config(model_dir, rope_scaling)[0])
+    if tokens > bound:
+        scaled = f", model.rope_scaling {rope_scaling!r} applied" if rope_scaling else ""
+        raise ConfigError(f"{what} = {tokens} tokens, beyond the {bound:.0f}-token context of "
+                          f"the model {model_dir} (its config.json{scaled}); lower them, or "
+                          f"scale RoPE (model.rope_scaling = \"yarn:4\" takes Qwen2.5 from 32K "
+                          f"to 128K)")
 
 
 def rope_view(model_config) -> dict:

@@ -2994,18 +2994,20 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
+    r = cfg.rollout
+    infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
+                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
+                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
+                        f"{max_new_tokens(cfg)}", cfg.model.rope_scaling)
+    # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy)
+    _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
-    # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy); the longest
-    # rollout must fit the context they give
-    config, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
-    infra.check_context(longest_sequence(cfg), config)
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
-    r = cfg.rollout
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,

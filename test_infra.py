@@ -762,11 +762,11 @@ def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
     # the card's file alone: vLLM 0.32 derives 32K, and a 128K rollout stops before vLLM starts
     own, _ = infra.model_config(card, "")
     assert infra.context_bound(own) == 32768
-    with pytest.raises(infra.ConfigError, match=r"= 131072 tokens exceed the model's context of "
-                                                r"32768 \(its config.json, model.rope_scaling "
-                                                r"applied\)"):
-        infra.check_context(131072, own)
-    infra.check_context(131072, config)
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            f"128K = 131072 tokens, beyond the 32768-token context of the model {card} (its "
+            f"config.json); lower them, or scale RoPE (model.rope_scaling = \"yarn:4\"")):
+        infra.check_context(card, 131072, "128K")
+    infra.check_context(card, 131072, "128K", "yarn:4")
     # Yarn-Llama-2's layout: positions already scaled, its own pretrained length
     llama = saved_config(tmp_path, "llama", max_position_embeddings=65536, rope_scaling={
         "type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096})
@@ -805,14 +805,14 @@ def test_check_context_counts_the_longest_rollout(tmp_path):
     """The longest prompt plus the largest role budget (spell.longest_sequence) must fit; with
     "yarn:4", Qwen2.5-7B holds 131072 and not one token more."""
     qwen = saved_config(tmp_path, "qwen")
-    config, _ = infra.model_config(qwen, "yarn:4")
     cfg = spell.load_config(None, ["--rollout.max_prompt_tokens=122880",
                                    "--rollout.role_max_new_tokens=que:4096,res:8192,ver:2048"])
-    infra.check_context(spell.longest_sequence(cfg), config)
+    infra.check_context(qwen, spell.longest_sequence(cfg), "longest", "yarn:4")
     cfg.rollout.role_max_new_tokens["ver"] = 8193
-    with pytest.raises(infra.ConfigError, match=r"= 131073 tokens exceed the model's context of "
-                                                r"131072"):
-        infra.check_context(spell.longest_sequence(cfg), config)
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            f"longest = 131073 tokens, beyond the 131072-token context of the model {qwen} (its "
+            f"config.json, model.rope_scaling 'yarn:4' applied)")):
+        infra.check_context(qwen, spell.longest_sequence(cfg), "longest", "yarn:4")
 
 
 def test_long_context_preset_fills_the_scaled_context(tmp_path):
@@ -828,9 +828,9 @@ def test_long_context_preset_fills_the_scaled_context(tmp_path):
     config, _ = infra.model_config(qwen, cfg.model.rope_scaling)
     longest = spell.longest_sequence(cfg)
     assert longest == infra.context_bound(config) == 131072
-    infra.check_context(longest, config)
-    with pytest.raises(infra.ConfigError, match=r"exceed the model's context of 32768 .*yarn:4"):
-        infra.check_context(longest, infra.model_config(qwen, "")[0])
+    infra.check_context(qwen, longest, "longest", cfg.model.rope_scaling)
+    with pytest.raises(infra.ConfigError, match=r"beyond the 32768-token context .*yarn:4"):
+        infra.check_context(qwen, longest, "longest")
     answers = cfg.rollout.group_size * spell.max_new_tokens(cfg, "res")
     group = cfg.rollout.max_prompt_tokens + answers
     assert group <= spell.row_budget(cfg), (group, spell.row_budget(cfg))
