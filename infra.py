@@ -18,6 +18,7 @@ plain values.
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import dataclasses
 import errno
@@ -368,6 +369,7 @@ def check_every_key(cfg) -> None:
     for key, ok, must in rules:
         if not ok:
             raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
+    parse_rope_scaling(cfg.model.rope_scaling)  # "" or TYPE:FACTOR
 
 
 def config_changes(cfg) -> list[str]:
@@ -1492,29 +1494,133 @@ def check_head_split(model_config, k: int, whose: str = "the model's") -> None:
                           f"its {kv} key/value heads")
 
 
+# The config keys vLLM 0.32 reads a model's context from (model_arch_config_convertor.py,
+# derive_max_model_len_and_key): the smallest one present, unless model_max_length is set.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
+                "seq_len")
+# RoPE scalings whose max_position_embeddings already is the scaled length, so vLLM 0.32 does not
+# multiply their factor in (config/model.py, _get_and_verify_max_len); it does for the others
+# (linear, dynamic). transformers' YaRN reads the factor and the pretrained length alike.
+SCALED_LENGTH_ROPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                       "deepseek_llama_scaling")
+
+
 def context_bound(model_config) -> float:
-    """The most tokens vLLM could allow a model (inf if its config names no limit): the largest of
-    the config's position keys, times a RoPE scaling factor. vLLM derives at most this, so a length
-    beyond it certainly fails, and one within it is left for vLLM to judge."""
+    """The most tokens vLLM 0.32 lets a generative model hold (inf if its config names no limit),
+    derived as vLLM derives it: the smallest of the config's length keys (model_max_length instead,
+    when set), times the factor of a RoPE scaling whose length is unscaled (SCALED_LENGTH_ROPES).
+    A max_model_len beyond it makes vLLM refuse to start. (The tokenizer's model_max_length counts
+    for pooling models only.)"""
     text = model_config.get_text_config()
-    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",  # vLLM's keys
-            "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
-            "seq_len")
-    sizes = [v for v in (getattr(text, key, None) for key in keys) if isinstance(v, int)]
-    rope = getattr(text, "rope_scaling", None) or {}
-    return max(sizes, default=math.inf) * max(1.0, rope.get("factor") or 1.0)
+    sizes = [v for v in (getattr(text, key, None) for key in CONTEXT_KEYS)
+             if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    bound = getattr(text, "model_max_length", None) or min(sizes, default=math.inf)
+    rope = getattr(text, "rope_parameters", None) or {}
+    factor = 1.0
+    # a RoPE per layer type (Gemma's sliding and full attention): vLLM reads each in turn
+    for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in SCALED_LENGTH_ROPES:
+            factor = params.get("factor") or factor
+    return bound if "gemma3" in text.model_type else bound * factor
 
 
-def check_context(model_dir: str, tokens: int, what: str) -> None:
-    """Stop, before vLLM starts, when the longest sequence a run asks vLLM to hold (`tokens`, made
-    of the keys `what` names) is beyond the model's context (context_bound of its config.json):
-    vLLM would refuse it only once it is starting, deep in its own traceback."""
+# The RoPE scalings model.rope_scaling can name: those whose parameters vLLM 0.32 and transformers
+# 5.19 turn into the same rotary tables (test_spell.py pins vLLM's cos/sin cache to the trainer's).
+ROPE_SCALINGS = ("yarn",)
+
+
+def parse_rope_scaling(text: str) -> tuple[str, float] | None:
+    """model.rope_scaling "TYPE:FACTOR" -> (TYPE, FACTOR); "" -> None; anything else stops."""
+    if text == "":
+        return None
+    kind, sep, number = text.partition(":")
+    try:
+        factor = float(number)
+    except ValueError:
+        factor = math.nan
+    if not sep or kind.strip() not in ROPE_SCALINGS or not 1 < factor <= 1024:
+        raise ConfigError(f"model.rope_scaling must be \"\" or TYPE:FACTOR with TYPE "
+                          f"{'|'.join(ROPE_SCALINGS)} and FACTOR in (1, 1024], e.g. \"yarn:4\", "
+                          f"got {shown(text)}")
+    return kind.strip(), factor
+
+
+def rope_overrides(rope_scaling: str, model_config) -> dict:
+    """model.rope_scaling as HF config overrides: the one dict vLLM takes as hf_overrides and the
+    trainer sets on its config (model_config), so that both compute the same RoPE. {} for "".
+
+    The model's RoPE parameters (its theta kept) with the scaling's type and factor over its
+    pretrained length, and max_position_embeddings = that length x factor: vLLM 0.32 reads a YaRN
+    model's context from max_position_embeddings as it stands (context_bound), and Qwen2.5's card
+    only adds the rope_scaling entry. A config.json that already scales RoPE another way stops here.
+    """
+    spec = parse_rope_scaling(rope_scaling)
+    if spec is None:
+        return {}
+    kind, factor = spec
+    text = model_config.get_text_config()
+    own = dict(getattr(text, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in own.values()):
+        raise ConfigError(f"model.rope_scaling = {rope_scaling!r}: the model has one RoPE per "
+                          "layer type; only a model with one RoPE for all layers can be scaled")
+    legacy = own.pop("type", None)  # transformers 4's name, still beside rope_type in old files
+    own_kind, own_factor = own.get("rope_type", legacy or "default"), own.get("factor")
+    if own_kind != "default" and (own_kind, own_factor) != (kind, factor):
+        raise ConfigError(f"model.rope_scaling = {rope_scaling!r} contradicts the model's "
+                          f"config.json, whose RoPE scaling is {own_kind} with factor "
+                          f"{own_factor}: leave the key \"\" to use the model's own, or edit its "
+                          "config.json")
+    # the pretrained length: a YaRN config.json names it; otherwise it is the model's context
+    original = own.get("original_max_position_embeddings") if own_kind == kind else None
+    original = original or text.max_position_embeddings
+    params = {**own, "rope_type": kind, "factor": factor,
+              "original_max_position_embeddings": original}
+    return {"rope_parameters": params, "max_position_embeddings": int(original * factor)}
+
+
+def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
+    """(the model's HF config with model.rope_scaling applied, the overrides applied). vLLM takes
+    the overrides as hf_overrides and sets each key on its own copy of config.json, as done here."""
     from transformers import AutoConfig
 
-    bound = context_bound(AutoConfig.from_pretrained(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    overrides = rope_overrides(rope_scaling, config)
+    for key, value in overrides.items():
+        setattr(config, key, copy.deepcopy(value))
+    return config, overrides
+
+
+def check_context(model_dir: str, tokens: int, what: str, rope_scaling: str = "") -> None:
+    """Stop, before the tokenizer or vLLM loads, when the longest sequence a run asks vLLM to hold
+    (`tokens`, made of the keys `what` names) is beyond the model's context: context_bound of its
+    config.json with model.rope_scaling applied. vLLM would refuse it only once it is starting,
+    deep in its own traceback."""
+    bound = context_bound(model_config(model_dir, rope_scaling)[0])
     if tokens > bound:
+        scaled = f", model.rope_scaling {rope_scaling!r} applied" if rope_scaling else ""
         raise ConfigError(f"{what} = {tokens} tokens, beyond the {bound:.0f}-token context of "
-                          f"the model {model_dir} (its config.json); lower them")
+                          f"the model {model_dir} (its config.json{scaled}); lower them, or "
+                          f"scale RoPE (model.rope_scaling = \"yarn:4\" takes Qwen2.5 from 32K "
+                          f"to 128K)")
+
+
+def rope_view(model_config) -> dict:
+    """What decides a model's rotary tables and vLLM's context: its RoPE parameters and
+    max_position_embeddings (check_same_rope compares them)."""
+    text = model_config.get_text_config()
+    return {"rope_parameters": getattr(text, "rope_parameters", None),
+            "max_position_embeddings": getattr(text, "max_position_embeddings", None)}
+
+
+def check_same_rope(llm, policy) -> None:
+    """Stop unless vLLM's engine and the trainer's policy, both loaded, hold the same RoPE: sampled
+    tokens and trained log-probs would otherwise come from two different position encodings."""
+    rollout, trainer = rope_view(llm.llm_engine.model_config.hf_config), rope_view(policy.config)
+    if rollout != trainer:
+        raise ConfigError(f"model.rope_scaling: vLLM's RoPE {rollout} and the trainer's {trainer} "
+                          "differ")
 
 
 def check_vllm_groups(k: int) -> None:

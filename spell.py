@@ -162,6 +162,10 @@ class ModelConfig:
     # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
     attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
+    # RoPE scaling beyond the model's own context, the same for vLLM and the trainer
+    # (infra.rope_overrides): "yarn:4" = YaRN with factor 4 over the model's max_position_embeddings
+    # (Qwen2.5: 32K -> 128K, as its model card says); "" = the model's config.json as it is
+    rope_scaling: str = ""
 
 
 @dataclass
@@ -3209,6 +3213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     group, groups = infra.engine_groups(cfg, rank, world)
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
+    infra.check_same_rope(llm, policy)  # the rollouts' positions are the trainer's
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
@@ -3313,7 +3318,9 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
                         f"rollout.max_prompt_tokens + the largest role budget (rollout."
                         f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
-                        f"{max_new_tokens(cfg)}")
+                        f"{max_new_tokens(cfg)}", cfg.model.rope_scaling)
+    # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy)
+    _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
@@ -3325,7 +3332,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
                      dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
-                     tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+                     tensor_parallel_size=cfg.rollout.tensor_parallel_size, hf_overrides=overrides)
     infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     return model_dir, tok, llm
 
@@ -3337,8 +3344,9 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
+    config, _ = infra.model_config(model_dir, cfg.model.rope_scaling)  # as vLLM's (start_engine)
     policy = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32,  # the fp32 masters
+        model_dir, config=config, dtype=torch.float32,  # the fp32 masters
         attn_implementation=infra.attention_implementation(cfg, device.type == "cuda"))
     policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),
@@ -3361,13 +3369,19 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     `tensor_parallel_size` k, ranks r with the same r // k form one engine (infra.engine_groups), each
     holding 1/k of every layer; they must submit the same requests in the same order. vLLM reseeds
     the global RNGs while it starts (reseed after it), and engines given the same `seed` sample the
-    same rollouts. CPU settings: infra.vllm_platform_kwargs.
+    same rollouts. CPU settings: infra.vllm_platform_kwargs. model.rope_scaling reaches vLLM as
+    `hf_overrides` (infra.model_config).
     """
     from vllm import LLM
 
     assert dist.is_initialized(), "call dist.init_process_group before start_vllm (see docstring)"
     engine_kwargs = infra.vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
                                          engine_kwargs)
+    # A group's G answers (and a response's G votes) share one prompt: the prefix cache encodes it
+    # once and reuses its KV blocks (at 128K, 7 GiB a prompt instead of 8 x 7). vLLM 0.32's
+    # default for decoders, asked for here. It changes the batches' layout, hence their rounding
+    # only: in fp32 the same tokens; in bf16 a tenth of bf16's own gap to fp32 (docs/gpu.md)
+    engine_kwargs.setdefault("enable_prefix_caching", True)
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,

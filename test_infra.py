@@ -14,6 +14,7 @@ import shlex
 import shutil
 import signal
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -737,6 +738,212 @@ def test_plan_rebalance():
         longest = max((x for lens in lengths for x in lens), default=0)
         # LPT over what each rank could not keep: no rank ends more than one sequence above the mean
         assert max(load) <= sum(load) / len(load) + longest
+
+
+# ------------------------------------------------------------------------------------------------
+# Long context: model.rope_scaling, the same for vLLM and the trainer, and the context bound
+# ------------------------------------------------------------------------------------------------
+
+# Qwen2.5-7B-Instruct's config.json: 32K positions, theta 1e6 (its card adds YaRN x 4 for 128K)
+QWEN25_7B_CONTEXT = dict(QWEN25_7B, max_position_embeddings=32768, rope_theta=1000000.0)
+
+
+def saved_config(tmp_path: Path, name: str, **fields) -> str:
+    """A folder holding only a Qwen2 config.json (what infra.model_config reads)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(**{**QWEN25_7B_CONTEXT, **fields}).save_pretrained(tmp_path / name)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("text", ["yarn", "yarn:", "yarn:1", "yarn:0.5", "yarn:-4", "yarn:nan",
+                                  "yarn:inf", "yarn:2000", "yarn:four", ":4", "linear:2",
+                                  "YARN:4", "yarn=4"])
+def test_rope_scaling_key_takes_type_and_factor(text):
+    """model.rope_scaling is "" or TYPE:FACTOR, a type both engines compute alike and a factor in
+    (1, 1024]; anything else is one error line naming the key, from a file or the command line."""
+    assert infra.parse_rope_scaling("") is None
+    assert infra.parse_rope_scaling("yarn:4") == ("yarn", 4.0)
+    assert infra.parse_rope_scaling("yarn:2.5") == ("yarn", 2.5)
+    assert spell.load_config(None, ["--model.rope_scaling=yarn:4"]).model.rope_scaling == "yarn:4"
+    with pytest.raises(infra.ConfigError, match=r"^model\.rope_scaling must be \"\" or "
+                                                r"TYPE:FACTOR .*, got " + re.escape(repr(text))):
+        spell.load_config(None, [f"--model.rope_scaling={text}"])
+
+
+def test_rope_overrides_are_one_dict_for_vllm_and_the_trainer(tmp_path):
+    """"yarn:4" on Qwen2.5-7B's config.json: YaRN x 4 over its 32K positions, its theta kept, and
+    131072 positions (vLLM 0.32 reads a YaRN model's context from max_position_embeddings as it
+    stands). The trainer's config carries exactly the dict vLLM gets as hf_overrides."""
+    qwen = saved_config(tmp_path, "qwen")
+    config, overrides = infra.model_config(qwen, "yarn:4")
+    assert overrides == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                             "original_max_position_embeddings": 32768},
+                         "max_position_embeddings": 131072}
+    assert infra.rope_view(config) == overrides
+    # the trainer holds its own copy: vLLM's dict cannot change under it
+    assert config.rope_parameters is not overrides["rope_parameters"]
+    # transformers builds YaRN from it: attention scaled by 0.1 ln(4) + 1 (its formula), no warning
+    # that the factor contradicts 131072 / 32768
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    _, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert scaling == pytest.approx(0.1 * math.log(4) + 1, rel=1e-12)
+    # "" leaves the model's config.json as it is
+    plain, none = infra.model_config(qwen, "")
+    assert none == {} and infra.rope_view(plain) == {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "max_position_embeddings": 32768}
+
+
+def test_rope_scaling_agrees_with_or_contradicts_the_models_own(tmp_path):
+    """A config.json that already scales RoPE (Qwen2.5's card: add YaRN x 4, positions left at
+    32K): the same key completes it (131072 positions, so vLLM 0.32 allows 128K); another type or
+    factor is an error naming both; a YaRN config.json's own pretrained length is kept."""
+    card = saved_config(tmp_path, "card", rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    config, overrides = infra.model_config(card, "yarn:4")
+    assert overrides["max_position_embeddings"] == 131072
+    assert overrides["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                            "original_max_position_embeddings": 32768}
+    assert infra.context_bound(config) == 131072
+    # the card's file alone: vLLM 0.32 derives 32K, and a 128K rollout stops before vLLM starts
+    own, _ = infra.model_config(card, "")
+    assert infra.context_bound(own) == 32768
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            f"128K = 131072 tokens, beyond the 32768-token context of the model {card} (its "
+            f"config.json); lower them, or scale RoPE (model.rope_scaling = \"yarn:4\"")):
+        infra.check_context(card, 131072, "128K")
+    infra.check_context(card, 131072, "128K", "yarn:4")
+    # Yarn-Llama-2's layout: positions already scaled, its own pretrained length
+    llama = saved_config(tmp_path, "llama", max_position_embeddings=65536, rope_scaling={
+        "type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096})
+    assert infra.model_config(llama, "yarn:16")[1]["max_position_embeddings"] == 65536
+    for fields, own_text in [
+            (dict(rope_scaling={"type": "yarn", "factor": 2.0,
+                                "original_max_position_embeddings": 32768}),
+             "yarn with factor 2.0"),
+            (dict(rope_scaling={"type": "linear", "factor": 4.0}), "linear with factor 4.0")]:
+        other = saved_config(tmp_path, own_text.split()[0] + "2", **fields)
+        with pytest.raises(infra.ConfigError, match=re.escape(
+                f"model.rope_scaling = 'yarn:4' contradicts the model's config.json, whose RoPE "
+                f"scaling is {own_text}")):
+            infra.model_config(other, "yarn:4")
+
+
+def test_context_bound_derives_what_vllm_derives(tmp_path):
+    """Worked cases of vLLM 0.32's rule (pinned to vLLM itself in
+    test_rope_scaling_reaches_vllm_and_the_trainer_alike): the smallest length key, times the
+    factor of a scaling whose length is unscaled (linear), not YaRN's."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    qwen = Qwen2Config(**QWEN25_7B_CONTEXT)
+    assert infra.context_bound(qwen) == 32768
+    yarn = Qwen2Config(**QWEN25_7B_CONTEXT, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert infra.context_bound(yarn) == 32768  # older vLLM: 131072
+    linear = LlamaConfig(max_position_embeddings=4096,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert infra.context_bound(linear) == 8192
+    smallest = Qwen2Config(**QWEN25_7B_CONTEXT, max_seq_len=16384)
+    assert infra.context_bound(smallest) == 16384
+
+
+def test_check_context_counts_the_longest_rollout(tmp_path):
+    """The longest prompt plus the largest role budget (spell.longest_sequence) must fit; with
+    "yarn:4", Qwen2.5-7B holds 131072 and not one token more."""
+    qwen = saved_config(tmp_path, "qwen")
+    cfg = spell.load_config(None, ["--rollout.max_prompt_tokens=122880",
+                                   "--rollout.role_max_new_tokens=que:4096,res:8192,ver:2048"])
+    infra.check_context(qwen, spell.longest_sequence(cfg), "longest", "yarn:4")
+    cfg.rollout.role_max_new_tokens["ver"] = 8193
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            f"longest = 131073 tokens, beyond the 131072-token context of the model {qwen} (its "
+            f"config.json, model.rope_scaling 'yarn:4' applied)")):
+        infra.check_context(qwen, spell.longest_sequence(cfg), "longest", "yarn:4")
+
+
+def test_long_context_preset_fills_the_scaled_context(tmp_path):
+    """presets/long-128k.toml stacked on config.toml, with Qwen2.5-7B's config.json: the longest
+    rollout is exactly the 131,072 positions of YaRN x 4 (and stops before vLLM without the key), a
+    responder group shared fits one sequence-parallel row, the SP size splits the model's heads,
+    and the start-up estimate fits 8 GPUs of 78 GiB. Whether the questioner's (L + 1) m documents
+    and the responder's whole cluster fit max_prompt_tokens depends on the corpus: not checked."""
+    from transformers import Qwen2Config
+
+    cfg = spell.load_config([str(REPO / "config.toml"), str(REPO / "presets" / "long-128k.toml")])
+    qwen = saved_config(tmp_path, "qwen")
+    config, _ = infra.model_config(qwen, cfg.model.rope_scaling)
+    longest = spell.longest_sequence(cfg)
+    assert longest == infra.context_bound(config) == 131072
+    infra.check_context(qwen, longest, "longest", cfg.model.rope_scaling)
+    with pytest.raises(infra.ConfigError, match=r"beyond the 32768-token context .*yarn:4"):
+        infra.check_context(qwen, longest, "longest")
+    answers = cfg.rollout.group_size * spell.max_new_tokens(cfg, "res")
+    group = cfg.rollout.max_prompt_tokens + answers
+    assert group <= spell.row_budget(cfg), (group, spell.row_budget(cfg))
+    heads = QWEN25_7B["num_attention_heads"], QWEN25_7B["num_key_value_heads"]
+    infra.check_heads(*heads, cfg.train.sequence_parallel)
+    with pytest.raises(infra.ConfigError, match="must divide the model's 28 query heads"):
+        infra.check_heads(*heads, 8)  # why the preset's SP is 4, not 8
+    estimate = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), 8, 78.0, longest)
+    infra.check_memory(cfg, estimate, 78.0, 8)
+
+
+def test_check_same_rope_names_both_sides(tmp_path):
+    """vLLM's config (llm.llm_engine.model_config.hf_config) against the trainer's (policy.config):
+    equal passes; any difference in the RoPE or the positions stops, naming both."""
+    qwen = saved_config(tmp_path, "qwen")
+    scaled, _ = infra.model_config(qwen, "yarn:4")
+    plain, _ = infra.model_config(qwen, "")
+
+    def llm(config):
+        engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=config))
+        return types.SimpleNamespace(llm_engine=engine)
+
+    policy = types.SimpleNamespace(config=infra.model_config(qwen, "yarn:4")[0])
+    infra.check_same_rope(llm(scaled), policy)
+    with pytest.raises(infra.ConfigError, match=r"vLLM's RoPE \{'rope_parameters': \{'rope_theta': "
+                                                r"1000000.0, 'rope_type': 'default'\}.* and the "
+                                                r"trainer's .*'rope_type': 'yarn'.* differ"):
+        infra.check_same_rope(llm(plain), policy)
+    positions = copy.deepcopy(scaled)
+    positions.max_position_embeddings = 32768
+    with pytest.raises(infra.ConfigError, match="differ"):
+        infra.check_same_rope(llm(positions), policy)
+
+
+def test_rope_scaling_reaches_vllm_and_the_trainer_alike(tiny_dir, tmp_path):
+    """The tiny model (2048 positions) with model.rope_scaling = "yarn:4", started as main() starts
+    it (spell.start_engine, spell.load_policy): vLLM's rotary tables over all 8192 positions equal
+    the trainer's, and so do the sampled tokens' log-probs on prompts past 2048; a trainer without
+    the key is stopped; prefix caching changes no sampled token; context_bound is vLLM's own
+    max_model_len rule on four configs."""
+    out = tmp_path / "rope.json"
+    output = torchrun(1, __file__, "rope", tiny_dir, str(out), str(tmp_path)).stdout
+    r = json.loads(out.read_text())
+    print({k: v for k, v in r.items() if k != "bounds"}, r["bounds"])
+    assert r["max_model_len"] == 8192, output[-3000:]
+    # cos and sin of the same fp32 angles, times the same YaRN scale 0.1 ln 4 + 1: an angle
+    # p x inv_freq <= 8192 rounds to half an ulp of 8192 (4.9e-4) on either side, so the tables
+    # may differ by 2 x 4.9e-4 x 1.14 = 1.1e-3 at most (measured: 0.0, the same computation)
+    assert r["cos_max_diff"] < 1.2e-3 and r["sin_max_diff"] < 1.2e-3
+    assert r["mismatch_stopped"], "a trainer without model.rope_scaling went unnoticed"
+    # as test_spell.py's parity test: fp32 both sides, the log-sum-exp over V = 49152 dominates the
+    # rounding, sqrt(V) u32 = 1.3e-5 typically; 1e-4 is 8x that
+    assert r["trainer_vllm_max_diff"] < 1e-4
+    # the same prompts under the plain RoPE read differently (measured 1.1)
+    assert r["plain_trainer_vllm_max_diff"] > 1e-2
+    # the prefix cache reuses the prompt's KV blocks, computed by the same kernels: the tokens
+    # sampled with the same request seeds are the same, the log-probs equal within the rounding
+    # above (a different batch layout sums in another order)
+    assert r["cached_tokens_equal"] and r["uncached_tokens_equal"]
+    assert r["cached_max_diff"] < 1e-4 and r["uncached_max_diff"] < 1e-4
+    # vLLM starts at context_bound and refuses one token more, and reads the trainer's RoPE, for
+    # each config
+    assert r["bounds"] == [[name, bound, True, False, True] for name, bound, *_ in r["bounds"]]
+    assert [b[:2] for b in r["bounds"]] == [["plain", 2048], ["yarn:4", 8192],
+                                            ["config.json yarn x4", 2048],
+                                            ["config.json linear x2", 4096]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1826,6 +2033,116 @@ def worker_sp_flex(out_file: str) -> None:
     dist.destroy_process_group()
 
 
+def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
+    """One rank: test_rope_scaling_reaches_vllm_and_the_trainer_alike's measurements."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.config import ModelConfig
+
+    import evaluation
+
+    dist.init_process_group("gloo")
+    cpu, r = torch.device("cpu"), {}
+    # the tiny model's attention is near uniform (weights of scale 0.02), so positions hardly
+    # matter; queries and keys 8x larger make it peaked, and a wrong RoPE visible
+    sharp = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in sharp.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    source, tiny_dir = tiny_dir, str(Path(work) / "sharp")
+    shutil.copytree(source, tiny_dir)  # the tokenizer's files
+    sharp.save_pretrained(tiny_dir)  # and the sharper weights over the tiny model's
+    cfg = spell.load_config(None, [f"--model.path={tiny_dir}", "--model.rope_scaling=yarn:4",
+                                   "--rollout.max_prompt_tokens=7680",
+                                   "--rollout.max_new_tokens=512", "--rollout.dtype=float32"])
+    model_dir, tok, llm = spell.start_engine(cfg, 0, 1, cpu, 0, training=True)
+    policy, _ = spell.load_policy(cfg, model_dir, cpu, 1)
+    infra.check_same_rope(llm, policy)  # as main() does
+    r["max_model_len"] = llm.llm_engine.model_config.max_model_len
+    # the rotary tables: vLLM's cache holds cos | sin x mscale for every position
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    cache = runner.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache  # (8192, head_dim)
+    half = cache.shape[1] // 2
+    cos, sin = policy.model.rotary_emb(torch.zeros(1, dtype=torch.float32),
+                                       torch.arange(cache.shape[0])[None])  # (1, 8192, head_dim)
+    r["cos_max_diff"] = (cache[:, :half] - cos[0, :, :half]).abs().max().item()
+    r["sin_max_diff"] = (cache[:, half:] - sin[0, :, :half]).abs().max().item()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    try:
+        infra.check_same_rope(llm, plain)
+        r["mismatch_stopped"] = False
+    except infra.ConfigError:
+        r["mismatch_stopped"] = True
+
+    # sampled tokens' log-probs on prompts past the model's own 2048 positions
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (2500, 3500)]
+
+    def sample(engine):
+        # top_p 1: vLLM's log-probs are of the nucleus, renormalised (processed_logprobs)
+        return spell.generate(engine, prompts, n=4, temperature=TEMPERATURE, top_p=1.0,
+                              max_tokens=16, seeds=[1, 2], logprobs=True)
+
+    def max_diff_to(model, outs) -> float:
+        diffs = []
+        for p, cs in zip(prompts, outs):  # one row a prompt: a dense SDPA mask of 3.5K^2 at most
+            packed = spell.pack_sequences([(p, c.token_ids) for c in cs], shared=True)
+            with torch.no_grad():
+                lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+            diffs += [(lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
+                      for c, (s, e) in zip(cs, packed["spans"])]
+        return max(diffs)
+
+    first, cached = sample(llm), sample(llm)  # the second reads every full block from the cache
+    r["trainer_vllm_max_diff"] = max_diff_to(policy, first)
+    r["plain_trainer_vllm_max_diff"] = max_diff_to(plain, first)
+    evaluation.stop_vllm(llm)
+    uncached = sample(spell.start_vllm(model_dir, max_model_len=8192, seed=0, dtype="float32",
+                                       hf_overrides=infra.model_config(model_dir, "yarn:4")[1],
+                                       enable_prefix_caching=False))
+
+    def compare(a, b, name):
+        pairs = [(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+        r[f"{name}_tokens_equal"] = all(x.token_ids == y.token_ids for x, y in pairs)
+        r[f"{name}_max_diff"] = max(max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs))
+                                    for x, y in pairs)
+    compare(first, cached, "cached")
+    compare(first, uncached, "uncached")
+
+    # vLLM's own max_model_len rule against context_bound
+    def folder(name, **fields):
+        config = AutoConfig.from_pretrained(tiny_dir)
+        for key, value in fields.items():
+            setattr(config, key, value)
+        path = Path(work) / name
+        shutil.copytree(tiny_dir, path)
+        config.save_pretrained(path)
+        return str(path)
+
+    cases = [("plain", tiny_dir, ""), ("yarn:4", tiny_dir, "yarn:4"),
+             ("config.json yarn x4", folder("yarn", rope_parameters={
+                 "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                 "rope_theta": 10000.0}), ""),
+             ("config.json linear x2", folder("linear", rope_parameters={
+                 "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "")]
+    r["bounds"] = []
+    for name, path, key in cases:
+        config, overrides = infra.model_config(path, key)
+        bound = int(infra.context_bound(config))
+        starts = []
+        for n in (bound, bound + 1):
+            try:
+                vllm_config = ModelConfig(model=path, max_model_len=n, hf_overrides=overrides)
+                starts.append(True)
+            except ValueError:  # pydantic's ValidationError is one
+                starts.append(False)
+        # and vLLM reads the RoPE the trainer's config holds (check_same_rope's comparison)
+        same = infra.rope_view(vllm_config.hf_config) == infra.rope_view(config)
+        r["bounds"].append([name, bound, *starts, same])
+    Path(out_file).write_text(json.dumps(r))
+
+
 if __name__ == "__main__":
     run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets,
-                "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex})
+                "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex, "rope": worker_rope})

@@ -4114,7 +4114,8 @@ def test_budgets_beyond_the_model_s_context_stop_before_vllm_starts(monkeypatch,
     assert str(e.value) == (
         "rollout.max_prompt_tokens + the largest role budget (rollout.max_new_tokens, "
         f"role_max_new_tokens): 1024 + 1025 = 2049 tokens, beyond the 2048-token context of the "
-        f"model {model_dir} (its config.json); lower them"), e.value
+        f"model {model_dir} (its config.json); lower them, or scale RoPE (model.rope_scaling = "
+        '"yarn:4" takes Qwen2.5 from 32K to 128K)'), e.value
     infra.check_context(model_dir, 2048, "exactly the context")  # fits: no error
 
 
