@@ -407,10 +407,11 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
              temperature: float = 0.7, top_p: float = 0.95, max_input_len: int = 16384,
              max_output_len: int = 4096, judge_max_tokens: int | None = None, seed: int = 42,
              dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5,
-             tensor_parallel_size: int = 1) -> dict:
+             tensor_parallel_size: int = 1, rope_scaling: str = "") -> dict:
     """`spell.py eval` on every rank: read the benchmark files, start this rank's vLLM engine
     (its share of one, with tensor parallelism: the ranks of a group then evaluate the same
-    questions alike), evaluate."""
+    questions alike; with model.rope_scaling, its RoPE scaled as training scales it),
+    evaluate."""
     from transformers import AutoTokenizer
 
     # Every rank reads and checks the files before any engine starts:
@@ -432,9 +433,13 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     engine_args = dict(seed=seed + group, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size)
+    # the evaluated model's RoPE as model.rope_scaling sets it (an export of a run trained with
+    # the key already carries it in its config.json: the key then agrees or is left empty)
+    hf_overrides = infra.model_config(model_dir, rope_scaling)[1]
     # Room for a full-length prompt plus a full-length answer
     # (the paper: 16K or 100K in, 4K or 20K out).
-    llm = spell.start_vllm(model_dir, max_model_len=max_input_len + max_output_len, **engine_args)
+    llm = spell.start_vllm(model_dir, max_model_len=max_input_len + max_output_len,
+                           hf_overrides=hf_overrides, **engine_args)
     return evaluate(llm, tokenizer, items, n=n, temperature=temperature, top_p=top_p,
                     max_input_len=max_input_len, max_output_len=max_output_len, model=model_dir,
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
@@ -499,12 +504,8 @@ def eval_main(argv: Sequence[str]) -> None:
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
              dtype=infra.rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
              gpu_memory_utilization=e.gpu_memory_utilization,
-             tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-
-
-# ==================================================================================================
-# RLVR's static QA set (data.qa): our layout, or any benchmark file the eval reads
-# ==================================================================================================
+             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+             rope_scaling=cfg.model.rope_scaling)
 
 
 # ==================================================================================================
