@@ -360,14 +360,16 @@ def role_sequences(m: dict) -> int:
 def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
     """What main() hands the run log in a step: the summaries of two questions, one valid, one
     malformed, the batch counts, update_policy's stats and the step's times."""
-    ok = spell.Summary(rank=0, idx=0, task="doc_qa", status="ok", que_reward=0.5, que_len=30, que_cut=False,
+    ok = spell.Summary(rank=0, idx=0, task="doc_qa", status="ok", que_reward=0.5, que_len=30,
+                       que_cut=False,
                        evicted=1, res_rewards=[1.0, 0.0, 0.0, 0.0], rules=[1.0, 0.0, 0.0, 0.0],
                        majorities=[1, None, 0, 0], solved=[1.0, 0.0, 0.0, 0.0],
                        selection=[1.0, 0.0, 0.0, 0.0],
                        agreements=[1.0, 0.0, 0.75, 0.75], ver_rewards=[None] * 4,
                        res_lens=[10, 20, 30, 40], res_cut=[False] * 4, abstained=[1, 0, 0, 0],
                        ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4)
-    bad = spell.Summary(rank=0, idx=1, task="doc_qa", status="format", que_reward=-1.0, que_len=50, que_cut=False,
+    bad = spell.Summary(rank=0, idx=1, task="doc_qa", status="format", que_reward=-1.0,
+                        que_len=50, que_cut=False,
                         evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
                         selection=[], agreements=[],
                         ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],

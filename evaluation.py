@@ -92,7 +92,7 @@ def judge_prompt(item: infra.EvalItem, prediction: str | None) -> str:
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
-    """Keep the first max_len//2 and the last max_len − max_len//2 ids (Appendix C.2; LongBench)."""
+    """Keep the first max_len//2 and the last max_len − max_len//2 ids (App. C.2; LongBench)."""
     # The instructions sit at both ends of the prompt (task header first, question and answer format
     # last), so the middle of the documents is what gets cut.
     # Odd max_len: the tail gets the extra id.
@@ -172,8 +172,8 @@ def judge_samples(judge_llm, prompts: list[list[int]], todo: list[tuple[infra.Ev
     score = max(rule, judge)."""
     if not todo:
         return
-    outs = spell.generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens,
-                    logprobs=False, desc="judge")
+    outs = spell.generate(judge_llm, prompts, n=1, temperature=0.0, top_p=1.0,
+                          max_tokens=max_tokens, logprobs=False, desc="judge")
     for (item, sample), (verdict_out,) in zip(todo, outs, strict=True):
         verdict = spell.parse_verdict(verdict_out.text)
         sample["judge_output"] = verdict_out.text
@@ -197,7 +197,8 @@ def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record["benchmark"], []).append(record)
-    order = [b for b in infra.BENCHMARKS if b in groups] + sorted(set(groups) - set(infra.BENCHMARKS))
+    known = [b for b in infra.BENCHMARKS if b in groups]
+    order = known + sorted(set(groups) - set(infra.BENCHMARKS))
     rows = {}
     for bench in order:
         recs = groups[bench]
@@ -349,8 +350,8 @@ def evaluate(llm, tokenizer, items: list[infra.EvalItem], *, n: int = 8, tempera
     torch.distributed must call this (the results are gathered on rank 0, which writes and prints).
     Two passes: every answer first, then the judge. With judge_model "" the evaluated model judges
     itself on its own engine; otherwise `llm` is shut down after the first pass and judge_model
-    (read with judge_tokenizer) starts in its place with spell.start_vllm(**engine_args). The judge may
-    write up to judge_max_tokens (default max_output_len: a reasoning judge needs the
+    (read with judge_tokenizer) starts in its place with spell.start_vllm(**engine_args). The
+    judge may write up to judge_max_tokens (default max_output_len: a reasoning judge needs the
     reasoning budget).
     """
     assert items, "no benchmark items to evaluate"
@@ -447,8 +448,9 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     rank=group, world=groups, out_dir=out_dir)
 
 
-def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], *, max_input_len: int,
-                max_output_len: int, judge_max_tokens: int, tensor_parallel_size: int) -> None:
+def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], *,
+                max_input_len: int, max_output_len: int, judge_max_tokens: int,
+                tensor_parallel_size: int) -> None:
     """Stop, before any sampling, on a separate judge (eval.judge_model) that would fail only after
     the whole sampling pass: one without a chat template, one whose context cannot hold its longest
     prompt plus judge_max_tokens, one whose attention heads the tensor-parallel size does not
@@ -466,8 +468,8 @@ def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], 
     todo = [(item, {"answer": None}) for item in items if needs_judge(item, 0.0)]
     longest = max(map(len, judge_prompts(judge_tokenizer, todo, max_input_len)), default=0)
     need = min(max_input_len, longest + max_output_len) + judge_max_tokens
-    if todo and need > infra.context_bound(config):
-        raise infra.ConfigError(f"{where}: its context of {infra.context_bound(config):.0f} tokens cannot hold "
+    if todo and need > (bound := infra.context_bound(config)):
+        raise infra.ConfigError(f"{where}: its context of {bound:.0f} tokens cannot hold "
                           f"a judge prompt of up to {need - judge_max_tokens} tokens plus "
                           f"{judge_max_tokens} to answer; lower eval.max_input_len or "
                           "eval.max_output_len, or choose a judge with a longer context")
@@ -493,7 +495,7 @@ def eval_main(argv: Sequence[str]) -> None:
                           "(or --eval.data=A,B)")
     rank, world, device = spell.init_distributed()
     model_dir = infra.resolve_model(cfg, rank)
-    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
+    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     e = cfg.eval
@@ -516,10 +518,11 @@ def synth_main(argv: Sequence[str]) -> None:
     """`spell.py synth --out FILE [--passes N] [--config ...] [--section.key=value ...]`: a static
     QA set for the RLVR recipe (data.qa), written by model.path as questioner over data.corpus.
 
-    The SPELL paper's RLVR baseline trains on a set an external model synthesised (§5.1); this makes
-    one from our own corpus with any model, so RLVR and SPELL can see the same documents. Each pass
-    draws every cluster once (a task per cluster as in training), keeps the questions that parse and
-    pass the grounding filter (rollout.grounding_filter), and writes them in load_qa_set's layout.
+    The SPELL paper's RLVR baseline trains on a set an external model synthesised (§5.1); this
+    makes one from our own corpus with any model, so RLVR and SPELL can see the same documents.
+    Each pass draws every cluster once (a task per cluster as in training), keeps the questions
+    that parse and pass the grounding filter (rollout.grounding_filter), and writes them in
+    load_qa_set's layout.
     """
     args, out, passes = [], None, 1
     it = iter(argv)

@@ -88,8 +88,8 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
      both answers in its prompt, each fenced on one line and capped (fence), with the
-     instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes say YES (an
-     abstention is no YES, a tie is NO).
+     instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes
+     say YES (an abstention is no YES, a tie is NO).
   7. A group of one sample gets advantage 0; std is the unbiased estimator, eps = 1e-6.
   8. The loss normaliser is computed over the global batch before backward (the gradient does not
      depend on micro-batches or ranks) and, by default (train.loss_norm "role"), reads Eq. 10 as
@@ -1357,7 +1357,9 @@ def paper_score(response: str, gold: str, task: str) -> float:
         return 0.0
     if task == "doc_mc":
         mark = last_match(_MARKER, body)
-        letter = _LETTER_START.match(body, _OPEN_EDGE.match(body, mark.end()).end()) if mark else None
+        if mark is None:
+            return 0.0
+        letter = _LETTER_START.match(body, _OPEN_EDGE.match(body, mark.end()).end())
         return float(letter is not None and _letter_of(letter[0]) == gold.strip().strip("()"))
     predicted = extract_text_answer(body)
     if predicted is None:
@@ -2883,7 +2885,7 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
 
 
 # ==================================================================================================
-# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1 §2.3)                    [algorithm]
+# 9. The cluster sampler (Algorithm 1 line 7, §5.1; QwenLong-L1 §2.3)                   [algorithm]
 # ==================================================================================================
 
 def phase_plan(text: str) -> list[tuple[int, int]] | None:
@@ -2946,9 +2948,11 @@ class ClusterSampler:
             sizes = infra.all_gather_objects([len(p) for p in self.pools])
             for k, (first, tokens) in enumerate(self.plan):
                 if min(n[k] for n in sizes) == 0:
-                    raise infra.CorpusError(f"data.phases phase {k + 1} (from step {first}, prompts "
-                                      f"up to {tokens} tokens) has no question of the QA set for "
-                                      f"some rank ({[n[k] for n in sizes]} per rank)")
+                    per_rank = [n[k] for n in sizes]
+                    raise infra.CorpusError(
+                        f"data.phases phase {k + 1} (from step {first}, prompts up to {tokens} "
+                        f"tokens) has no question of the QA set for some rank "
+                        f"({per_rank} per rank)")
 
     def draw(self, count: int) -> list[tuple[Cluster, str]]:
         """The next `count` (cluster, task) pairs of the walk; fewer when a QA set has no question
@@ -3322,7 +3326,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy)
     _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split this model's heads that many ways?
+    infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
@@ -3366,11 +3370,11 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
 
     Call on every rank at the same point, after `dist.init_process_group`: with the external
     launcher vLLM reuses the torchrun world, and its start-up runs collectives. With
-    `tensor_parallel_size` k, ranks r with the same r // k form one engine (infra.engine_groups), each
-    holding 1/k of every layer; they must submit the same requests in the same order. vLLM reseeds
-    the global RNGs while it starts (reseed after it), and engines given the same `seed` sample the
-    same rollouts. CPU settings: infra.vllm_platform_kwargs. model.rope_scaling reaches vLLM as
-    `hf_overrides` (infra.model_config).
+    `tensor_parallel_size` k, ranks r with the same r // k form one engine (infra.engine_groups),
+    each holding 1/k of every layer; they must submit the same requests in the same order. vLLM
+    reseeds the global RNGs while it starts (reseed after it), and engines given the same `seed`
+    sample the same rollouts. CPU settings: infra.vllm_platform_kwargs. model.rope_scaling
+    reaches vLLM as `hf_overrides` (infra.model_config).
     """
     from vllm import LLM
 
@@ -3490,7 +3494,8 @@ def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool)
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     if updated or level == 2:
-        sync_weights(llm, weights_to_sync(policy, compute_dtype(device), cfg.rollout.sync_bucket_mb))
+        weights = weights_to_sync(policy, compute_dtype(device), cfg.rollout.sync_bucket_mb)
+        sync_weights(llm, weights)
     if level:
         llm.wake_up()  # the KV cache and the scheduler
 
@@ -3503,8 +3508,8 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     in step; the order is `state_dict()`'s, which is the same on all ranks. Casting before the
     gather halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are
     yielded once, as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor
-    alive at a time. The slow, obviously correct twin of infra.bucketed_state_dict (rollout.sync_bucket_mb
-    = 0).
+    alive at a time. The slow, obviously correct twin of infra.bucketed_state_dict
+    (rollout.sync_bucket_mb = 0).
     """
     from torch.distributed.tensor import DTensor
 
@@ -3619,7 +3624,8 @@ def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch"
     """
     weight = model.lm_head.weight
     device = weight.device
-    mask = infra.tree_attention_mask(packed, model.config._attn_implementation, device, weight.dtype)
+    attention = model.config._attn_implementation
+    mask = infra.tree_attention_mask(packed, attention, device, weight.dtype)
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))
@@ -3808,8 +3814,10 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
         torch.save(rank_state, folder / f"rank{rank}.pt")
 
     meta = {"step": step, "world": world, "config": infra.config_to_dict(cfg),
-            "fingerprint": infra.run_fingerprint(cfg)}  # --resume compares it (infra.RESUMABLE_KEYS)
-    path = infra.save_atomically(infra.checkpoint_dir(cfg) / f"step_{step:06d}", write, meta, rank, world)
+            # --resume compares it (infra.RESUMABLE_KEYS may differ)
+            "fingerprint": infra.run_fingerprint(cfg)}
+    folder = infra.checkpoint_dir(cfg) / f"step_{step:06d}"
+    path = infra.save_atomically(folder, write, meta, rank, world)
     infra.print0(f"checkpoint: {path}")
     return path
 
@@ -3849,5 +3857,5 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int, world: int) -> dic
 if __name__ == "__main__":
     try:
         main()
-    except infra.InputError as e:  # bad input: one clear line, naming the file or key, and no traceback
+    except infra.InputError as e:  # bad input: one clear line naming the file or key, no traceback
         sys.exit(f"spell.py: {type(e).__name__}: {e}")

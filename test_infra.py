@@ -1540,7 +1540,8 @@ def test_row_shorter_than_the_group_and_the_padding_mask():
     shards = [infra.shard_row(packed, 4, r) for r in range(4)]
     assert [s["input_ids"].tolist() for s in shards] == [[[1]], [[2]], [[3]], [[0]]]
     assert [s["which"].tolist() for s in shards] == [[0], [1], [], []]
-    mask = infra.full_row_mask(shards[0], "sdpa", torch.device("cpu"), torch.float32)[0, 0]  # (4, 4)
+    cpu = torch.device("cpu")
+    mask = infra.full_row_mask(shards[0], "sdpa", cpu, torch.float32)[0, 0]  # (4, 4)
     visible = (mask == 0).int().tolist()
     assert visible == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
     # two pads: causal among themselves, still apart from the row
@@ -1553,7 +1554,8 @@ def test_plain_row_mask_is_causal_within_each_sequence():
     """The full-row mask of a plain packed row (never shared) is block-diagonal causal: the rule
     HF derives from restarting position_ids, which SP cannot use on local shapes."""
     packed = spell.pack_sequences([([1, 2], [3]), ([4], [5, 6])])
-    mask = infra.full_row_mask(infra.shard_row(packed, 1, 0), "sdpa", torch.device("cpu"), torch.float32)
+    mask = infra.full_row_mask(infra.shard_row(packed, 1, 0), "sdpa", torch.device("cpu"),
+                               torch.float32)
     starts = torch.tensor([0, 0, 0, 3, 3, 3])
     rows = torch.arange(6)
     want = (rows[None] <= rows[:, None]) & (rows[None] >= starts[:, None])
@@ -1598,9 +1600,11 @@ def test_head_counts_that_cannot_be_split_stop_with_a_clear_error(num_q, num_kv,
 def test_group_size_and_attention_that_cannot_work_stop_with_a_clear_error():
     """k must divide the world (checked before any group is made); the inner attention must take
     the full row's mask (flash-attn's varlen kernel takes none)."""
-    with pytest.raises(infra.ConfigError, match="sequence_parallel = 4 must divide the number of ranks"):
+    with pytest.raises(infra.ConfigError,
+                       match="sequence_parallel = 4 must divide the number of ranks"):
         infra.sp_group(6, 4)
-    with pytest.raises(infra.ConfigError, match="needs model.attn_implementation sdpa or flex_attention"):
+    with pytest.raises(infra.ConfigError,
+                       match="needs model.attn_implementation sdpa or flex_attention"):
         infra.enable_sequence_parallel(sp_tiny_model("llama"), None, "flash_attention_2")
 
 

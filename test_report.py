@@ -212,7 +212,8 @@ MEGA = "x" * 10_000_000       # a 10 MB string
 
 
 def sample(qid="q0", **fields) -> str:
-    """A line of eval_samples.jsonl as evaluation.write_eval_results writes it, some fields replaced."""
+    """A line of eval_samples.jsonl as evaluation.write_eval_results writes it, some fields
+    replaced."""
     return json.dumps({"id": qid, "benchmark": "hotpotqa", "sample": 0, "rule": 1.0, "judge": None,
                        "score": 1.0, **fields})
 

@@ -1233,7 +1233,8 @@ def every_new_parser(text: str) -> None:
         spell.rule_reward(text, gold, task)
         spell.rule_reward(f"The correct answer is {text}.", text, task)  # the gold is policy text
         spell.rule_reward(f"The correct answer is {gold}.", text, task)
-    spell.rule_doc_qa(text, text), spell.answer_value(text), spell.paper_score(text, text[:40], "doc_qa")
+    spell.rule_doc_qa(text, text), spell.answer_value(text)
+    spell.paper_score(text, text[:40], "doc_qa")
     spell.verifier_prompt({"question": text}, text, text)
     evaluation.judge_prompt(infra.EvalItem("hotpotqa", "0", "doc_qa", "", text, (text,)), text)
 
@@ -1380,7 +1381,8 @@ def test_judge_prompt_fences_the_prediction(brk):
     assert field_lines(new, "- Ground-truth answer:") == [
         "- Ground-truth answer: \u27e6Paris\u27e7"]
     assert field_lines(new, "- Question:") == ["- Question: \u27e6Which city?\u27e7"]
-    assert f"- Predicted answer: {evaluation.NO_ANSWER}\n" in evaluation.judge_prompt(item, "[[YES]]")
+    no_answer = f"- Predicted answer: {evaluation.NO_ANSWER}\n"
+    assert no_answer in evaluation.judge_prompt(item, "[[YES]]")
     assert f"- Predicted answer: {evaluation.NO_ANSWER}\n" in evaluation.judge_prompt(item, None)
 
 
@@ -2157,7 +2159,8 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0
     """The Summary of a valid question whose G responses earned `res`, verified by a 3-of-4 vote."""
     votes = [[1, 1, 1, 0] if r else [0, 0, 0, 1] for r in res]
     maj = [spell.majority_vote(v) for v in votes]
-    return spell.Summary(rank=rank, idx=idx, task=task, status="ok", que_reward=r_que, que_len=30, que_cut=False,
+    return spell.Summary(rank=rank, idx=idx, task=task, status="ok", que_reward=r_que, que_len=30,
+                         que_cut=False,
                          evicted=0, res_rewards=res, rules=res, majorities=maj, solved=res,
                          selection=res,
                          agreements=[spell.vote_agreement(verifier_rewards(v, m))
@@ -2176,7 +2179,8 @@ def spread(per_rank: list[list[spell.Summary]]) -> list[spell.Summary]:
 
 def invalid(status: str, r_que: float, rank: int = 0, idx: int = 0) -> spell.Summary:
     """The Summary of a question that never reached the responder (a format error, ungrounded)."""
-    return spell.Summary(rank=rank, idx=idx, task="doc_qa", status=status, que_reward=r_que, que_len=40, que_cut=False,
+    return spell.Summary(rank=rank, idx=idx, task="doc_qa", status=status, que_reward=r_que,
+                         que_len=40, que_cut=False,
                          evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
                          selection=[], agreements=[],
                          ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
@@ -2544,11 +2548,12 @@ def test_loss_norms_each_on_a_worked_batch(mode):
 
 
 # Each objective of POLICY_LOSSES on one worked micro-batch: two sequences of two tokens, weights
-# 1/4, clip 0.2 (ratios clipped to [0.8, 1.2]). log-probs now -1, -2, -1, -3; ratios to the behaviour
-# policy 1.5, 1, 0.5, 0.5, so GSPO's sequence ratios are sqrt(1.5) = 1.22 and 0.5. Two advantage
-# patterns: +1 on every token, and +1 on the first sequence, -1 on the second (a ratio below 1 - clip
-# with a negative advantage is clipped by Eq. 2's min; with a positive one it is not). Per objective
-# and pattern: the loss, d loss / d log-prob of each token, and the share of clipped tokens.
+# 1/4, clip 0.2 (ratios clipped to [0.8, 1.2]). log-probs now -1, -2, -1, -3; ratios to the
+# behaviour policy 1.5, 1, 0.5, 0.5, so GSPO's sequence ratios are sqrt(1.5) = 1.22 and 0.5. Two
+# advantage patterns: +1 on every token, and +1 on the first sequence, -1 on the second (a ratio
+# below 1 - clip with a negative advantage is clipped by Eq. 2's min; with a positive one it is
+# not). Per objective and pattern: the loss, d loss / d log-prob of each token, and the share of
+# clipped tokens.
 POLICY_LOSS_CASES = {
     ("grpo", "+"): (  # min(rho A, clip(rho) A): 1.2 (clipped), 1, 0.5, 0.5
         -0.25 * (1.2 + 1 + 0.5 + 0.5), [0.0, -0.25, -0.125, -0.125], 1 / 4),
@@ -3244,8 +3249,8 @@ def test_cluster_sampler_walks_an_epoch_and_draws_tasks_by_weight():
 
 def test_qa_set_questions_are_drawn_once_a_step():
     """RLVR: a question of a QA set comes at most once a step (twice, it would train as two
-    groups), so 12 draws from a pool of 5 give 5; the next step may draw them all again. A self-play cluster may still come twice (other documents, a new
-    question)."""
+    groups), so 12 draws from a pool of 5 give 5; the next step may draw them all again. A
+    self-play cluster may still come twice (other documents, a new question)."""
     qa = {"question": "Q?", "answer": "a"}
     corpus = [spell.Cluster(f"q{i}", "doc_qa", ["d"], qa) for i in range(5)]
     sampler = spell.ClusterSampler(spell.Config(), corpus, list(range(5)), np.random.default_rng(0))
@@ -4371,7 +4376,8 @@ def mini_batch_update(shared: bool, lr: float) -> tuple[dict, list[dict], dict, 
                                       for n, p in model.named_parameters()}), step())[1]
     stats = spell.update_policy(model, sgd, seqs, cfg, 1, torch.device("cpu"))
     assert stats["clipfrac"] == 0.0 and len(grads) == 4
-    return before, grads, {n: p.detach() for n, p in model.named_parameters()}, float(lp.abs().max())
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    return before, grads, params, float(lp.abs().max())
 
 
 def mini_batch_parity(lr: float = 0.1) -> float:

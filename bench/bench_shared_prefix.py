@@ -126,7 +126,8 @@ def memory_table(answer_tokens: int = 1024, group: int = 8) -> None:
     for prompt in (16384, 32768, 65536, 131072):
         cfg = spell.load_config(str(spell.ROOT / "config.toml"),
                                 [f"--rollout.max_prompt_tokens={prompt}"])
-        est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0, longest=spell.longest_sequence(cfg))
+        est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0,
+                                    longest=spell.longest_sequence(cfg))
         longest = max(cfg.train.micro_batch_tokens, prompt + cfg.rollout.max_new_tokens)
         unshared, shared = group * (prompt + answer_tokens), prompt + group * answer_tokens
         print(f"{prompt:7d} | {longest:19d} | {est['peak']:8.1f} | "

@@ -1,5 +1,5 @@
-"""FLOPs of one update micro-batch with the LM head in two passes and in one (spell.fused_head), on a
-Qwen2.5-7B-shaped policy (H 3584, V 152064, 28 layers), one packed row of T = 16K-128K tokens.
+"""FLOPs of one update micro-batch with the LM head in two passes and in one (spell.fused_head),
+on a Qwen2.5-7B-shaped policy (H 3584, V 152064, 28 layers), one packed row of T = 16K-128K tokens.
 
     python bench/head_flops.py                      # T = 16K, 32K, 64K, 128K (about a minute)
     python bench/head_flops.py --tokens 4096 --layers 2
