@@ -574,7 +574,8 @@ def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkey
     from transformers import AutoTokenizer
     evaluation.check_judge(model, AutoTokenizer.from_pretrained(model),
                            infra.load_benchmark(str(FIXTURES / "hotpotqa.jsonl")),
-                           max_input_len=2000, max_output_len=256, judge_max_tokens=256, tensor_parallel_size=2)
+                           max_input_len=2000, max_output_len=256, judge_max_tokens=256,
+                           tensor_parallel_size=2)
 
 
 def test_eval_command_line_passes_the_judge(monkeypatch):
