@@ -191,6 +191,41 @@ def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, l
     return records
 
 
+class VerifySetError(InputError):
+    """A held-out verification set (data.verify_set) that does not follow its format; the message
+    names file, line and field."""
+
+
+def verify_set_records(path: Path) -> list[tuple[str, str, str, int, str]]:
+    """(question, reference, candidate, label 1 = YES / 0 = NO, kind) of each line of a held-out
+    verification set (evals/README.md), checked: the three texts visible UTF-8 strings, the label
+    "YES" or "NO", the kind a lower-case word (it names a metric). Other fields are ignored."""
+    if not path.is_file():
+        raise VerifySetError(f"{path}: verification set not found")
+    records = []
+    for _, where, obj in jsonl_records(path, VerifySetError):
+        if not isinstance(obj, dict):
+            raise VerifySetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        texts = [obj.get(key) for key in ("question", "reference", "candidate")]
+        for key, text in zip(("question", "reference", "candidate"), texts):
+            if not isinstance(text, str) or not visible(text):
+                raise VerifySetError(f"{where}: field {key!r} must be a non-empty string, got "
+                                     f"{shown(text)}")
+            if not is_utf8(text):
+                raise VerifySetError(f"{where}: field {key!r} {SURROGATE_NOTE}")
+        label, kind = obj.get("label"), obj.get("kind")
+        if label not in ("YES", "NO"):
+            raise VerifySetError(f"{where}: field 'label' must be \"YES\" or \"NO\", got "
+                                 f"{shown(label)}")
+        if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", kind):
+            raise VerifySetError(f"{where}: field 'kind' must be a lower-case word of letters, "
+                                 f"digits and '_' (at most 32), got {shown(kind)}")
+        records.append((*texts, int(label == "YES"), kind))
+    if not records:
+        raise VerifySetError(f"{path}: the verification set is empty")
+    return records
+
+
 # ==================================================================================================
 # Config mechanics: TOML files stacked in order, then `--section.key=value`; generic checks
 # ==================================================================================================
@@ -355,6 +390,9 @@ def check_every_key(cfg) -> None:
         ("log.out_dir", lg.out_dir != "", "a folder name"),
         ("log.save_every", lg.save_every >= 1, ">= 1"),
         ("log.sample_every", lg.sample_every >= 0, ">= 0 (0: no sample tables)"),
+        ("log.verify_every", lg.verify_every >= 0, ">= 0 (0: no held-out verifier check)"),
+        ("log.verify_warn_yes_on_wrong", 0 <= lg.verify_warn_yes_on_wrong <= 1,
+         "in [0, 1] (a share of the wrong candidates)"),
         ("log.vllm_log_level",
          lg.vllm_log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
          "DEBUG|INFO|WARNING|ERROR|CRITICAL"),
@@ -2105,6 +2143,7 @@ RESUMABLE_KEYS = frozenset((
     "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
     "rollout.sleep_level", "train.micro_batch_tokens", "train.fsdp_shard_size", "rollout.dtype",
     "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+    "data.verify_set",  # held-out items the verifier is measured on; nothing trains on them
 ))
 
 

@@ -116,6 +116,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -179,6 +180,10 @@ class DataConfig:
     # prompts of <= 4096 tokens, then 4096 < tokens <= 8192. "" = one phase
     phases: str = ""
     retrospective: bool = False  # QwenLong-L1 §2.3: a phase's never-solved questions go on
+    # hand-labelled verifier items (question, reference, candidate, YES/NO; evals/README.md) that
+    # the policy judges every log.verify_every steps (ver/gold_*); metrics only, nothing trains on
+    # them. A relative path not found from the working directory is read beside spell.py; "" = off
+    verify_set: str = "evals/sotu_verify_set.jsonl"
 
 
 @dataclass
@@ -224,9 +229,15 @@ class RewardConfig:
     # the questioner samples that train: spell (§4.3's positives and negatives) or all (every
     # question drawn, as SPICE's Algorithm 1 trains every task)
     questioner_pool: Literal["spell", "all"] = "spell"
-    # who judges a response in Eq. 6: verifier (the policy's G votes) or rule (nobody: r_i is the
-    # rule check; Table 2 "w/o verifier", RLVR). Hybrid = verifier + train.frozen_roles = "ver"
-    judge: Literal["verifier", "rule"] = "verifier"
+    # who judges a response in Eq. 6: verifier (the policy's G votes), rule (nobody: r_i is the
+    # rule check; Table 2 "w/o verifier", RLVR) or frozen (G votes of the initial weights, SCOPE's
+    # frozen judge: the verifier role plays but never trains, as in Table 2 "w/o verifier update";
+    # FrozenJudge). Hybrid = verifier + train.frozen_roles = "ver"
+    judge: Literal["verifier", "rule", "frozen"] = "verifier"
+    # a response whose G votes have no strict majority (neither YES nor NO from more than G/2 of
+    # them: a tie, or too many abstentions): keep (Eq. 4: it counts as NO) or mask (CuMa: no
+    # verifier-derived reward, r_i = R_rule, and its votes do not train; strict_majority)
+    no_majority: Literal["keep", "mask"] = "keep"
     # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
     consistency_filter: bool = True  # §4.3: a verifier group trains only if its majority = rule
@@ -303,6 +314,12 @@ class LogConfig:
     sample_every: int = 5  # print a table of sample rollouts every N steps
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
+    # the policy as verifier judges data.verify_set every N steps and before the first update
+    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones); 0 = off
+    verify_every: int = 10
+    # a console warning when ver/gold_yes_on_wrong, the share of wrong candidates the verifier's
+    # majority accepts, is above this (its YES then pays wrong answers); 1 = never
+    verify_warn_yes_on_wrong: float = 0.2
 
 
 @dataclass
@@ -1412,6 +1429,16 @@ def majority_vote(votes: Sequence[int | None]) -> int | None:
     return int(2 * sum(v == 1 for v in votes) > len(votes))
 
 
+def strict_majority(votes: Sequence[int | None]) -> bool:
+    """Whether one verdict has more than G/2 of all G votes, Eq. 4's bar held to NO as to YES.
+
+    Not so for a tie (2 YES, 2 NO) or when abstentions leave neither side past G/2 (2 YES, 1 NO,
+    1 abstention): Eq. 4 calls both NO, though no NO majority exists (reward.no_majority).
+    """
+    yes, no = sum(v == 1 for v in votes), sum(v == 0 for v in votes)
+    return 2 * max(yes, no) > len(votes)
+
+
 # ==================================================================================================
 # 3. History memory H_C (§4.1, Algorithm 1 lines 2-3 and 20-21)                         [algorithm]
 # ==================================================================================================
@@ -1764,34 +1791,58 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
         r.ver_prompts, r.verdicts = [None] * len(cs), [[] for _ in cs]
 
 
+def verifier_ids(tok, cfg: Config, question: dict, predicted: str, reference: str) -> list[int]:
+    """The verifier's prompt ids for one answer (§4.1): the chat-templated verifier_prompt, then
+    bootstrap.verifier_reply_prefix, the reply's first words, as prompt."""
+    prefix = cfg.bootstrap.verifier_reply_prefix
+    prefix_ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
+    return chat_ids(tok, verifier_prompt(question, predicted, reference)) + prefix_ids
+
+
+def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
+                 desc: str = "verifier") -> list[list[Completion]]:
+    """G votes per verifier prompt (Eq. 4; rollout.votes_per_response, 0 = group_size), each
+    vote's text the reply as read: bootstrap.verifier_reply_prefix + what was sampled."""
+    prefix = cfg.bootstrap.verifier_reply_prefix
+    votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
+    outs = generate(llm, prompts, n=votes, seeds=seeds[:len(prompts)], **sampling(cfg, "ver"),
+                    logprobs=True, desc=desc)
+    return [[c._replace(text=prefix + c.text) for c in cs] if prefix else cs for cs in outs]
+
+
+def read_votes(verdicts: Sequence[Completion], cfg: Config) -> list[int | None]:
+    """v_ij of Eq. 4 for one answer's votes; a vote cut at its budget abstains, unless
+    reward.overlong = "keep"."""
+    return [parse_verdict(v.text) if finished(v, cfg) else None for v in verdicts]
+
+
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
     """Verifying (lines 16-17): votes per response of the extracted vs reference answer (Eq. 4);
     G of them in the paper, rollout.votes_per_response here."""
-    prefix = cfg.bootstrap.verifier_reply_prefix  # the reply's first words, part of the prompt
-    prefix_ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
     jobs = []  # (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
         for i, c in enumerate(r.responses):
             predicted = extract_answer(c.text, r.task) if finished(c, cfg) else None
             # no answer to compare: the rule's 0 stands, nothing to verify
             if predicted is not None:
-                text = verifier_prompt(r.question, predicted, r.question["answer"])
-                r.ver_prompts[i] = chat_ids(tok, text) + prefix_ids
+                r.ver_prompts[i] = verifier_ids(tok, cfg, r.question, predicted,
+                                                r.question["answer"])
                 jobs.append((r, i))
-    votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
-    outs = generate(llm, [r.ver_prompts[i] for r, i in jobs], n=votes,
-                    seeds=seeds[:len(jobs)], **sampling(cfg, "ver"), logprobs=True, desc="verifier")
-    for (r, i), cs in zip(jobs, outs):  # a verdict's text is the reply as read: prefix + sampled
-        r.verdicts[i] = [c._replace(text=prefix + c.text) for c in cs] if prefix else cs
+    outs = sample_votes(llm, cfg, [r.ver_prompts[i] for r, i in jobs], seeds)
+    for (r, i), cs in zip(jobs, outs):
+        r.verdicts[i] = cs
 
 
 def score_votes(r: Rollout, cfg: Config) -> None:
-    """Eq. 4-5 for one question: each response's votes (a vote cut at its budget abstains, unless
-    reward.overlong = "keep"), their majority, the verifier's rewards and their agreement. With
-    reward.judge = "rule" no verifier ran: no votes, no majority."""
-    r.votes = [[parse_verdict(v.text) if finished(v, cfg) else None for v in vs]
-               for vs in r.verdicts]
+    """Eq. 4-5 for one question: each response's votes (read_votes), their majority, the
+    verifier's rewards and their agreement. With reward.judge = "rule" no verifier ran: no votes,
+    no majority. With reward.no_majority = "mask" (CuMa), votes without a strict majority leave
+    their response unverified (majority None): r_i = R_rule (Eq. 6), no Eq. 5 reward, so the
+    votes never enter the batch (select_verifier)."""
+    r.votes = [read_votes(vs, cfg) for vs in r.verdicts]
     r.majorities = [majority_vote(votes) for votes in r.votes]  # Eq. 4
+    if cfg.reward.no_majority == "mask":
+        r.majorities = [m if strict_majority(v) else None for m, v in zip(r.majorities, r.votes)]
     r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
     r.agreements = [vote_agreement(rewards) for rewards in r.ver_rewards]
 
@@ -1801,8 +1852,8 @@ def score_responses(r: Rollout, cfg: Config) -> None:
     penalties, what §4.3's variance test reads (r.selection), and DAPO's length shaping."""
     if cfg.reward.verifier_decision == "majority":
         decisions = r.majorities
-    else:  # Table 2 "w/o majority voting": the first vote decides
-        decisions = [votes[0] if votes else None for votes in r.votes]
+    else:  # Table 2 "w/o majority voting": the first vote decides, unless masked (no_majority)
+        decisions = [votes[0] if m is not None else None for votes, m in zip(r.votes, r.majorities)]
     rule_decides = TASKS[r.task].rule_decides
     r.solved = [responder_reward(rule, v, rule_decides) for rule, v in zip(r.rules, decisions)]
     r.res_rewards = list(r.solved)
@@ -1838,10 +1889,11 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
 
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
-                  rng: np.random.Generator, key: tuple,
-                  clock: infra.StepClock | None = None) -> list[Rollout]:
+                  rng: np.random.Generator, key: tuple, clock: infra.StepClock | None = None,
+                  judge: contextlib.AbstractContextManager | None = None) -> list[Rollout]:
     """One generation round on this rank: all four roles, each one batched vLLM call, then their
-    rewards. `clock`, if given, times each phase (que, ground, res, ver)."""
+    rewards. `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds
+    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge)."""
     clock = clock or infra.StepClock()
     clock.begin_phases()
     n = len(drawn)
@@ -1856,9 +1908,10 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
             clock.phase("ground")
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
     clock.phase("res")
-    if cfg.reward.judge == "verifier":
+    if cfg.reward.judge != "rule":  # the policy votes, or under "frozen" its initial weights
         n_res = sum(len(r.responses) for r in rollouts)
-        run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
+        with judge or contextlib.nullcontext():
+            run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
         clock.phase("ver")
     score_rollouts(cfg, rollouts, history)
     return rollouts
@@ -1899,6 +1952,7 @@ class Summary:
     ver_lens: list[list[int]]
     ver_cut: list[list[bool]]
     nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
+    no_majority: int = 0  # responses whose votes have no strict majority (strict_majority)
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1921,7 +1975,8 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         ver_cut=[[cut(c) for c in vs] for vs in r.verdicts],
         nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
                                                                 *(v for vs in r.verdicts
-                                                                  for v in vs)]))
+                                                                  for v in vs)]),
+        no_majority=sum(bool(votes) and not strict_majority(votes) for votes in r.votes))
 
 
 @dataclass(frozen=True)
@@ -3014,16 +3069,20 @@ class ClusterSampler:
 # ==================================================================================================
 
 def log_step(log: infra.RunLog, cfg: Config, step: int, summaries: list[Summary], counts: dict,
-             train: dict, times: dict, rollouts: list[Rollout], world: int) -> None:
-    """The step's metrics and console line (log.write), a table of sample rollouts every
-    log.sample_every steps, and a note when nothing trained."""
-    m = step_metrics(summaries, counts, train, times)
+             train: dict, times: dict, rollouts: list[Rollout], world: int,
+             gold: dict | None = None) -> None:
+    """The step's metrics and console line (log.write), with the held-out verifier check when it
+    ran (`gold`, verify_held_out), a table of sample rollouts every log.sample_every steps, and a
+    note when nothing trained."""
+    m = {**step_metrics(summaries, counts, train, times), **(gold or {})}
     line = log_line(step, cfg.train.steps, m)
     groups = world // cfg.rollout.tensor_parallel_size
     asked = max(1, cfg.rollout.clusters_per_round // groups) * groups * times["rounds"]
     if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
         line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
     log.write(step, m, line)
+    if warning := gold_warning(step, m, cfg.log.verify_warn_yes_on_wrong):
+        infra.print0(warning)
     if cfg.log.sample_every and step % cfg.log.sample_every == 0:
         infra.print0(sample_table(rollouts))
     if not counts["sequences"]:
@@ -3085,8 +3144,12 @@ def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
     verified = sum(len(s.majorities) for s in ok)
     votes = sum(len(ns) for s in ok for ns in s.ver_lens)
     abstained = sum(n for s in ok for n in s.abstained)
+    voted = sum(bool(ns) for s in ok for ns in s.ver_lens)  # responses with votes
     return {
         "ver/majority_rate": len(decided) / max(verified, 1),
+        # share of voted responses without a strict majority (a tie, or too many abstentions):
+        # what reward.no_majority = "mask" leaves unverified
+        "ver/no_majority": sum(s.no_majority for s in ok) / max(voted, 1),
         "ver/agrees_with_rule": mean([m == r for m, r in decided]),
         "ver/kept_groups": counts["ver_groups"],
         "ver/candidates": counts["ver_candidates"],
@@ -3165,7 +3228,7 @@ def log_line(step: int, steps: int, m: dict) -> str:
            if "perf/ver_s" in m else "")
     return (f"step {step}/{steps} {que}"
             f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
-            f"len {m['res/length']:.0f} {ver}"
+            f"len {m['res/length']:.0f} {ver}{gold_summary(m)}"
             f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
             f"gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
@@ -3184,6 +3247,104 @@ def sample_table(rollouts: list, k: int = 2) -> str:
             rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
                         f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
     return "\n".join(rows)
+
+
+# The verifier on held-out labels (data.verify_set, log.verify_every): Eq. 5 rewards agreement with
+# the verifier's own majority, and §4.3 keeps the groups that agree with the rule; neither says
+# whether the majority is right where the rule cannot tell. Hand-labelled items do, as metrics only.
+
+class GoldItem(NamedTuple):
+    """One held-out verifier item (evals/README.md): a candidate answer, and whether it means the
+    reference (label 1 = YES, 0 = NO); `rule` is R_rule of the candidate stated as an answer."""
+    question: str
+    reference: str
+    candidate: str
+    label: int
+    kind: str
+    rule: float
+
+
+def gold_prompts(tok, cfg: Config, items: list[GoldItem]) -> list[list[int]]:
+    """Each item as the verifier meets an answer in training (run_verifier): the candidate as
+    Answer 1, the reference as Answer 2."""
+    return [verifier_ids(tok, cfg, {"question": it.question}, it.candidate, it.reference)
+            for it in items]
+
+
+def verify_held_out(llm, cfg: Config, items: list[GoldItem], prompts: list[list[int]], step: int,
+                    group: int, groups: int, reports: bool) -> dict:
+    """The policy as verifier on the held-out items: engine `group` of `groups` judges every
+    groups-th item with G votes, sampled as in training (sample_votes, read_votes, Eq. 4's
+    majority); the majorities are gathered from each engine's first rank (`reports`) and scored
+    against the labels (gold_metrics), the same dict on every rank. A collective."""
+    mine = list(range(group, len(items), groups))
+    # one seed per item, whichever engine judges it: the check does not depend on the world size
+    seeds = request_seeds(cfg.train.seed, step, "gold", count=len(items))
+    outs = sample_votes(llm, cfg, [prompts[k] for k in mine], [seeds[k] for k in mine],
+                        desc="held-out verifier")
+    majorities = {k: majority_vote(read_votes(cs, cfg)) for k, cs in zip(mine, outs)}
+    gathered = {}
+    for part in infra.all_gather_objects(majorities if reports else {}):
+        gathered.update(part)
+    llm.reset_prefix_cache()  # the next rollouts meet the cache they would have met without it
+    return gold_metrics(items, [gathered[k] for k in range(len(items))])
+
+
+def gold_metrics(items: list[GoldItem], majorities: Sequence[int]) -> dict:
+    """ver/gold_*: how often the verifier's majority (Eq. 4: no YES majority is NO) matches the
+    label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on the right ones;
+    the accuracy where R_rule disagrees with the label (what the verifier adds to the rule), and
+    per kind of candidate (paraphrase, hedge, negation, ...). A share over no items is 0."""
+    right = [m == it.label for it, m in zip(items, majorities, strict=True)]
+    m = {"ver/gold_accuracy": mean(right),
+         "ver/gold_yes_on_wrong": mean([v == 1 for it, v in zip(items, majorities)
+                                        if it.label == 0]),
+         "ver/gold_no_on_right": mean([v != 1 for it, v in zip(items, majorities)
+                                       if it.label == 1]),
+         "ver/gold_beyond_rule": mean([ok for it, ok in zip(items, right)
+                                       if it.rule != it.label])}
+    for kind in sorted({it.kind for it in items}):
+        m[f"ver/gold_kind_{kind}"] = mean([ok for it, ok in zip(items, right) if it.kind == kind])
+    return m
+
+
+def held_out_prompts(tok, cfg: Config,
+                     items: list[GoldItem]) -> tuple[list[GoldItem], list[list[int]]]:
+    """The items whose verifier prompt fits rollout.max_prompt_tokens, and their prompts
+    (gold_prompts); a note names how many were left out."""
+    prompts = gold_prompts(tok, cfg, items)
+    kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
+    if len(kept) < len(items):
+        infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left out, "
+                     f"their verifier prompts longer than rollout.max_prompt_tokens")
+    return [items[k] for k in kept], [prompts[k] for k in kept]
+
+
+def log_held_out(log: infra.RunLog, cfg: Config, step: int, m: dict) -> None:
+    """The held-out check of a step with no update (step 0, before the first): its metrics, its
+    line and the warning, if due."""
+    log.write(step, m, f"step {step}/{cfg.train.steps} {gold_summary(m)}".rstrip())
+    if warning := gold_warning(step, m, cfg.log.verify_warn_yes_on_wrong):
+        infra.print0(warning)
+
+
+def gold_warning(step: int, m: dict, bound: float) -> str | None:
+    """One console line when the verifier accepts more held-out wrong answers than
+    log.verify_warn_yes_on_wrong allows; None otherwise (or when the check did not run)."""
+    share = m.get("ver/gold_yes_on_wrong")
+    if share is None or share <= bound:
+        return None
+    return (f"step {step}: warning: the verifier said YES to {share:.0%} of the held-out wrong "
+            f"answers (ver/gold_yes_on_wrong > log.verify_warn_yes_on_wrong = {bound:g}); its "
+            "votes now pay wrong answers (Eq. 6)")
+
+
+def gold_summary(m: dict) -> str:
+    """The held-out check's part of the console line; "" when it did not run this step."""
+    if "ver/gold_accuracy" not in m:
+        return ""
+    return (f"| gold acc {m['ver/gold_accuracy']:.0%} yes|wrong {m['ver/gold_yes_on_wrong']:.0%} "
+            f"no|right {m['ver/gold_no_on_right']:.0%} ")
 
 
 # ==================================================================================================
@@ -3208,6 +3369,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     paths, resume, overrides = infra.parse_args(argv)
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
+    gold = load_verify_set(cfg)  # held-out verifier items (log.verify_every); [] when off
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed()
@@ -3218,6 +3380,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
     infra.check_same_rope(llm, policy)  # the rollouts' positions are the trainer's
+    # reward.judge = "frozen": the initial weights, kept before any resume, vote in every round
+    judge = FrozenJudge(llm, policy, cfg, device) if cfg.reward.judge == "frozen" else None
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
@@ -3225,6 +3389,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
                            aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
+    gold, gold_ids = held_out_prompts(tok, cfg, gold)
+    if gold and step == 0:  # the verifier before its first update
+        log_held_out(log, cfg, 0, verify_held_out(llm, cfg, gold, gold_ids, 0, group, groups,
+                                                  reports))
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
         step += 1
@@ -3235,7 +3403,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
             drawn = sampler.draw(per_round)
             key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
-            rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock)
+            rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock, judge)
             if batch_is_full(rollouts, cfg, reports, device):
                 break
         sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
@@ -3255,10 +3423,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         # 4. the new weights into every rank's vLLM engine
         wake_and_sync(llm, policy, cfg, device, updated=bool(items))
         clock.stage("sync")
-        # 5. the step's line and metrics; a checkpoint every log.save_every steps, at the end and
+        # 5. the new verifier on held-out labels, every log.verify_every steps (metrics only)
+        held_out = {}
+        if gold and step % cfg.log.verify_every == 0:
+            held_out = verify_held_out(llm, cfg, gold, gold_ids, step, group, groups, reports)
+            clock.stage("verify")
+        # 6. the step's line and metrics; a checkpoint every log.save_every steps, at the end and
         #    on SIGTERM
         times = clock.times(rounds=rnd + 1, trained_tokens=train.get("tokens", 0))
-        log_step(log, cfg, step, summaries, counts, train, times, rollouts, world)
+        log_step(log, cfg, step, summaries, counts, train, times, rollouts, world, held_out)
         stop = infra.all_reduce_max(int(STOP["requested"]), device) > 0
         if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
             state = run_state(step, sampler, history, rng, aepo)
@@ -3500,6 +3673,34 @@ def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool)
         llm.wake_up()  # the KV cache and the scheduler
 
 
+class FrozenJudge:
+    """reward.judge = "frozen" (SCOPE's frozen judge): the verifier phase votes with the initial
+    weights, the responder is judged by the model it started from.
+
+    One engine, its weights swapped: the initial weights, taken as the first sync sends them (full
+    tensors in the sync's dtype) before any update or resume, wait on the CPU; entering swaps them
+    into vLLM, leaving syncs the policy back (two syncs per round; the prefix cache is dropped with
+    each). A second engine would hold the same weights but take half of vLLM's GPU memory, and two
+    per rank do not fit the CPU demo's two ranks on a 24 GiB machine. Host memory: one copy of the
+    model per rank (a 7B model in bf16: 15 GB a rank). Every rank enters and leaves at the same
+    point: leaving gathers the sharded policy (a collective).
+    """
+
+    def __init__(self, llm, policy, cfg: Config, device: torch.device):
+        self.llm, self.policy, self.cfg, self.device = llm, policy, cfg, device
+        self.initial = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights_to_sync(
+            policy, compute_dtype(device), cfg.rollout.sync_bucket_mb)]
+
+    def __enter__(self) -> "FrozenJudge":
+        sync_weights(self.llm, self.initial)
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is None:  # after an error, one rank alone would wait in the gather forever
+            sync_weights(self.llm, weights_to_sync(self.policy, compute_dtype(self.device),
+                                                   self.cfg.rollout.sync_bucket_mb))
+
+
 def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF checkpoint name, full tensor in `dtype`) for every weight of a (possibly
     FSDP2-sharded) model.
@@ -3685,6 +3886,20 @@ def load_data(cfg: Config) -> list[Cluster]:
     if cfg.data.qa:
         return load_qa_set(cfg.data.qa)
     return load_corpus(cfg.data.corpus)
+
+
+def load_verify_set(cfg: Config) -> list[GoldItem]:
+    """data.verify_set for the held-out verifier check, [] when the check is off (data.verify_set
+    "" or log.verify_every 0); each line checked by infra.verify_set_records. A relative path not
+    found from the working directory is read beside spell.py (the shipped evals/ file)."""
+    if not cfg.data.verify_set or not cfg.log.verify_every:
+        return []
+    path = Path(cfg.data.verify_set)
+    if not path.is_absolute() and not path.exists():
+        path = ROOT / path
+    # R_rule of the candidate stated as an answer, as evals/README.md counts it
+    return [GoldItem(*rec, rule=rule_reward(f"The answer is {rec[2]}", rec[1], "doc_qa"))
+            for rec in infra.verify_set_records(path)]
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
