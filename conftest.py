@@ -392,6 +392,25 @@ def logged_metrics(step: int) -> dict:
     return {"step": step, **spell.step_metrics(*logged_inputs(step))}
 
 
+# held-out verifier items, one of each kind of evals/sotu_verify_set.jsonl: (candidate, label,
+# kind, R_rule); the reference is "25 percent"
+GOLD = [("25 percent", 1, "exact", 1.0), ("25%", 1, "paraphrase", 0.0),
+        ("35 percent", 0, "near_miss", 0.0), ("150,000", 0, "other_question", 0.0),
+        ("25 or 35 percent", 0, "hedge", 0.0), ("anything but 25 percent", 0, "negation", 1.0)]
+
+
+def gold_items() -> list:
+    return [spell.GoldItem("By how much?", "25 percent", c, label, kind, rule)
+            for c, label, kind, rule in GOLD]
+
+
+def held_out_metrics() -> dict:
+    """What a step adds to its metrics when the held-out check ran (log.verify_every): the
+    verifier right on 4 of the 6 GOLD items (YES to the negation, NO to the paraphrase), and the
+    check's seconds."""
+    return {**spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1]), "perf/verify_s": 2.0}
+
+
 def worker_mesh(shard_size: str, world: int):
     """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size
     (a command-line string)."""

@@ -391,6 +391,7 @@ def check_every_key(cfg) -> None:
         ("log.save_every", lg.save_every >= 1, ">= 1"),
         ("log.sample_every", lg.sample_every >= 0, ">= 0 (0: no sample tables)"),
         ("log.verify_every", lg.verify_every >= 0, ">= 0 (0: no held-out verifier check)"),
+        ("log.verify_items", lg.verify_items >= 0, ">= 0 (0: every item of data.verify_set)"),
         ("log.verify_warn_yes_on_wrong", 0 <= lg.verify_warn_yes_on_wrong <= 1,
          "in [0, 1] (a share of the wrong candidates)"),
         ("log.vllm_log_level",

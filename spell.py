@@ -315,8 +315,12 @@ class LogConfig:
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
     # the policy as verifier judges data.verify_set every N steps and before the first update
-    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones); 0 = off
-    verify_every: int = 10
+    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones); 0 = off. Off by default: on
+    # CPU a check costs minutes (learn.toml), on GPU seconds (config.toml: every 10 steps)
+    verify_every: int = 0
+    # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
+    # and run); 0 = all of them
+    verify_items: int = 0
     # a console warning when ver/gold_yes_on_wrong, the share of wrong candidates the verifier's
     # majority accepts, is above this (its YES then pays wrong answers); 1 = never
     verify_warn_yes_on_wrong: float = 0.2
@@ -3295,12 +3299,11 @@ def gold_metrics(items: list[GoldItem], majorities: Sequence[int]) -> dict:
     label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on the right ones;
     the accuracy where R_rule disagrees with the label (what the verifier adds to the rule), and
     per kind of candidate (paraphrase, hedge, negation, ...). A share over no items is 0."""
-    right = [m == it.label for it, m in zip(items, majorities, strict=True)]
+    said = [int(v == 1) for v in majorities]  # 1 = YES; NO, or no vote at all (None), is 0
+    right = [v == it.label for it, v in zip(items, said, strict=True)]
     m = {"ver/gold_accuracy": mean(right),
-         "ver/gold_yes_on_wrong": mean([v == 1 for it, v in zip(items, majorities)
-                                        if it.label == 0]),
-         "ver/gold_no_on_right": mean([v != 1 for it, v in zip(items, majorities)
-                                       if it.label == 1]),
+         "ver/gold_yes_on_wrong": mean([v for it, v in zip(items, said) if it.label == 0]),
+         "ver/gold_no_on_right": mean([1 - v for it, v in zip(items, said) if it.label == 1]),
          "ver/gold_beyond_rule": mean([ok for it, ok in zip(items, right)
                                        if it.rule != it.label])}
     for kind in sorted({it.kind for it in items}):
@@ -3320,10 +3323,11 @@ def held_out_prompts(tok, cfg: Config,
     return [items[k] for k in kept], [prompts[k] for k in kept]
 
 
-def log_held_out(log: infra.RunLog, cfg: Config, step: int, m: dict) -> None:
-    """The held-out check of a step with no update (step 0, before the first): its metrics, its
-    line and the warning, if due."""
-    log.write(step, m, f"step {step}/{cfg.train.steps} {gold_summary(m)}".rstrip())
+def log_held_out(log: infra.RunLog, cfg: Config, step: int, m: dict, seconds: float) -> None:
+    """The held-out check of a step with no update (step 0, before the first): its metrics and
+    time (perf/verify_s), its line and the warning, if due."""
+    m = {**m, "perf/verify_s": seconds}
+    log.write(step, m, f"step {step}/{cfg.train.steps} {gold_summary(m)}| verify {seconds:.0f}s")
     if warning := gold_warning(step, m, cfg.log.verify_warn_yes_on_wrong):
         infra.print0(warning)
 
@@ -3391,8 +3395,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
     gold, gold_ids = held_out_prompts(tok, cfg, gold)
     if gold and step == 0:  # the verifier before its first update
-        log_held_out(log, cfg, 0, verify_held_out(llm, cfg, gold, gold_ids, 0, group, groups,
-                                                  reports))
+        t0 = time.perf_counter()
+        held_out = verify_held_out(llm, cfg, gold, gold_ids, 0, group, groups, reports)
+        log_held_out(log, cfg, 0, held_out, time.perf_counter() - t0)
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
         step += 1
@@ -3897,9 +3902,13 @@ def load_verify_set(cfg: Config) -> list[GoldItem]:
     path = Path(cfg.data.verify_set)
     if not path.is_absolute() and not path.exists():
         path = ROOT / path
+    records = infra.verify_set_records(path)
+    if 0 < cfg.log.verify_items < len(records):  # log.verify_items: the same subset every step
+        pick = np.random.default_rng(0).choice(len(records), cfg.log.verify_items, replace=False)
+        records = [records[k] for k in sorted(pick)]
     # R_rule of the candidate stated as an answer, as evals/README.md counts it
     return [GoldItem(*rec, rule=rule_reward(f"The answer is {rec[2]}", rec[1], "doc_qa"))
-            for rec in infra.verify_set_records(path)]
+            for rec in records]
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:

@@ -25,7 +25,7 @@ import torch
 import infra
 import spell
 from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
-                      logged_metrics, metrics, mutated_fixture, run_worker,
+                      held_out_metrics, logged_metrics, metrics, mutated_fixture, run_worker,
                       snapshot, torchrun, worker_mesh)
 
 
@@ -1472,14 +1472,15 @@ def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
     cfg.log.tensorboard = True
     log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
-    for step in (1, 2):
-        metrics = logged_metrics(step)
-        log.write(step, {k: v for k, v in metrics.items() if k != "step"}, f"step {step}")
+    # with the held-out verifier check's ver/gold_* (log.verify_every), as a step that ran it
+    logged = [{**logged_metrics(step), **held_out_metrics()} for step in (1, 2)]
+    for step, row in zip((1, 2), logged):
+        log.write(step, {k: v for k, v in row.items() if k != "step"}, f"step {step}")
     log.board.close()
     out = capsys.readouterr().out
     assert "spell: 2 rank(s) on cpu; config config.toml" in out and out.count("\nstep ") == 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [logged_metrics(1), logged_metrics(2)]
+    assert rows == logged and "ver/gold_yes_on_wrong" in rows[0]
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert set(events.Tags()["scalars"]) == set(rows[0]) - {"step"}
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]

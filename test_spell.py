@@ -41,10 +41,10 @@ import evaluation
 import infra
 import spell
 from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, SPEAKER_QUESTION, TEMPERATURE,
-                      TORCHRUN_TIMEOUT_S, batch_counts, demo_args, logged_inputs, logged_metrics,
-                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics,
-                      role_sequences, run_worker, snapshot, start_torchrun, tiny_llama, torchrun,
-                      worker_mesh)
+                      TORCHRUN_TIMEOUT_S, batch_counts, demo_args, gold_items, held_out_metrics,
+                      logged_inputs, logged_metrics, make_tiny_model, metrics, protocol_corpus,
+                      qa_record, read_metrics, role_sequences, run_worker, snapshot,
+                      start_torchrun, tiny_llama, torchrun, worker_mesh)
 from spell import (HistoryMemory, cover_exact_match, extract_answer, group_advantages,
                    majority_vote, numbers_match, parse_number, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -1724,6 +1724,92 @@ def test_single_vote_decides_with_the_first_vote(monkeypatch):
     assert rate(majority) == 1.0 and rate(single) == 0.25
 
 
+@pytest.mark.parametrize("votes, strict", [  # more than G/2 of all G votes on one side
+    ([1, 1, 0, 0], False),  # a tie: Eq. 4 calls it NO, but NO has no majority
+    ([1, 1, 0, None], False), ([0, 0, None, None], False),  # abstentions leave 2 of 4 at most
+    ([None] * 4, False), ([], False),
+    ([1, 1, 1, 0], True), ([1, 1, 1, None], True),  # clear YES
+    ([0, 0, 0, 1], True), ([0, 0, 0, None], True), ([0, 0, 1], True),  # clear NO
+])
+def test_strict_majority(votes, strict):
+    assert spell.strict_majority(votes) == strict
+
+
+# per response: YES, NO and two votes without a verdict tag: Eq. 4 says NO, but no side has > G/2
+NO_MAJORITY_SCRIPT = {**SELF_PLAY_SCRIPT, "verifier": [
+    ("Decision: [[YES]]", "stop"), ("Decision: [[NO]]", "stop"), ("I am not sure.", "stop"),
+    ("I am not sure.", "stop")]}
+
+
+def test_no_majority_mask_leaves_the_response_unverified_and_its_votes_untrained(monkeypatch):
+    """reward.no_majority = "mask" (CuMa): votes without a strict majority give no verifier-derived
+    reward (r_i = R_rule, even where the single first vote says YES), no Eq. 5 reward, and their
+    group never enters the batch; under "keep" the abstaining groups train the verdict format
+    (bootstrap.verifier_format_penalty admits them) on a NO majority nobody voted for."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
+    cfg.bootstrap.verifier_format_penalty = -0.5
+    keep, _ = scripted_round(monkeypatch, cfg, NO_MAJORITY_SCRIPT)
+    assert keep.majorities == [0] * 4 and keep.res_rewards == keep.rules == [1.0, 0.0, 0.0, 0.0]
+    items, counts = spell.select_batch([spell.summarize(keep)], cfg, np.random.default_rng(0))
+    # one group (verifier_share x 1 responder group x G / G votes) of the three wrong answers':
+    # majority NO = rule 0, abstentions and one agreeing vote
+    assert counts["ver_candidates"] == 4 and counts["ver_groups"] == 1
+    assert {it.i for it in items if it.role == "ver"} <= {1, 2, 3}
+    cfg.reward.no_majority = "mask"
+    mask, _ = scripted_round(monkeypatch, cfg, NO_MAJORITY_SCRIPT)
+    assert mask.votes == keep.votes == [[1, 0, None, None]] * 4
+    assert mask.majorities == [None] * 4 and mask.ver_rewards == [None] * 4
+    assert mask.res_rewards == mask.solved == mask.rules == [1.0, 0.0, 0.0, 0.0]
+    summary = spell.summarize(mask)
+    items, counts = spell.select_batch([summary], cfg, np.random.default_rng(0))
+    assert counts["ver_groups"] == counts["ver_candidates"] == 0
+    assert {it.role for it in items} == {"res", "que"}
+    m = spell.step_metrics([summary], batch_counts(), {}, {})
+    assert m["ver/no_majority"] == 1.0 and m["ver/majority_rate"] == 0.0
+    # the single first vote (YES) would pay every answer under keep; masked, the rule decides
+    cfg.reward.verifier_decision = "single"
+    assert scripted_round(monkeypatch, cfg, NO_MAJORITY_SCRIPT)[0].res_rewards == \
+        [1.0, 0.0, 0.0, 0.0]
+    cfg.reward.no_majority = "keep"
+    assert scripted_round(monkeypatch, cfg, NO_MAJORITY_SCRIPT)[0].res_rewards == [1.0] * 4
+    # a strict majority (3 YES, 1 NO) is scored as under keep
+    cfg.reward.verifier_decision, cfg.reward.no_majority = "majority", "mask"
+    clear, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
+    assert clear.majorities == [1] * 4 and clear.res_rewards == [1.0] * 4
+
+
+def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
+    """reward.judge = "frozen" (SCOPE): rollout_round enters the judge (FrozenJudge swaps the
+    initial weights in) around the verifier's call alone, and the verifier role never trains
+    (trained_roles), though its votes score the responses as the policy's would."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
+    cfg.reward.judge = "frozen"
+    spell.check_config(cfg)
+    events = []
+
+    class Judge:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *_):
+            events.append("exit")
+
+    def generate(llm, prompts, *, n, desc="", **_):
+        events.append(desc)
+        return [[spell.Completion([7] * 3, SELF_PLAY_SCRIPT[desc][j % 4][0], None, "stop")
+                 for j in range(n)] for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0), judge=Judge())
+    assert events == ["questioner", "responder", "enter", "verifier", "exit"]
+    assert r.majorities == [1] * 4 and r.res_rewards == [1.0] * 4  # the judge's YES majority pays
+    assert "ver" not in spell.trained_roles(cfg)
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    assert "ver" not in {it.role for it in items} and counts["ver_groups"] == 0
+
+
 def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     """presets/spice.toml: the Challenger's prompt holds exactly one of the cluster's documents, the
     Reasoner's none; no grounding check and no verifier run; r_que is SPICE's variance reward."""
@@ -3310,6 +3396,168 @@ def test_log_step_adds_the_sample_table_and_says_when_nothing_trained(tmp_path, 
     assert "| drew 2 of 4: the QA set has no more questions" in capsys.readouterr().out
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(row)["step"] for row in rows] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# The verifier on held-out labels (data.verify_set, log.verify_every)
+# ------------------------------------------------------------------------------------------------
+
+def test_gold_metrics_hand_worked():
+    """conftest.GOLD: 2 right candidates, 4 wrong; the verifier says YES to the exact answer and
+    the negation, NO to the rest: right on 4 of 6, YES to 1 of 4 wrong, NO to 1 of 2 right, and
+    wrong on both items where the rule is (the paraphrase it rejects, the negation it accepts)."""
+    m = spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1])
+    assert m == {"ver/gold_accuracy": pytest.approx(4 / 6), "ver/gold_yes_on_wrong": 0.25,
+                 "ver/gold_no_on_right": 0.5, "ver/gold_beyond_rule": 0.0,
+                 "ver/gold_kind_exact": 1.0, "ver/gold_kind_hedge": 1.0,
+                 "ver/gold_kind_near_miss": 1.0, "ver/gold_kind_negation": 0.0,
+                 "ver/gold_kind_other_question": 1.0, "ver/gold_kind_paraphrase": 0.0}
+    # an abstaining majority (None) is not YES: it counts as NO (Eq. 4), right on wrong candidates
+    none = spell.gold_metrics(gold_items(), [None] * 6)
+    assert none["ver/gold_accuracy"] == pytest.approx(4 / 6) and none["ver/gold_no_on_right"] == 1
+    # no wrong candidate in the set: the share over no items is 0
+    assert spell.gold_metrics(gold_items()[:2], [1, 1])["ver/gold_yes_on_wrong"] == 0.0
+    with pytest.raises(ValueError):  # one majority per item
+        spell.gold_metrics(gold_items(), [1])
+
+
+def test_gold_warning_above_the_bound_and_the_console_line():
+    m = held_out_metrics()  # YES to 1 of 4 wrong candidates
+    assert spell.gold_warning(3, m, 0.25) is None  # at the bound: no warning
+    line = spell.gold_warning(3, m, 0.2)
+    assert line.startswith("step 3: warning: the verifier said YES to 25% of the held-out wrong "
+                           "answers (ver/gold_yes_on_wrong > log.verify_warn_yes_on_wrong = 0.2)")
+    assert spell.gold_warning(3, logged_metrics(3), 0.0) is None  # the check did not run
+    # the step's console line shows the check where it ran, between the verifier and the update
+    assert "| gold" not in spell.log_line(1, 2, logged_metrics(1))
+    assert ("kept 1 | gold acc 67% yes|wrong 25% no|right 50% | train 9 seq"
+            in spell.log_line(1, 2, {**logged_metrics(1), **held_out_metrics()}))
+
+
+def test_log_step_writes_the_held_out_metrics_and_warns(tmp_path, capsys):
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.sample_every, cfg.log.verify_warn_yes_on_wrong = str(tmp_path), 0, 0.1
+    log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
+    spell.log_held_out(log, cfg, 0, spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1]), 2.5)
+    spell.log_step(log, cfg, 1, *logged_inputs(1), [], world=2, gold=held_out_metrics())
+    spell.log_step(log, cfg, 2, *logged_inputs(2), [], world=2)
+    out = capsys.readouterr().out
+    assert "step 0/1000 | gold acc 67% yes|wrong 25% no|right 50% | verify 2s\n" in out
+    assert out.count("warning: the verifier said YES to 25%") == 2  # steps 0 and 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["perf/verify_s"] == 2.5 and rows[0]["ver/gold_yes_on_wrong"] == 0.25
+    assert rows[1]["ver/gold_accuracy"] == pytest.approx(4 / 6)
+    assert "ver/gold_accuracy" not in rows[2]  # step 2: no check
+
+
+def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypatch):
+    """Engine 0 of 2 judges items 0, 2, 4 with their own seeds (the same whatever the number of
+    engines), G votes each, and scores all six with the majorities engine 1 sent (all_gather)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.bootstrap.verifier_reply_prefix = 4, "Decision: [["
+    items = gold_items()
+    calls = []
+
+    def generate(llm, prompts, *, n, seeds, desc="", **_):
+        calls.append((["".join(map(chr, p)) for p in prompts], seeds, n))
+        return [[spell.Completion([7], "YES]]", None, "stop")] * n for _ in prompts]
+
+    sent = []
+    monkeypatch.setattr(spell, "generate", generate)
+    monkeypatch.setattr(infra, "all_gather_objects",
+                        lambda mine: sent.append(mine) or [mine, {1: 0, 3: 0, 5: 0}])
+    llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
+    prompts = spell.gold_prompts(CharTokenizer(), cfg, items)
+    m = spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=True)
+    [(texts, seeds, n)] = calls
+    every = spell.request_seeds(cfg.train.seed, 7, "gold", count=6)
+    assert n == 4 and seeds == [every[k] for k in (0, 2, 4)]
+    # the candidate is Answer 1, the reference Answer 2, and the reply starts with the prefix
+    assert [t.count("35 percent") for t in texts] == [0, 1, 1] and "25 or 35 percent" in texts[2]
+    assert texts[1].index("35 percent") < texts[1].index("25 percent")
+    assert all(t.endswith("<|assistant|>Decision: [[") for t in texts)
+    assert sent == [{0: 1, 2: 1, 4: 1}]  # "Decision: [[" + "YES]]": four YES votes each
+    assert m == spell.gold_metrics(items, [1, 0, 1, 0, 1, 0])
+    # a rank that is not its engine's first sends nothing (its engine's first rank reports)
+    sent.clear()
+    # 3 ranks: engine 0's first, this one (engine 0's second), engine 1
+    monkeypatch.setattr(infra, "all_gather_objects", lambda mine: sent.append(mine)
+                        or [{0: 1, 2: 1, 4: 1}, mine, {1: 0, 3: 0, 5: 0}])
+    assert spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=False) == m
+    assert sent == [{}]
+
+
+def write_verify_set(path: Path, *rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+VERIFY_ITEM = {"question": "By how much?", "reference": "25 percent", "candidate": "25%",
+               "label": "YES", "kind": "paraphrase"}
+
+
+@pytest.mark.parametrize("row, says", [
+    ({k: v for k, v in VERIFY_ITEM.items() if k != "candidate"},
+     "field 'candidate' must be a non-empty string, got None"),
+    ({**VERIFY_ITEM, "label": "yes"}, "field 'label' must be \"YES\" or \"NO\", got 'yes'"),
+    ({**VERIFY_ITEM, "label": 1}, "field 'label' must be \"YES\" or \"NO\", got 1"),
+    ({**VERIFY_ITEM, "kind": "Near miss"}, "field 'kind' must be a lower-case word"),
+    ({**VERIFY_ITEM, "question": "  "}, "field 'question' must be a non-empty string"),
+    ('{"question": "By how', "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+])
+def test_a_bad_verify_set_line_is_an_error_naming_file_and_line(tmp_path, row, says):
+    path = write_verify_set(tmp_path / "v.jsonl", VERIFY_ITEM, row)
+    with pytest.raises(infra.VerifySetError) as e:
+        infra.verify_set_records(path)
+    assert str(e.value).startswith(f"{path}:2: {says}"), e.value
+
+
+def test_an_empty_or_missing_verify_set_is_an_error_naming_it(tmp_path):
+    empty = write_verify_set(tmp_path / "empty.jsonl")
+    with pytest.raises(infra.VerifySetError, match=f"^{re.escape(str(empty))}: the verification "
+                                                   "set is empty$"):
+        infra.verify_set_records(empty)
+    with pytest.raises(infra.VerifySetError, match="nothing.jsonl: verification set not found"):
+        infra.verify_set_records(tmp_path / "nothing.jsonl")
+    # main reads it before any process starts (load_verify_set): an InputError, one line
+    assert issubclass(infra.VerifySetError, infra.InputError)
+
+
+def test_load_verify_set_reads_the_shipped_file_and_a_fixed_subset():
+    """The shipped evals/sotu_verify_set.jsonl as evals/README.md counts it: 321 items, 163 YES,
+    each with R_rule of its candidate stated as an answer (every exact candidate passes); off
+    unless log.verify_every > 0; log.verify_items takes the same subset every time, in file
+    order."""
+    cfg = spell.Config()
+    assert spell.load_verify_set(cfg) == []  # log.verify_every = 0: the check is off
+    cfg.log.verify_every = 10
+    items = spell.load_verify_set(cfg)
+    assert len(items) == 321 and sum(it.label for it in items) == 163
+    assert all(it.rule == rule_reward(f"The answer is {it.candidate}", it.reference, "doc_qa")
+               for it in items)
+    assert all(it.rule == 1 for it in items if it.kind == "exact")
+    cfg.log.verify_items = 40
+    subset = spell.load_verify_set(cfg)
+    assert len(subset) == 40 and subset == spell.load_verify_set(cfg)
+    assert [items.index(it) for it in subset] == sorted(items.index(it) for it in subset)
+    assert len({it.kind for it in subset}) == 6
+    cfg.data.verify_set = ""
+    assert spell.load_verify_set(cfg) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reward.no_majority=drop"], "reward.no_majority must be keep|mask"),
+    (["--reward.judge=initial"], "reward.judge must be verifier|rule|frozen"),
+    (["--log.verify_warn_yes_on_wrong=1.5"], "log.verify_warn_yes_on_wrong must be in [0, 1]"),
+    (["--log.verify_items=-3"], "log.verify_items must be >= 0"),
+    (["--log.verify_every=-1"], "log.verify_every must be >= 0"),
+])
+def test_integrity_keys_are_checked_at_load(argv, message):
+    with pytest.raises(infra.ConfigError) as e:
+        spell.load_config(None, argv)
+    assert str(e.value).startswith(message), e.value
 
 
 def test_rollout_tokens_list_every_status_and_sampled_token():
