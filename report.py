@@ -142,6 +142,15 @@ FIGURES = {
         ("votes with a verdict tag (the rest abstain)", ["ver/tagged"]),
         ("kept groups / candidates", ["ver/kept_groups", "ver/candidates"]),
         ("generations cut at the role's budget (max_new_tokens)", ["ver/truncated"]),
+        ("responses whose votes have no strict majority (reward.no_majority)",
+         ["ver/no_majority"]),
+        # the held-out check (data.verify_set, every log.verify_every steps): a point per check
+        ("held-out verifier: accuracy / YES on wrong answers / NO on right ones",
+         ["ver/gold_accuracy", "ver/gold_yes_on_wrong", "ver/gold_no_on_right"]),
+        ("held-out accuracy where the rule is wrong", ["ver/gold_beyond_rule"]),
+        ("held-out accuracy by kind of candidate (evals/README.md)",
+         [f"ver/gold_kind_{kind}" for kind in ("exact", "paraphrase", "near_miss",
+                                               "other_question", "hedge", "negation")]),
     ]),
     "training": ("Policy update (Eq. 10)", "train/", [
         ("loss", ["train/loss"]),
@@ -163,8 +172,8 @@ FIGURES = {
          ["train/rollout_logp_nonfinite"]),
     ]),
     "throughput": ("Throughput", "perf/", [
-        ("seconds per step, by phase",
-         ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/step_s"]),
+        ("seconds per step, by phase (verify: the held-out check)",
+         ["perf/rollout_s", "perf/update_s", "perf/sync_s", "perf/verify_s", "perf/step_s"]),
         ("rollout seconds per step, by role",
          ["perf/que_s", "perf/ground_s", "perf/res_s", "perf/ver_s"]),
         ("generated tokens per second, by role", ["perf/que_tokens_per_s", "perf/res_tokens_per_s",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import report
-from conftest import logged_metrics
+from conftest import held_out_metrics, logged_metrics
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,7 +137,8 @@ def test_rolling_mean_hand_worked():
 
 
 def test_plot_figures_list_every_key_spell_logs_and_derive_figure_4_difficulty():
-    row = report.add_derived(logged_metrics(1))
+    # a step with the held-out verifier check (log.verify_every): its ver/gold_* keys too
+    row = report.add_derived({**logged_metrics(1), **held_out_metrics()})
     # one of the two questions is valid;
     # its responders' mean reward is 1/4, so the difficulty is 3/4
     assert row["que/valid_rate"] == 0.5 and row["que/difficulty"] == 0.75
@@ -160,7 +161,8 @@ def test_plot_reads_the_last_line_of_a_step_and_writes_one_png_per_figure(tmp_pa
                                "compare does not")
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{**logged_metrics(s), "que/new_rate": 0.1, "foo/bar": s} for s in range(1, 25)]
+    rows = [{**logged_metrics(s), "que/new_rate": 0.1, "foo/bar": s,
+             **(held_out_metrics() if s % 10 == 0 else {})} for s in range(1, 25)]
     # step 5 logged again (a resumed run): this line wins
     rows.insert(5, {**rows[4], "train/loss": 99.0})
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 25, "que/rew'  # a torn last line
@@ -176,6 +178,12 @@ def test_plot_reads_the_last_line_of_a_step_and_writes_one_png_per_figure(tmp_pa
         "valid questions (well-formed and grounded) / drawn", ["que/valid_rate"])
     assert (report.figure_panels("verifier", {"step", "que/reward"}) == []
             and report.other_keys(keys) == ["foo/bar"])
+    # the held-out check ran at steps 10 and 20: its curve has those two points, gaps elsewhere
+    gold = report.series(metrics, "ver/gold_accuracy")
+    assert np.isfinite(gold).sum() == 2 and gold[9] == pytest.approx(4 / 6)
+    assert ("held-out verifier: accuracy / YES on wrong answers / NO on right ones",
+            ["ver/gold_accuracy", "ver/gold_yes_on_wrong", "ver/gold_no_on_right"]) \
+        in report.figure_panels("verifier", keys)
     written = report.plot_run(run)
     names = ["questioner", "responder", "verifier", "training", "throughput", "other"]
     assert written == [run / "plots" / f"{name}.png" for name in names]
