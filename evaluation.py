@@ -209,9 +209,16 @@ def eval_metrics(records: list[dict], n: int, ks=PASS_KS) -> dict:
         # pass@1 without judge: the paper's rule (cem), and ours, which pays no hedge (rule)
         row["cem@1"] = _mean(_mean(s["cem"] for s in r["samples"]) for r in recs)
         row["rule@1"] = _mean(_mean(s["rule"] for s in r["samples"]) for r in recs)
+        # the judge's YES share over the samples the rule rejected (those it saw, needs_judge):
+        # pass@1 - rule@1 is that share times the rejected share, so a reader sees when the judge
+        # is the gain. None where it saw none (multiple choice, or every sample passed the rule)
+        judged = [s["judge"] for r in recs for s in r["samples"] if s.get("judge") is not None]
+        row["judge_yes"] = _mean(j == 1 for j in judged) if judged else None
         rows[bench] = row
     average = {key: _mean(rows[b][key] for b in order)
                for key in [f"pass@{k}" for k in ks] + ["cem@1", "rule@1"]}
+    judged = [rows[b]["judge_yes"] for b in order if rows[b]["judge_yes"] is not None]
+    average["judge_yes"] = _mean(judged) if judged else None  # over the benchmarks it judged
     average.update(items=sum(rows[b]["items"] for b in order),
                    truncated=sum(rows[b]["truncated"] for b in order))
     return {"benchmarks": rows, "average": average}
@@ -228,12 +235,13 @@ def _n_correct(record: dict, n: int) -> int:
 
 def eval_table(metrics: dict) -> str:
     """The metrics as a Markdown table in percent: one row per benchmark, then the average."""
-    keys = [key for key in metrics["average"] if key.startswith("pass@")] + ["cem@1", "rule@1"]
-    lines = ["| benchmark | items | " + " | ".join(keys) + " | truncated |",
-             "|---|---:|" + "---:|" * len(keys) + "---:|"]
+    keys = [key for key in metrics["average"] if key.startswith("pass@")] + ["cem@1", "rule@1",
+                                                                              "judge_yes"]
+    lines = ["| benchmark | items | " + " | ".join(keys).replace("judge_yes", "judge YES on rule 0")
+             + " | truncated |", "|---|---:|" + "---:|" * len(keys) + "---:|"]
     rows = list(metrics["benchmarks"].items()) + [("**average**", metrics["average"])]
     for name, row in rows:
-        cells = [f"{100 * row[key]:.1f}" for key in keys]
+        cells = ["-" if row.get(key) is None else f"{100 * row[key]:.1f}" for key in keys]
         lines.append(f"| {name} | {row['items']} | " + " | ".join(cells)
                      + f" | {row['truncated']} |")
     return "\n".join(lines)
@@ -248,7 +256,9 @@ def eval_header(settings: dict) -> str:
             f"max output {s['max_output_len']}, judge max output {s['judge_max_tokens']}.\n"
             "Scores in percent; pass@k unbiased (Eq. 11); cem@1 = pass@1 of the paper's rule "
             "alone (cover exact match, no hedge guard); rule@1 = pass@1 of our rule alone, which "
-            "pays no hedge; truncated = prompts cut to the max input.\n\n")
+            "pays no hedge; judge YES on rule 0 = the share of the samples the rule rejected that "
+            "the judge accepted (- where it judged none); truncated = prompts cut to the max "
+            "input.\n\n")
 
 
 def write_eval_results(out_dir: str, metrics: dict, records: list[dict]) -> None:

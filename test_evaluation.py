@@ -180,11 +180,14 @@ def test_docmath_rule_reads_the_answer_number():
 
 def _record(bench: str, index: int, scores: list[int], rules: list[int] | None = None,
             cems: list[int] | None = None) -> dict:
+    """A question's samples; the judge saw those the rule rejected (needs_judge) and its verdict
+    made up the score."""
     rules = scores if rules is None else rules
     cems = rules if cems is None else cems
     return {"index": index, "benchmark": bench, "id": str(index), "prompt_tokens": 10,
             "truncated": index == 0,
-            "samples": [{"score": s, "rule": r, "cem": c} for s, r, c in zip(scores, rules, cems)]}
+            "samples": [{"score": s, "rule": r, "cem": c, "judge": None if r == 1 else s}
+                        for s, r, c in zip(scores, rules, cems)]}
 
 
 def test_eval_metrics_hand_computed():
@@ -196,22 +199,30 @@ def test_eval_metrics_hand_computed():
     mus, lb2 = m["benchmarks"]["musique"], m["benchmarks"]["longbench_v2"]
     assert list(m["benchmarks"]) == ["longbench_v2", "musique"]  # canonical order
     # no pass@8 with n = 4
-    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "cem@1", "rule@1"]
+    assert list(mus) == ["items", "truncated", "pass@1", "pass@2", "pass@4", "cem@1", "rule@1",
+                         "judge_yes"]
+    # the rule rejected 4 + 2 samples of musique; the judge said YES to one of them
+    assert mus["judge_yes"] == pytest.approx(1 / 6)
     assert mus["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     # C(3,2)/C(4,2), C(2,2)/C(4,2)
     assert mus["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
     assert mus["pass@4"] == 1.0 and mus["rule@1"] == pytest.approx(1 / 4)
     assert mus["cem@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     assert lb2 == {"items": 1, "truncated": 0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0,
-                   "cem@1": 0.0, "rule@1": 0.0}
+                   "cem@1": 0.0, "rule@1": 0.0, "judge_yes": 0.0}
     avg = m["average"]  # unweighted over benchmarks, not over questions
     assert (avg["pass@1"] == pytest.approx(mus["pass@1"] / 2) and avg["items"] == 3
             and avg["truncated"] == 1)
     table = eval_table(m)
-    assert (table.splitlines()[0]
-            == "| benchmark | items | pass@1 | pass@2 | pass@4 | cem@1 | rule@1 | truncated |")
-    assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 37.5 | 25.0 | 1 |"
-    assert table.splitlines()[4] == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 18.8 | 12.5 | 1 |"
+    assert (table.splitlines()[0] == "| benchmark | items | pass@1 | pass@2 | pass@4 | cem@1 | "
+                                     "rule@1 | judge YES on rule 0 | truncated |")
+    assert table.splitlines()[3] == "| musique | 2 | 37.5 | 66.7 | 100.0 | 37.5 | 25.0 | 16.7 | 1 |"
+    assert (table.splitlines()[4]
+            == "| **average** | 3 | 18.8 | 33.3 | 50.0 | 18.8 | 12.5 | 8.3 | 1 |")
+    # every sample passed the rule: the judge saw none, and the cell says so
+    m = eval_metrics([_record("musique", 0, [1, 1])], n=2)
+    assert m["average"]["judge_yes"] is None and eval_table(m).splitlines()[2].endswith(
+        "| 100.0 | 100.0 | - | 1 |")
 
 
 def test_eval_metrics_guards():
