@@ -315,8 +315,9 @@ class LogConfig:
     vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
     # the policy as verifier judges data.verify_set every N steps and before the first update
-    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones); 0 = off. Off by default: on
-    # CPU a check costs minutes (learn.toml), on GPU seconds (config.toml: every 10 steps)
+    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
+    # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
+    # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 118 s (learn.toml)
     verify_every: int = 0
     # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
     # and run); 0 = all of them
@@ -2073,8 +2074,8 @@ def frozen_roles(cfg: Config) -> list[str]:
 
 def trained_roles(cfg: Config) -> set[str]:
     """The roles whose samples may enter the batch: the questioner unless the questions come from a
-    static set (data.qa), the verifier only when the policy judges (reward.judge), minus frozen
-    roles."""
+    static set (data.qa), the verifier only when the policy judges (reward.judge = verifier: under
+    "frozen" the votes are the initial weights', so they never train), minus frozen roles."""
     roles = {"res"}
     if not cfg.data.qa:
         roles.add("que")

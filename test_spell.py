@@ -3696,6 +3696,35 @@ def test_more_ablations_end_to_end(speaker, corpus_file, tmp_path, keys):
 
 
 @pytest.mark.stack
+def test_held_out_check_frozen_judge_and_no_majority_mask_end_to_end(speaker, corpus_file,
+                                                                     tmp_path):
+    """reward.judge = frozen (FrozenJudge swaps the initial weights into the engine for the
+    verifier phase, a sync each way every round), reward.no_majority = mask and the held-out check
+    every step on a 6-item set, 1 step on 2 ranks: ver/gold_* at step 0 (before the update) and at
+    step 1, shares in [0, 1]; the verifier voted and never trained."""
+    verify_set = tmp_path / "verify.jsonl"
+    verify_set.write_text("".join(
+        json.dumps({"question": "Which colour was the north gate?", "reference": "blue",
+                    "candidate": candidate, "label": label, "kind": kind}) + "\n"
+        for candidate, label, kind in [("blue", "YES", "exact"), ("Blue.", "YES", "paraphrase"),
+                                       ("red", "NO", "near_miss"), ("not blue", "NO", "negation"),
+                                       ("blue or red", "NO", "hedge"), ("green", "NO", "near_miss")]))
+    out_dir = tmp_path / "run"
+    torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--train.steps=1",
+                           "--log.verify_every=1", f"--data.verify_set={verify_set}",
+                           "--reward.judge=frozen", "--reward.no_majority=mask"))
+    steps = read_metrics(out_dir)
+    assert [m["step"] for m in steps] == [0, 1]
+    gold = ("ver/gold_accuracy", "ver/gold_yes_on_wrong", "ver/gold_no_on_right")
+    for m in steps:
+        assert all(0 <= m[key] <= 1 for key in gold), m
+    assert steps[0]["perf/verify_s"] > 0 and steps[1]["perf/verify_s"] > 0
+    m = steps[1]
+    assert m["ver/candidates"] >= 1 and m["ver/kept_groups"] == 0 and 0 <= m["ver/no_majority"] <= 1
+    assert m["res/kept_groups"] >= 1 and m["train/sequences"] == role_sequences(m), m
+
+
+@pytest.mark.stack
 def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
     """presets/spice.toml on the demo preset, 2 steps on 2 ranks: Challenger and Reasoner train, no
     grounding check and no verifier ran, and the run's config is SPICE's. Every valid task trains
