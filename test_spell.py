@@ -1810,6 +1810,26 @@ def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
     assert "ver" not in {it.role for it in items} and counts["ver_groups"] == 0
 
 
+def test_frozen_judge_swaps_the_initial_weights_in_and_the_policy_back(monkeypatch):
+    """FrozenJudge keeps the weights it was built with (main builds it before an update or a
+    resume loads anything): entering sends them to the engine, leaving sends the policy's current
+    weights back; after an error inside, nothing is sent (one rank alone would wait in a gather)."""
+    sent = []
+    monkeypatch.setattr(spell, "sync_weights",
+                        lambda llm, tensors: sent.append({k: v.clone() for k, v in tensors}))
+    policy = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        policy.weight.fill_(1.0)
+    judge = spell.FrozenJudge(None, policy, spell.Config(), torch.device("cpu"))
+    with torch.no_grad():
+        policy.weight.fill_(2.0)  # an update, or a checkpoint loaded by --resume
+    with judge:
+        assert [float(t["weight"].max()) for t in sent] == [1.0]
+    assert [float(t["weight"].max()) for t in sent] == [1.0, 2.0]
+    with pytest.raises(RuntimeError), judge:
+        raise RuntimeError("a vLLM failure")
+    assert len(sent) == 3  # entered (the initial weights), never synced back
+
 def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     """presets/spice.toml: the Challenger's prompt holds exactly one of the cluster's documents, the
     Reasoner's none; no grounding check and no verifier run; r_que is SPICE's variance reward."""
