@@ -1079,10 +1079,12 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
 
     A layer saves per token: its two RMSNorms' fp32 inputs and bf16 outputs (12H); q after RoPE,
     k and v repeated to the query heads, the attention output and o_proj's contiguous copy of it
-    (10q: transformers repeats KV heads for FlexAttention at a head count that is not a power of
-    two, an upper bound otherwise); the logsumexp and max score (8Hq) and RoPE's cos and sin (4D);
-    the MLP's gate, up, SiLU and product (8I). Under sequence parallelism (SP > 1) the exchanged
-    buffer that holds q also holds k and v of Hk = max(Hkv, SP) heads: 4 Hk D more.
+    (10q: transformers copies KV heads out to the query heads for FlexAttention at a head count
+    that is not a power of two; an upper bound where it need not, or where a rank's single KV head
+    repeats as a view); the logsumexp and max score (8Hq) and RoPE's cos and sin (4D); the MLP's
+    gate, up, SiLU and product (8I). Under sequence parallelism (SP > 1) the exchanged buffer that
+    holds q also holds k and v of Hk = max(Hkv, SP) heads, and the attention output is kept once
+    more on its way back to the rank's tokens: 2q + 4 Hk D more.
 
     The update's peak is the largest of three moments (+ vLLM's share while it stays awake):
       a layer's backward      gathered + reduce + activations + the shards made so far: going
@@ -1117,7 +1119,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     q = heads * hd
     tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
     k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
-    exchanged = 4 * max(kv_heads, sp) * hd if sp > 1 else 0
+    exchanged = 2 * q + 4 * max(kv_heads, sp) * hd if sp > 1 else 0
     a = 12 * H + 10 * q + 8 * heads + 4 * hd + 8 * I + exchanged  # bytes a layer saves per token
     if cfg.model.gradient_checkpointing:
         c, a_peak = 2 * S * H, S * (a + 4 * I + 2 * H)
