@@ -63,6 +63,9 @@ gpu_paths install them, and restore everything on exit):
  6. The SP group's sequences: spell.sequence_parallel_batch gathers them from the group's ranks
     (an all_gather_objects, which the fake group cannot carry); here the rank is handed the
     responder group, which is what that gather gives every rank of the group.
+ 7. Likewise infra.sp_gather_row, where the project has it (whole-row per-token statistics under
+    SP, gathered as pickled host copies): gathered_row returns the (N,) row with this rank's values
+    in place, the real result's size.
 transformers 5.19 builds a dense (1, 1, T, T) mask from packed position_ids for SDPA; with a
 BlockMask it passes the mask on as it is: FakeRun records the largest tensor of the step to show it.
 
@@ -234,11 +237,13 @@ def fake_tensors(constant_elements: int = 1 << 13):
 
 @contextlib.contextmanager
 def gpu_paths():
-    """Stand-ins 2-4: FlexAttention's training path uncompiled on fake CPU tensors, the BlockMask
-    built a stripe at a time, and the LM head's bf16 x bf16 -> fp32 GEMM."""
+    """Stand-ins 2-4 and 7: FlexAttention's training path uncompiled on fake CPU tensors, the
+    BlockMask built a stripe at a time, the LM head's bf16 x bf16 -> fp32 GEMM, and an SP group's
+    per-token values gathered without pickling fake tensors."""
     import transformers.integrations.flex_attention as hf_flex
     from torch.nn.attention import flex_attention as flex
 
+    import infra
     import kernels.reference
 
     def uncompiled(query, key, value, training=False, **kwargs):
@@ -246,12 +251,24 @@ def gpu_paths():
 
     cuda_gemm = dict(kernels.reference._FP32_OUT_OK)
     cuda_gemm[("cpu", None, torch.bfloat16)] = True
+    # infra.sp_gather_row, where the project has it (stand-in 7)
+    row_gather = (swapped(infra, "sp_gather_row", gathered_row) if hasattr(infra, "sp_gather_row")
+                  else contextlib.nullcontext())
     with (swapped(flex, "_validate_device", lambda query, key, value: None),
           swapped(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True),
           swapped(hf_flex, "compile_friendly_flex_attention", uncompiled),
           swapped(flex, "create_block_mask", block_mask_by_stripes),
-          swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm)):
+          swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm), row_gather):
         yield
+
+
+def gathered_row(values: torch.Tensor, which: torch.Tensor, total: int, group) -> torch.Tensor:
+    """infra.sp_gather_row without its gather (stand-in 7): the (total,) row of per-token values
+    with this rank's at `which`; the other ranks' places keep zeros. The result is the real one's
+    size; the gather itself moves pickled host copies, and pickling a fake tensor fails."""
+    row = values.new_zeros(total)
+    row[which.to(row.device)] = values
+    return row
 
 
 def block_mask_by_stripes(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **kwargs):
@@ -588,8 +605,8 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
     for r in rows:
         head = f"| {r['prompt']:,} | {r['sp']} | {r['tokens']:,} | "
         if "refused" in r:
-            print(head + " | ".join(["refused"] * 6) + f" | {r['estimate'] / GiB:.2f} | | | | "
-                  + " | | |")
+            print(head + " | ".join(["refused"] * 6 + [f"{r['estimate'] / GiB:.2f}"] + [""] * 6)
+                  + " |")
             continue
         gib = [r["peak"][c] / GiB for c in COLUMNS]
         print(head + " | ".join(f"{v:.2f}" for v in gib)
@@ -597,9 +614,8 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
               f"{r['flops'] / 1e12:.1f} | {r['visible_flops'] / 1e12:.1f} | "
               f"{r['exchange_bytes'] / MiB:.0f} | {r['largest'][0] / GiB:.2f} | "
               f"{r['seconds']:.0f} |")
-    for r in rows:
-        if "refused" in r:
-            print(f"SP {r['sp']}: {r['refused']}")
+    for sp, why in sorted({(r["sp"], r["refused"]) for r in rows if "refused" in r}):
+        print(f"SP {sp}: {why}")
     print("params: the fp32 shards and the bf16 copies FSDP2 has gathered at that moment; grads: "
           "the fp32 shards reduced so far and the bf16 unsharded gradients alive; activations: "
           "made in the forward or a checkpoint's recompute; temporaries: made in the backward "
