@@ -1053,7 +1053,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     Symbols: P parameters, R the FSDP2 root group's (embeddings, final norm, LM head), Λ one
     decoder layer's, L layers; s the ranks a parameter is sharded over (world, or
     train.fsdp_shard_size for HSDP); H hidden, I the MLP's width, q = Hq D the query width (Hq
-    heads of D), k the key (= value) width, V the vocabulary; S the tokens a rank holds: one
+    heads of D; Hkv KV heads), V the vocabulary; S the tokens a rank holds: one
     micro-batch's row (train.micro_batch_tokens x train.sequence_parallel, or the `longest`
     sequence if longer) over the train.sequence_parallel ranks that share it. Bytes (bf16 2, fp32
     4), each term as bench/simulate_node.py's tracker finds it on an FSDP2 update:
@@ -1095,7 +1095,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
       the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head
     update_phase = weights + adamw + that moment. vLLM holds `rollout.gpu_memory_utilization` of
     the device while it is awake; it sleeps during the update when rollout.sleep_level >= 1. With
-    rollout.tensor_parallel_size k its rank holds 1/k of the weights, and of the KV heads (at
+    rollout.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
     least one head: vLLM replicates the rest). Not counted: the CUDA context and NCCL buffers
     (~1-2 GiB), allocator fragmentation, and the weight sync's buckets (~3 x
     rollout.sync_bucket_mb, while vLLM's KV cache is still asleep). On bench/simulate_node.py's
