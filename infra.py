@@ -1134,6 +1134,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
                               without it every layer keeps its own: c = S a, a' = 4I + 2H
       lm_head      6VH + w    the head's backward: an fp32 dW, its bf16 cast, and the scratch w
                               (the torch twin's chunk budget, or the Triton kernel's workspace)
+      tree_mask    2 (k S)^2  train.shared_prefix under SDPA: the dense bf16 (T, T) tree mask of
+                              the whole row (tree_attention_mask; k = train.sequence_parallel),
+                              alive through the micro-batch's forward and backward; 0 under
+                              FlexAttention (a BlockMask) and without sharing
 
     A layer saves per token: its two RMSNorms' fp32 inputs and bf16 outputs (12H); q after RoPE,
     k and v repeated to the query heads, the attention output and o_proj's contiguous copy of it
@@ -1145,12 +1149,13 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     more on its way back to the rank's tokens: 2q + 4 Hk D more.
 
     The update's peak is the largest of three moments (+ vLLM's share while it stays awake):
-      a layer's backward      gathered + reduce + activations + the shards made so far: going
-                              down, each layer frees c and adds g = 4Λ/s, and the peak sits at the
-                              second layer of the backward (L c + g) or the last (2c + (L-1) g)
+      a layer's backward      gathered + reduce + activations + tree_mask + the shards made so
+                              far: going down, each layer frees c and adds g = 4Λ/s, and the peak
+                              sits at the second layer of the backward (L c + g) or the last
+                              (2c + (L-1) g)
       the root's reduction    grads + 6R: its bf16 gradients and FSDP2's fp32 copy of them for the
                               reduce-scatter (the end of the backward)
-      the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head
+      the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head + tree_mask
     update_phase = weights + adamw + that moment. vLLM holds `rollout.gpu_memory_utilization` of
     the device while it is awake; it sleeps during the update when rollout.sleep_level >= 1. With
     rollout.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
@@ -1194,6 +1199,8 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
         "reduce": 2 * V * H + 6 * layer,
         "activations": L * c + a_peak,
         "lm_head": 6 * V * H + head_scratch,
+        "tree_mask": (2 * (S * sp) ** 2 if cfg.train.shared_prefix
+                      and attention_implementation(cfg, on_gpu=True) == "sdpa" else 0),
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
         # allowed length (the longest prompt and the largest role's budget)
@@ -1201,9 +1208,11 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
                          + 2 * 2 * L * k_rank * longest),
     }
     so_far = max(g, 2 * c + (L - 1) * g - L * c)  # fp32 gradient shards at a layer's peak
-    moments = (gib["gathered"] + gib["reduce"] + gib["activations"] + so_far,  # a layer's backward
+    moments = (gib["gathered"] + gib["reduce"] + gib["activations"] + gib["tree_mask"]
+               + so_far,  # a layer's backward
                gib["grads"] + 6 * R,  # the root's reduce-scatter
-               gib["gathered"] + L * c + 6 * S * H + gib["lm_head"])  # the LM head's backward
+               gib["gathered"] + L * c + 6 * S * H + gib["lm_head"]
+               + gib["tree_mask"])  # the LM head's backward
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
     sleeps = cfg.rollout.sleep_level >= 1
@@ -1245,6 +1254,9 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
                          f"the ranks sharing a row divide its activations)")
         if not cfg.model.gradient_checkpointing:
             fixes.append("set model.gradient_checkpointing = true")
+        if est["tree_mask"]:
+            fixes.append(f"set model.attn_implementation = \"flex_attention\" (SDPA's dense "
+                         f"tree mask: {est['tree_mask']:.1f} GiB)")
         if cfg.rollout.sleep_level == 0:
             fixes.append(f"set rollout.sleep_level = 1 "
                          f"(frees vLLM's {est['vllm']:.1f} GiB during the update)")
@@ -1256,7 +1268,8 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
 def memory_line(est: dict[str, float], device_gib: float) -> str:
     """memory_estimate as one log line."""
     terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered",
-                                                    "reduce", "activations", "lm_head", "vllm"))
+                                                    "reduce", "activations", "lm_head", "tree_mask",
+                                                    "vllm") if k != "tree_mask" or est[k])
     return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
             f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
 

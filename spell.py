@@ -3625,7 +3625,9 @@ def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch"
     weight = model.lm_head.weight
     device = weight.device
     attention = model.config._attn_implementation
-    mask = infra.tree_attention_mask(packed, attention, device, weight.dtype)
+    # in the compute dtype: bf16 on GPU, where FSDP2's weight here is the fp32 master
+    mask_dtype = compute_dtype(device) if device.type == "cuda" else weight.dtype
+    mask = infra.tree_attention_mask(packed, attention, device, mask_dtype)
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))

@@ -420,6 +420,7 @@ def test_memory_estimate_qwen25_7b():
         # an fp32 and a bf16 dW, the Triton kernel's 1 GiB workspace (config.toml's
         # logprob_impl = "triton"): 4.045
         "lm_head": 6 * V * H / GiB + 1.0,
+        "tree_mask": 0.0,  # FlexAttention's BlockMask: no (T, T) tensor
         # 14.185 + 1.094 of KV cache
         "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,
         "vllm": 40.0,
@@ -471,6 +472,38 @@ def test_memory_estimate_divides_the_row_over_sequence_parallel_ranks():
     cfg = spell.load_config(str(spell.ROOT / "config.toml"), ["--rollout.max_prompt_tokens=131072"])
     with pytest.raises(infra.ConfigError, match="raise train.sequence_parallel"):
         infra.check_memory(cfg, one, 80.0, 8)
+
+
+def test_memory_estimate_counts_the_sdpa_tree_mask():
+    """Shared prefixes under SDPA hold a dense bf16 (T, T) mask of the whole row for the
+    micro-batch (infra.tree_attention_mask): 2 T^2 bytes, T = 135168 at a 128K prompt whatever the
+    SP degree (each rank of a row builds the whole row's mask), 34.0 GiB; it adds to the update's
+    peak moment. FlexAttention (auto on GPU) and unshared rows hold none."""
+    from transformers import Qwen2Config
+
+    mc = Qwen2Config(**QWEN25_7B)
+
+    def estimate(*keys: str) -> dict:
+        cfg = spell.load_config(str(spell.ROOT / "config.toml"),
+                                ["--rollout.max_prompt_tokens=131072", *keys])
+        return infra.memory_estimate(cfg, mc, world=8, device_gib=80.0,
+                                     longest=spell.longest_sequence(cfg))
+
+    for k in (1, 2, 4):
+        flex = estimate(f"--train.sequence_parallel={k}")
+        sdpa = estimate(f"--train.sequence_parallel={k}", "--model.attn_implementation=sdpa")
+        unshared = estimate(f"--train.sequence_parallel={k}", "--model.attn_implementation=sdpa",
+                            "--train.shared_prefix=false")
+        assert flex["tree_mask"] == unshared["tree_mask"] == 0
+        assert sdpa["tree_mask"] == 2 * 135168**2 / 2**30  # 34.03 GiB
+        assert sdpa["update_phase"] == pytest.approx(flex["update_phase"] + sdpa["tree_mask"],
+                                                     rel=1e-12), k
+    # the update at SP 4: 32.4 + 34.0 = 66.5 GiB; at SP 1: 80.8 + 34.0, refused, naming the fix
+    sdpa = estimate("--model.attn_implementation=sdpa")
+    with pytest.raises(infra.ConfigError, match='model.attn_implementation = "flex_attention"'):
+        infra.check_memory(spell.load_config(str(spell.ROOT / "config.toml")), sdpa, 80.0, 8)
+    assert "tree_mask 34.0" in infra.memory_line(sdpa, 80.0)
+    assert "tree_mask" not in infra.memory_line(flex, 80.0)
 
 
 def test_memory_estimate_counts_the_largest_role_budget():
