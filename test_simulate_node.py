@@ -89,3 +89,46 @@ def test_tracker_agrees_with_the_cpu_allocator():
     t = sn.trust_check()
     assert 0 < t["tracked_growth"] <= t["allocator_growth"]
     assert t["fake"]["peak"]["total"] == t["real"]["peak"]["total"]
+
+
+def test_sequence_parallel_divides_the_rows_activations_over_its_ranks():
+    """Ulysses on 8 fake ranks, the tiny Qwen2 (4 query heads, 2 KV heads), SP 1, 2 and 4. When the
+    backward reaches the decoder, a rank holds per token of its shard the checkpoints and the final
+    norm's tensors, and besides them only what does not depend on its share: so going from SP 1 to
+    2 to 4 the activations fall by exactly that per-token sum times T/2, then T/4. The all-to-alls
+    move exactly three times one layer's forward exchange per layer (forward, recompute,
+    backward: infra.exchange_elements), and nothing at SP 1."""
+    prompt, group, answer = 256, 2, 32
+    T = prompt + group * answer  # 320 tokens: 160 a rank at SP 2, 80 at SP 4
+    # every completion token, and the prompt's last (which predicts the first answer token), lies
+    # in the last quarter of the row: the simulated rank (the last) trains all N targets at every
+    # SP, so its per-target tensors are the same size at every SP
+    assert prompt - 1 >= T - T // 4
+    api, rows = sn.project_api(sn.WORLD), {}
+    for sp in (1, 2, 4):
+        with sn.process_group("fake", sn.WORLD, sn.simulated_rank(sp)) as mesh:
+            rows[sp] = sn.simulate_case(api, mesh, sn.TINY, prompt, group, answer, sp=sp)
+    H, L, D = sn.TINY["hidden_size"], sn.TINY["num_hidden_layers"], sn.TINY["head_dim"]
+    # bytes a token: L bf16 checkpoints (2 L H = 1024), the final norm's fp32 input and bf16
+    # output (6 H = 1536), RoPE's bf16 cos and sin (4 D = 256), the norm's fp32 rsqrt (4): 2820
+    per_token = 2 * L * H + 6 * H + 4 * D + 4
+    act = {sp: rows[sp]["backward_start"]["activations"] for sp in rows}
+    assert act[1] - act[2] == per_token * (T - T // 2)
+    assert act[2] - act[4] == per_token * (T // 2 - T // 4)
+    assert [rows[sp]["tokens"] for sp in (1, 2, 4)] == [T, T // 2, T // 4]
+    assert rows[1]["all_to_all_bytes"] == 0
+    for sp in (2, 4):
+        one_layer = 2 * infra.exchange_elements(T, sp, sn.TINY["num_attention_heads"],
+                                                sn.TINY["num_key_value_heads"], D)  # bf16
+        assert rows[sp]["exchange_bytes"] == one_layer
+        assert rows[sp]["all_to_all_bytes"] == 3 * L * one_layer, sp
+
+
+def test_sequence_parallel_degree_the_heads_refuse():
+    """Qwen2.5-7B's 28 query heads do not split over 8 ranks: the simulation reports the refusal
+    (infra.check_heads) beside memory_estimate's figure instead of running the case."""
+    api = sn.project_api(sn.WORLD)
+    row = sn.refused_case(api, sn.QWEN25_7B, 16384, 8, 1024, "flex_attention", 8)
+    assert "must divide the model's 28 query heads" in row["refused"]
+    assert row["tokens"] == (16384 + 8 * 1024) // 8 and row["estimate"] > 0
+    assert sn.refused_case(api, sn.QWEN25_7B, 16384, 8, 1024, "flex_attention", 4) is None

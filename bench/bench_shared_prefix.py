@@ -112,27 +112,33 @@ QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, vocab_size=152064, inte
 
 def memory_table(answer_tokens: int = 1024, group: int = 8) -> None:
     """config.toml (the paper's 7B recipe) on 8 GPUs of 80 GiB at longer prompts: memory_estimate's
-    peak, and the tokens one responder group costs the update, unshared and shared."""
+    update phase with sequence parallelism 1, 2 and 4 (Ulysses: a row of k x micro_batch_tokens
+    over k ranks; 8 does not divide Qwen2.5-7B's 28 query heads), the peak of both phases at
+    SP 1, and the tokens one responder group costs the update, unshared and shared."""
     from transformers import Qwen2Config
 
     import infra
 
+    degrees = (1, 2, 4)
     print(f"Qwen2.5-7B, config.toml, 8 x 80 GiB; a responder group of G = {group} answers of "
-          f"{answer_tokens} tokens; rollout.max_new_tokens 4096")
-    print(f"{'prompt':>7} | {'longest micro-batch':>19} | {'peak GiB':>8} | {'fits':>4} | "
-          f"{'update tokens / group':>29}")
-    print(f"{'':>7} | {'tokens':>19} | {'(both)':>8} | {'':>4} | {'unshared':>9} {'shared':>9} "
-          f"{'x':>9}")
+          f"{answer_tokens} tokens; rollout.max_new_tokens 4096; vLLM asleep in the update")
+    print(f"{'prompt':>7} | {'longest micro-batch':>19} | {'update GiB at SP':>20} | "
+          f"{'peak GiB':>8} | {'fits':>4} | {'update tokens / group':>29}")
+    print(f"{'':>7} | {'tokens':>19} | " + " ".join(f"{k:>6}" for k in degrees)
+          + f" | {'(SP 1)':>8} | {'':>4} | {'unshared':>9} {'shared':>9} {'x':>9}")
     for prompt in (16384, 32768, 65536, 131072):
-        cfg = spell.load_config(str(spell.ROOT / "config.toml"),
-                                [f"--rollout.max_prompt_tokens={prompt}"])
-        est = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8, device_gib=80.0,
-                                    longest=spell.longest_sequence(cfg))
+        est = {}
+        for k in degrees:
+            cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
+                f"--rollout.max_prompt_tokens={prompt}", f"--train.sequence_parallel={k}"])
+            est[k] = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8,
+                                           device_gib=80.0, longest=spell.longest_sequence(cfg))
         longest = max(cfg.train.micro_batch_tokens, prompt + cfg.rollout.max_new_tokens)
         unshared, shared = group * (prompt + answer_tokens), prompt + group * answer_tokens
-        print(f"{prompt:7d} | {longest:19d} | {est['peak']:8.1f} | "
-              f"{'yes' if est['peak'] <= 80 else 'no':>4} | {unshared:9d} {shared:9d} "
-              f"{unshared / shared:9.1f}")
+        print(f"{prompt:7d} | {longest:19d} | "
+              + " ".join(f"{est[k]['update_phase']:6.1f}" for k in degrees)
+              + f" | {est[1]['peak']:8.1f} | {'yes' if est[1]['peak'] <= 80 else 'no':>4} | "
+              f"{unshared:9d} {shared:9d} {unshared / shared:9.1f}")
 
 
 def main() -> None:
@@ -148,7 +154,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true",
                     help="HF gradient checkpointing, as the trainer")
     ap.add_argument("--memory", action="store_true",
-                    help="only the 7B recipe's memory estimate at 16K-128K prompts")
+                    help="only the 7B recipe's memory estimate at 16K-128K prompts, SP 1-4")
     args = ap.parse_args()
     if args.memory:
         return memory_table()

@@ -2,8 +2,9 @@
 project's update step on a Qwen2.5-7B-shaped policy at 16K-128K prompts, beside
 infra.memory_estimate.
 
-    python bench/simulate_node.py --quick                  # 1 layer, a 1K prompt: seconds
-    python bench/simulate_node.py --layers 28 --prompts 16384,32768,65536,131072
+    python bench/simulate_node.py --quick --sp 1,2,4       # 1 layer, a 1K prompt: seconds
+    python bench/simulate_node.py --sp 2 --prompts 131072 --save rows.jsonl   # one 28-layer row
+    python bench/simulate_node.py --table rows.jsonl       # the saved rows as bench/RESULTS.md's
     python bench/simulate_node.py --trust                  # the tracker against the CPU allocator
 
 What runs. PyTorch's fake tensors (FakeTensorMode: shapes, dtypes and devices, no data) and its fake
@@ -12,8 +13,12 @@ the project's own code: spell.shard_policy (FSDP2 per decoder layer and at the r
 bf16 compute, gradient checkpointing) and spell.update_policy (shared-prefix packing, the packed
 forward with the chunked torch LM head, the GRPO loss, backward, gradient clipping, AdamW) on a
 Qwen2ForCausalLM built on the meta device. One case is one responder group: a prompt of P tokens
-and G answers of A tokens, packed as one row of P + G A tokens, one micro-batch per rank
-(train.micro_batch_tokens is set to exactly that). The tracker
+and G answers of A tokens, packed as one row of P + G A tokens, one micro-batch per data-parallel
+group. With sequence parallelism of degree k (train.sequence_parallel; spell.load_policy's
+infra.enable_sequence_parallel over infra.sp_group, groups of k consecutive ranks) the k ranks of
+a group share that row, each 1/k of its tokens (train.micro_batch_tokens is set so that
+spell.row_budget, k times it, holds the row). This process plays the group's last rank
+(simulated_rank): it holds the completions, hence the most LM-head work. The tracker
 (torch.distributed._tools.mem_tracker.MemTracker) watches the second step, after the first has
 created AdamW's state; it labels FSDP2's gathered parameters and its gradients by what they hold
 (Tracker). torch.utils.flop_counter.FlopCounterMode counts the first step's FLOPs, every step's:
@@ -22,6 +27,12 @@ never under the tracker, because the counter's module hooks keep module outputs 
 CPU, not CUDA: FSDP2 asks the CUDA runtime for the current device, and a CPU-only torch has none,
 so the fake tensors sit on "cpu". They count the same bytes (the tracker rounds a CUDA tensor up to
 the caching allocator's 512-byte blocks, which is immaterial at these sizes).
+
+The fake process group needs no stand-in for Ulysses: dist.new_group makes fake subgroups of the
+requested ranks (infra.sp_group runs as written), and its all-to-all copies the input into the
+output buffer the caller allocated (torch.distributed.nn's all_to_all_single allocates it, as on
+NCCL), so the bytes a rank holds are those of a real exchange; FakeRun adds up what each rank
+sends, which test_simulate_node.py pins to infra.exchange_elements.
 
 Stand-ins. A fake tensor has no values, and a few CPU code paths allocate differently from the GPU
 ones. Each stand-in makes the simulation allocate what the GPU path allocates (fake_tensors and
@@ -49,14 +60,23 @@ gpu_paths install them, and restore everything on exit):
     Qwen2.5-7B). The simulation gives kernels.reference the CUDA answer (its _FP32_OUT_OK cache).
  5. AdamW with foreach=True, what CUDA tensors get by default (spell.load_policy names no
     implementation; on CPU the default is the per-tensor loop).
+ 6. The SP group's sequences: spell.sequence_parallel_batch gathers them from the group's ranks
+    (an all_gather_objects, which the fake group cannot carry); here the rank is handed the
+    responder group, which is what that gather gives every rank of the group.
+ 7. Likewise infra.sp_gather_row, where the project has it (whole-row per-token statistics under
+    SP, gathered as pickled host copies): gathered_row returns the (N,) row with this rank's values
+    in place, the real result's size.
 transformers 5.19 builds a dense (1, 1, T, T) mask from packed position_ids for SDPA; with a
 BlockMask it passes the mask on as it is: FakeRun records the largest tensor of the step to show it.
 
 Not simulated: the Triton LM head (train.logprob_impl = "triton", config.toml's choice): a Triton
-launch has no fake rule (the interpreter reads the data), so the rows use the torch twin and its
-256 MiB scratch, and memory_estimate is asked about the same twin. Also not counted: the CUDA
-context and NCCL buffers, and the caching allocator's fragmentation. Sequence parallelism is not in
-the project yet: every row is SP 1 (tokens_per_rank is where its degree will enter).
+launch has no fake rule (the interpreter reads the data) and FlopCounterMode sees no aten op in it,
+so the rows use the torch twin (its fp32 dW and 256 MiB scratch), and memory_estimate is asked
+about the same twin. The kernel's GEMMs are the twin's (8 n H V FLOPs for n targets: the logits,
+their recompute, dX and dW; kernels/logprob.py); its fused-loss path would save 2 n H V (at most
+about 1 % of a row's FLOPs here). Also not counted: the CUDA context and NCCL buffers, NCCL's own
+all-to-all scratch, and the caching allocator's fragmentation. A degree the model's heads refuse
+(infra.check_heads: Qwen2.5-7B's 28 query heads over 8 ranks) is reported, not run.
 
 --trust checks the tracker itself: a tiny Qwen2 in a world of one on the CPU path (SDPA, dense tree
 mask), the same update on real tensors, where the tracker's peak is compared with the CPU
@@ -73,12 +93,13 @@ import contextlib
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -105,20 +126,35 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
     import infra
     import spell
 
-    def config(prompt: int, group: int, answer: int, attention: str):
-        """config.toml (the paper's 7B recipe) with this case's lengths: one group per micro-batch,
-        the torch LM head (a Triton launch cannot run on fake tensors), the given attention."""
-        return spell.load_config(str(spell.ROOT / "config.toml"), [
+    def config(prompt: int, group: int, answer: int, attention: str, sp: int = 1):
+        """config.toml (the paper's 7B recipe) with this case's lengths: one group per micro-batch
+        (a row of k x micro_batch_tokens under sequence parallelism k), the torch LM head (a
+        Triton launch cannot run on fake tensors), the given attention."""
+        row = prompt + group * answer
+        cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
             f"--rollout.max_prompt_tokens={prompt}", f"--rollout.max_new_tokens={answer}",
-            f"--rollout.group_size={group}",
-            f"--train.micro_batch_tokens={prompt + group * answer}",
+            f"--rollout.group_size={group}", f"--train.sequence_parallel={sp}",
+            f"--train.micro_batch_tokens={-(-row // sp)}",
             "--train.logprob_impl=torch", f"--model.attn_implementation={attention}"])
+        assert spell.row_budget(cfg) >= row, "the responder group must fit one row"
+        return cfg
+
+    def shard(model, mesh, cfg, dtype):
+        """spell.load_policy's steps after loading: FSDP2, then Ulysses (collective: new_group)."""
+        policy = spell.shard_policy(model, mesh, param_dtype=dtype,
+                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+        if (k := cfg.train.sequence_parallel) > 1:
+            attention = infra.attention_implementation(cfg, on_gpu=True)
+            infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
+        return policy
 
     return SimpleNamespace(
         config=config,
-        shard=lambda model, mesh, cfg, dtype: spell.shard_policy(
-            model, mesh, param_dtype=dtype,
-            gradient_checkpointing=cfg.model.gradient_checkpointing),
+        shard=shard,
+        # the heads Ulysses needs (raises ConfigError otherwise)
+        check_heads=infra.check_heads,
+        # one layer's forward all-to-all elements per rank
+        exchange_elements=infra.exchange_elements,
         # spell.load_policy's AdamW; foreach: what CUDA tensors get by default (stand-in 5)
         optimizer=lambda policy, cfg: torch.optim.AdamW(
             policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
@@ -129,7 +165,7 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
             policy, optimizer, seqs, cfg, world, torch.device("cpu")),
         # the update phase: the trainer while vLLM sleeps (config.toml's rollout.sleep_level 1)
         estimate=lambda cfg, mc: infra.memory_estimate(
-            cfg, mc, world, device_gib, spell.longest_sequence(cfg))["update_phase"],
+            cfg, mc, world, device_gib, spell.longest_sequence(cfg)),
     )
 
 
@@ -157,18 +193,26 @@ def host_read_stand_in(t: torch.Tensor):
 
 
 class FakeRun(TorchDispatchMode):
-    """Answers reads of fake values with host_read_stand_in, lets reads of constants through, and
-    remembers the largest tensor any op made (a (T, T) mask would show here)."""
+    """Answers reads of fake values with host_read_stand_in, lets reads of constants through,
+    remembers the largest tensor any op made (a (T, T) mask would show here), and adds up the bytes
+    this rank puts into all-to-alls (Ulysses' exchanges; the fake process group copies them into
+    the output buffer the caller allocated, as NCCL writes into it)."""
     supports_higher_order_operators = True  # flex_attention is a higher-order operator
 
     def __init__(self):
         super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
         self.largest = (0, ())  # bytes, shape
+        self.all_to_all_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if (func is torch.ops.aten._local_scalar_dense.default
                 and getattr(args[0], "constant", None) is None):
             return host_read_stand_in(args[0])
+        if func is torch.ops.c10d.alltoall_base_.default:  # (output, input, group, ...)
+            self.all_to_all_bytes += args[1].nbytes
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.nbytes > self.largest[0]:
@@ -193,11 +237,13 @@ def fake_tensors(constant_elements: int = 1 << 13):
 
 @contextlib.contextmanager
 def gpu_paths():
-    """Stand-ins 2-4: FlexAttention's training path uncompiled on fake CPU tensors, the BlockMask
-    built a stripe at a time, and the LM head's bf16 x bf16 -> fp32 GEMM."""
+    """Stand-ins 2-4 and 7: FlexAttention's training path uncompiled on fake CPU tensors, the
+    BlockMask built a stripe at a time, the LM head's bf16 x bf16 -> fp32 GEMM, and an SP group's
+    per-token values gathered without pickling fake tensors."""
     import transformers.integrations.flex_attention as hf_flex
     from torch.nn.attention import flex_attention as flex
 
+    import infra
     import kernels.reference
 
     def uncompiled(query, key, value, training=False, **kwargs):
@@ -205,12 +251,24 @@ def gpu_paths():
 
     cuda_gemm = dict(kernels.reference._FP32_OUT_OK)
     cuda_gemm[("cpu", None, torch.bfloat16)] = True
+    # infra.sp_gather_row, where the project has it (stand-in 7)
+    row_gather = (swapped(infra, "sp_gather_row", gathered_row) if hasattr(infra, "sp_gather_row")
+                  else contextlib.nullcontext())
     with (swapped(flex, "_validate_device", lambda query, key, value: None),
           swapped(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True),
           swapped(hf_flex, "compile_friendly_flex_attention", uncompiled),
           swapped(flex, "create_block_mask", block_mask_by_stripes),
-          swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm)):
+          swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm), row_gather):
         yield
+
+
+def gathered_row(values: torch.Tensor, which: torch.Tensor, total: int, group) -> torch.Tensor:
+    """infra.sp_gather_row without its gather (stand-in 7): the (total,) row of per-token values
+    with this rank's at `which`; the other ranks' places keep zeros. The result is the real one's
+    size; the gather itself moves pickled host copies, and pickling a fake tensor fails."""
+    row = values.new_zeros(total)
+    row[which.to(row.device)] = values
+    return row
 
 
 def block_mask_by_stripes(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **kwargs):
@@ -301,22 +359,27 @@ class Tracker(MemTracker):
 # ==================================================================================================
 
 def tokens_per_rank(row_tokens: int, sp: int = 1) -> int:
-    """Tokens of a packed row that one rank holds. Sequence parallelism of degree sp (Ulysses) will
-    split each row's tokens over sp ranks: its degree enters here and in simulate_case's row, once
-    the project has it. Only sp = 1 runs."""
-    assert sp == 1, "sequence parallelism is not in the project yet: only SP 1 rows"
-    return row_tokens // sp
+    """Tokens of a packed row that one rank holds: under Ulysses sequence parallelism of degree sp
+    the row, padded to a multiple of sp, is split evenly over the sp ranks (infra.shard_row)."""
+    return -(-row_tokens // sp)
+
+
+def simulated_rank(sp: int) -> int:
+    """The rank this process plays: the last of the first SP group (rank 0 at SP 1). It holds the
+    row's last tokens, the completions, so it runs the most LM-head work; every other per-token
+    tensor and the attention (Hq/sp heads over the whole row) are the same size on every rank."""
+    return sp - 1
 
 
 @contextlib.contextmanager
-def process_group(backend: str, world: int):
-    """A world of `world` ranks in this process (the fake backend, or gloo for a world of one) and
-    its 1-D CPU mesh."""
+def process_group(backend: str, world: int, rank: int = 0):
+    """A world of `world` ranks in this process, which plays `rank` (the fake backend, or gloo for
+    a world of one), and its 1-D CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     store = FakeStore() if backend == "fake" else dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=0, world_size=world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         yield init_device_mesh("cpu", (world,))
     finally:
@@ -351,8 +414,9 @@ def counted_step(api, policy, optimizer, seqs: list, cfg) -> dict:
 
 
 def measured_step(api, policy, optimizer, seqs: list, cfg) -> dict:
-    """One update under the tracker: the peak by category, and the categories when the step starts
-    and when the optimizer step starts (every sharded gradient exists then)."""
+    """One update under the tracker: the peak by category, and the categories when the step starts,
+    when the backward reaches the decoder (every checkpoint is alive then) and when the optimizer
+    step starts (every sharded gradient exists then)."""
     tracker = Tracker()
     tracker.track_external(policy, optimizer)
     tracker.track_fsdp(policy)
@@ -365,8 +429,10 @@ def measured_step(api, policy, optimizer, seqs: list, cfg) -> dict:
     hook.remove()
     tracker.untrack_fsdp()
     (device, peak), = tracker.get_tracker_snapshot("peak").items()
+    # when the gradient reaches the decoder's output (the LM head's backward is done)
+    decoder = tracker.memory_tracking[policy.model].snapshots[_ModState.PRE_BW][-1]
     return {"peak": by_category(peak), "at_step": by_category(at_step[0][device]),
-            "start": by_category(start[device])}
+            "start": by_category(start[device]), "backward_start": by_category(decoder[device])}
 
 
 def visible_fraction(prompt: int, group: int, answer: int) -> float:
@@ -378,16 +444,18 @@ def visible_fraction(prompt: int, group: int, answer: int) -> float:
 
 
 def simulate_case(api, mesh, shape: dict, prompt: int, group: int, answer: int,
-                  attention: str = "flex_attention") -> dict:
-    """One responder group's update on `mesh` (fake ranks): the measured step, beside
-    memory_estimate for the same case."""
+                  attention: str = "flex_attention", sp: int = 1) -> dict:
+    """One responder group's update on `mesh` (fake ranks; this process plays
+    simulated_rank(sp)), with Ulysses sequence parallelism of degree sp: the measured step, beside
+    memory_estimate for the same case. Every rank of an SP group trains the group's sequences
+    (spell.sequence_parallel_batch gathers them; here they are handed over: stand-in 6)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     t0 = time.perf_counter()
     row_tokens = prompt + group * answer
     mc = Qwen2Config(**{**shape, "max_position_embeddings": max(shape.get(
         "max_position_embeddings", 0), row_tokens)}, attn_implementation=attention)
-    cfg = api.config(prompt, group, answer, attention)
+    cfg = api.config(prompt, group, answer, attention, sp)
     with torch.device("meta"):  # fp32 masters, never materialised
         model = Qwen2ForCausalLM(mc)
     policy = api.shard(model, mesh, cfg, torch.bfloat16)
@@ -397,13 +465,19 @@ def simulate_case(api, mesh, shape: dict, prompt: int, group: int, answer: int,
         optimizer = api.optimizer(policy, cfg)
         # the warm-up step, in which AdamW creates its state; its FLOPs are every step's
         row = counted_step(api, policy, optimizer, seqs, cfg)
-        watch.largest = (0, ())
+        watch.reset()
         row.update(measured_step(api, policy, optimizer, seqs, cfg))
     fraction = visible_fraction(prompt, group, answer)
     visible = row["flops"] - row["attention_flops"] * (1 - fraction)
-    return {**row, "prompt": prompt, "tokens": tokens_per_rank(row_tokens), "layers":
-            mc.num_hidden_layers, "estimate": api.estimate(cfg, mc) * GiB,
-            "visible_flops": visible, "largest": watch.largest,
+    head_dim = mc.hidden_size // mc.num_attention_heads
+    # one layer's forward exchanges, bf16 (infra.exchange_elements); none without SP
+    exchange = 0 if sp == 1 else 2 * api.exchange_elements(
+        row_tokens, sp, mc.num_attention_heads, mc.num_key_value_heads, head_dim)
+    est = api.estimate(cfg, mc)
+    return {**row, "prompt": prompt, "sp": sp, "tokens": tokens_per_rank(row_tokens, sp),
+            "layers": mc.num_hidden_layers, "estimate": est["update_phase"] * GiB,
+            "estimate_terms": est, "visible_flops": visible, "largest": watch.largest,
+            "all_to_all_bytes": watch.all_to_all_bytes, "exchange_bytes": exchange,
             "seconds": time.perf_counter() - t0, "rss": max_rss()}
 
 
@@ -488,23 +562,60 @@ def print_trust(t: dict) -> None:
 COLUMNS = ("params", "grads", "optimizer", "activations", "temporaries", "total")
 
 
+def refused_case(api, shape: dict, prompt: int, group: int, answer: int, attention: str,
+                 sp: int) -> dict | None:
+    """The row of a case Ulysses refuses (infra.check_heads), with memory_estimate's figure;
+    None if it runs."""
+    from transformers import Qwen2Config
+
+    import infra
+
+    try:
+        api.check_heads(shape["num_attention_heads"], shape["num_key_value_heads"], sp)
+        return None
+    except infra.ConfigError as e:
+        cfg = api.config(prompt, group, answer, attention, sp)
+        est = api.estimate(cfg, Qwen2Config(**shape))
+        return {"prompt": prompt, "sp": sp, "tokens": tokens_per_rank(prompt + group * answer, sp),
+                "layers": shape["num_hidden_layers"], "refused": str(e),
+                "estimate": est["update_phase"] * GiB, "estimate_terms": est}
+
+
+def case_estimate(api, row: dict, group: int, answer: int, attention: str) -> dict:
+    """memory_estimate's update phase for a row's case, bytes, and its terms, GiB."""
+    from transformers import Qwen2Config
+
+    cfg = api.config(row["prompt"], group, answer, attention, row["sp"])
+    est = api.estimate(cfg, Qwen2Config(**{**QWEN25_7B, "num_hidden_layers": row["layers"]}))
+    return {"estimate": est["update_phase"] * GiB, "estimate_terms": est}
+
+
 def print_table(rows: list[dict], group: int, answer: int) -> None:
     print(f"\nQwen2.5-7B shape, {rows[0]['layers']} layers; {WORLD} simulated ranks (fake process "
           f"group), FSDP2, fp32 masters, bf16 compute, gradient checkpointing, shared-prefix "
           f"packing, FlexAttention; one responder group (G = {group} answers of {answer} tokens) "
-          "per micro-batch per rank, SP 1. Memory in GiB per rank at the tracker's peak, by its "
-          "categories. CPU fake tensors: FSDP2 cannot take fake CUDA tensors on a CPU-only torch; "
-          "CPU fake tensors count the same bytes.")
-    print("| prompt tokens | tokens per micro-batch | params | grads | optimizer | activations "
-          "| temporaries | peak total | estimate GiB | ratio | TFLOPs per step | TFLOPs, "
-          "flex visible | largest tensor GiB | seconds |")
-    print("|" + "---:|" * 14)
+          "per micro-batch per SP group; Ulysses sequence parallelism of degree SP over groups of "
+          "SP consecutive ranks. Memory in GiB per rank at the tracker's peak, by its categories, "
+          "on the SP group's last rank. CPU fake tensors: FSDP2 cannot take fake CUDA tensors on "
+          "a CPU-only torch; CPU fake tensors count the same bytes.")
+    print("| prompt | SP | tokens per rank | params | grads | optimizer | activations "
+          "| temporaries | peak total | estimate | estimate / peak | TFLOPs per step | TFLOPs, "
+          "flex visible | all-to-all MiB per layer (fwd) | largest tensor GiB | seconds |")
+    print("|" + "---:|" * 16)
     for r in rows:
+        head = f"| {r['prompt']:,} | {r['sp']} | {r['tokens']:,} | "
+        if "refused" in r:
+            print(head + " | ".join(["refused"] * 6 + [f"{r['estimate'] / GiB:.2f}"] + [""] * 6)
+                  + " |")
+            continue
         gib = [r["peak"][c] / GiB for c in COLUMNS]
-        print(f"| {r['prompt']:,} | {r['tokens']:,} | " + " | ".join(f"{v:.2f}" for v in gib)
-              + f" | {r['estimate'] / GiB:.2f} | {r['peak']['total'] / r['estimate']:.2f} | "
+        print(head + " | ".join(f"{v:.2f}" for v in gib)
+              + f" | {r['estimate'] / GiB:.2f} | {r['estimate'] / r['peak']['total']:.3f} | "
               f"{r['flops'] / 1e12:.1f} | {r['visible_flops'] / 1e12:.1f} | "
-              f"{r['largest'][0] / GiB:.2f} | {r['seconds']:.0f} |")
+              f"{r['exchange_bytes'] / MiB:.0f} | {r['largest'][0] / GiB:.2f} | "
+              f"{r['seconds']:.0f} |")
+    for sp, why in sorted({(r["sp"], r["refused"]) for r in rows if "refused" in r}):
+        print(f"SP {sp}: {why}")
     print("params: the fp32 shards and the bf16 copies FSDP2 has gathered at that moment; grads: "
           "the fp32 shards reduced so far and the bf16 unsharded gradients alive; activations: "
           "made in the forward or a checkpoint's recompute; temporaries: made in the backward "
@@ -512,37 +623,59 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
           "update phase (trainer only; vLLM sleeps) for the same config. TFLOPs: FlopCounterMode "
           "over one step, per rank, checkpoint recompute included; it counts flex_attention as "
           "dense, the 'flex visible' column scales attention to the pairs the tree mask lets "
-          "through. largest tensor: the biggest one the step made (no (T, T) mask). seconds: the "
-          "whole case, on a shared 2-core machine.")
+          "through. all-to-all: the bf16 bytes a rank sends into one layer's two forward "
+          "exchanges (infra.exchange_elements); a step moves three times that (forward, "
+          "recompute, backward). largest tensor: the biggest one the step made (no (T, T) mask). "
+          "seconds: the whole case, on a shared 2-core machine.")
 
 
 def main(argv=None) -> None:
+    import json
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=QWEN25_7B["num_hidden_layers"])
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)),
                     help="comma-separated prompt lengths, tokens")
+    ap.add_argument("--sp", default="1", help="comma-separated sequence-parallel degrees")
     ap.add_argument("--group", type=int, default=8, help="G answers per prompt")
     ap.add_argument("--answer", type=int, default=1024, help="tokens per answer")
     ap.add_argument("--attention", default="flex_attention", choices=("flex_attention", "sdpa"),
                     help="sdpa: the CPU path's dense (T, T) tree mask, for comparison")
     ap.add_argument("--quick", action="store_true", help="1 layer, a 1,024-token prompt, G = 4 "
                     "answers of 256 tokens")
+    ap.add_argument("--save", help="append each row to this JSON Lines file")
+    ap.add_argument("--table", help="only print the table of the rows saved in this file")
     ap.add_argument("--trust", action="store_true", help="only the tracker's trust check")
     args = ap.parse_args(argv)
+    # infra.exchange's all_to_all_single warns of its deprecation at every call
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated")
     if args.trust:
         return print_trust(trust_check())
+    if args.table:  # memory_estimate asked again: the rows keep the case, not the estimate
+        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines()]
+        for r in rows:
+            r.update(case_estimate(project_api(WORLD), r, args.group, args.answer,
+                                   args.attention))
+        return print_table(rows, args.group, args.answer)
     if args.quick:
         args.layers, args.prompts, args.group, args.answer = 1, "1024", 4, 256
     shape = {**QWEN25_7B, "num_hidden_layers": args.layers}
     api, rows = project_api(WORLD), []
-    with process_group("fake", WORLD) as mesh:
+    for sp in map(int, args.sp.split(",")):
         for prompt in map(int, args.prompts.split(",")):
-            rows.append(simulate_case(api, mesh, shape, prompt, args.group, args.answer,
-                                      args.attention))
-            r = rows[-1]
-            print(f"prompt {prompt}: peak {r['peak']['total'] / GiB:.2f} GiB per rank, "
-                  f"{r['seconds']:.0f} s, process max RSS {r['rss'] / GiB:.2f} GiB", flush=True)
+            r = refused_case(api, shape, prompt, args.group, args.answer, args.attention, sp)
+            if r is None:
+                with process_group("fake", WORLD, simulated_rank(sp)) as mesh:
+                    r = simulate_case(api, mesh, shape, prompt, args.group, args.answer,
+                                      args.attention, sp)
+                print(f"prompt {prompt}, SP {sp}: peak {r['peak']['total'] / GiB:.2f} GiB per "
+                      f"rank, {r['seconds']:.0f} s, process max RSS {r['rss'] / GiB:.2f} GiB",
+                      flush=True)
+            rows.append(r)
+            if args.save:
+                with open(args.save, "a") as f:
+                    f.write(json.dumps(r) + "\n")
     print_table(rows, args.group, args.answer)
 
 
