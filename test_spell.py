@@ -3723,12 +3723,13 @@ def test_held_out_check_frozen_judge_and_no_majority_mask_end_to_end(speaker, co
     every step on a 6-item set, 1 step on 2 ranks: ver/gold_* at step 0 (before the update) and at
     step 1, shares in [0, 1]; the verifier voted and never trained."""
     verify_set = tmp_path / "verify.jsonl"
+    candidates = [("blue", "YES", "exact"), ("Blue.", "YES", "paraphrase"),
+                  ("red", "NO", "near_miss"), ("not blue", "NO", "negation"),
+                  ("blue or red", "NO", "hedge"), ("green", "NO", "near_miss")]
     verify_set.write_text("".join(
         json.dumps({"question": "Which colour was the north gate?", "reference": "blue",
                     "candidate": candidate, "label": label, "kind": kind}) + "\n"
-        for candidate, label, kind in [("blue", "YES", "exact"), ("Blue.", "YES", "paraphrase"),
-                                       ("red", "NO", "near_miss"), ("not blue", "NO", "negation"),
-                                       ("blue or red", "NO", "hedge"), ("green", "NO", "near_miss")]))
+        for candidate, label, kind in candidates))
     out_dir = tmp_path / "run"
     torchrun(2, *demo_args(speaker, corpus_file, out_dir, "--train.steps=1",
                            "--log.verify_every=1", f"--data.verify_set={verify_set}",
