@@ -7,6 +7,7 @@ vLLM or the export of the embedded model (directly or through a fixture that doe
 is a pure function or a small model in this process and runs in seconds.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -59,6 +60,21 @@ class CharTokenizer:
 
 
 GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Another report."]}
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail, instead of hanging, when the block runs for longer than `seconds`: a test of a hang
+    must fail, not stall the suite."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s: it would never end")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

