@@ -3312,16 +3312,37 @@ def gold_metrics(items: list[GoldItem], majorities: Sequence[int]) -> dict:
     return m
 
 
-def held_out_prompts(tok, cfg: Config,
-                     items: list[GoldItem]) -> tuple[list[GoldItem], list[list[int]]]:
-    """The items whose verifier prompt fits rollout.max_prompt_tokens, and their prompts
-    (gold_prompts); a note names how many were left out."""
-    prompts = gold_prompts(tok, cfg, items)
-    kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
-    if len(kept) < len(items):
-        infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left out, "
-                     f"their verifier prompts longer than rollout.max_prompt_tokens")
-    return [items[k] for k in kept], [prompts[k] for k in kept]
+class HeldOutCheck:
+    """The verifier on data.verify_set every log.verify_every steps and before the first update
+    (metrics only): the items whose verifier prompt fits rollout.max_prompt_tokens (a note names
+    how many were left out), judged by this rank's engine `group` of `groups` (verify_held_out).
+    Every rank holds the same items and decides alike when a check is due: a collective."""
+
+    def __init__(self, tok, cfg: Config, items: list[GoldItem], group: int, groups: int,
+                 reports: bool):
+        self.cfg, self.engine, self.reports = cfg, (group, groups), reports
+        prompts = gold_prompts(tok, cfg, items)
+        kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
+        if len(kept) < len(items):
+            infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left "
+                         f"out, their verifier prompts longer than rollout.max_prompt_tokens")
+        self.items, self.prompts = [items[k] for k in kept], [prompts[k] for k in kept]
+
+    def run(self, llm, step: int, clock: infra.StepClock) -> dict:
+        """ver/gold_* when a check is due at this step (its time: the clock's "verify" stage);
+        {} otherwise."""
+        if not self.items or step % self.cfg.log.verify_every:
+            return {}
+        m = verify_held_out(llm, self.cfg, self.items, self.prompts, step, *self.engine,
+                            self.reports)
+        clock.stage("verify")
+        return m
+
+    def before_training(self, llm, log: infra.RunLog) -> None:
+        """Step 0's check, logged on its own line (log_held_out)."""
+        clock = infra.StepClock()
+        if m := self.run(llm, 0, clock):
+            log_held_out(log, self.cfg, 0, m, clock.stages["verify"])
 
 
 def log_held_out(log: infra.RunLog, cfg: Config, step: int, m: dict, seconds: float) -> None:
@@ -3394,11 +3415,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
                            aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
-    gold, gold_ids = held_out_prompts(tok, cfg, gold)
-    if gold and step == 0:  # the verifier before its first update
-        t0 = time.perf_counter()
-        held_out = verify_held_out(llm, cfg, gold, gold_ids, 0, group, groups, reports)
-        log_held_out(log, cfg, 0, held_out, time.perf_counter() - t0)
+    held_out = HeldOutCheck(tok, cfg, gold, group, groups, reports)  # the verifier, measured
+    if step == 0:
+        held_out.before_training(llm, log)
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
         step += 1
@@ -3430,14 +3449,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         wake_and_sync(llm, policy, cfg, device, updated=bool(items))
         clock.stage("sync")
         # 5. the new verifier on held-out labels, every log.verify_every steps (metrics only)
-        held_out = {}
-        if gold and step % cfg.log.verify_every == 0:
-            held_out = verify_held_out(llm, cfg, gold, gold_ids, step, group, groups, reports)
-            clock.stage("verify")
+        gold_scores = held_out.run(llm, step, clock)
         # 6. the step's line and metrics; a checkpoint every log.save_every steps, at the end and
         #    on SIGTERM
         times = clock.times(rounds=rnd + 1, trained_tokens=train.get("tokens", 0))
-        log_step(log, cfg, step, summaries, counts, train, times, rollouts, world, held_out)
+        log_step(log, cfg, step, summaries, counts, train, times, rollouts, world, gold_scores)
         stop = infra.all_reduce_max(int(STOP["requested"]), device) > 0
         if step % cfg.log.save_every == 0 or step == cfg.train.steps or stop:
             state = run_state(step, sampler, history, rng, aepo)
