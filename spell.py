@@ -2907,9 +2907,17 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
         with torch.no_grad():
             old = [[micro_batch_loss(policy, mb or [dummy_sequence()], None, cfg, device)[1]
                     for mb in plan] for plan in plans]
+    # HSDP (train.fsdp_shard_size): each micro-batch's gradient is reduce-scattered within its
+    # shard group as usual, but all-reduced across the replicas only once an optimiser step, with
+    # the last micro-batch's backward (FSDP2 keeps the partial sums until then). The same sum in
+    # another order, for 1/len(plan) of the traffic across replicas: at shard groups of one rank
+    # (full replicas, the CPU presets' layout) the only traffic there is (bench/RESULTS.md).
+    hsdp = len(infra.mesh_shape(cfg, world)) == 2
     for epoch in range(t.ppo_epochs):
         for b, plan in enumerate(plans):
             for m, mb in enumerate(plan):
+                if hsdp:  # every rank has as many micro-batches (plan_update): the same calls
+                    policy.set_requires_all_reduce(m == len(plan) - 1)
                 old_logp = None if old is None else old[b][m]
                 loss, _, s = micro_batch_loss(policy, mb or [dummy_sequence()], old_logp, cfg,
                                               device)

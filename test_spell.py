@@ -3013,13 +3013,15 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 @pytest.mark.stack
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
-    groups of 2), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
+    groups of 2), on 2 and 4 full replicas (train.fsdp_shard_size 1, the CPU presets' layout: the
+    gradient all-reduced across replicas once a step, after the last micro-batch), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
     with different micro-batch sizes, both log-prob paths (the Triton one with its LM head in one
     pass and in two), shared prefixes and checkpointing, gives the gradient of the global loss
     -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1). And in bf16 compute, where FSDP2 casts
     a forward method's floating-point inputs, the one-pass head gets its coefficients whole."""
     results = {}
     for key, nproc, shard, sp in (("1", 1, 0, 1), ("2", 2, 0, 1), ("4", 4, 2, 1),
+                                  ("2x1", 2, 1, 1), ("4x1", 4, 1, 1),
                                   ("sp2", 2, 0, 2), ("sp2xdp2", 4, 0, 2)):
         out = tmp_path / f"update{key}.pt"
         torchrun(nproc, __file__, "update", str(out), str(shard), str(sp))
@@ -3078,7 +3080,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # (torch sums it in O(log N) rounds).
     a = results["1"]["adamw_exp_avg"]
     moment = max(t.abs().max().item() for t in a.values())
-    for nproc in ("2", "4", "sp2", "sp2xdp2"):
+    for nproc in ("2", "4", "2x1", "4x1", "sp2", "sp2xdp2"):
         b = results[nproc]["adamw_exp_avg"]
         diff = max((a[n] - b[n]).abs().max().item() for n in a)
         print(f"METRIC adamw_clipped_1_vs_{nproc}_ranks_max_abs_diff={diff:.3g} "
@@ -3089,7 +3091,7 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     # what train/loss, train/entropy and train/clipfrac log: the batch's, summed over the ranks, the
     # same on 1, 2 and 4 ranks (not rank 0's share). Sums of ~100 fp32 terms
     # in another order: 1e-5 relative is ~100x their rounding
-    for nproc in ("2", "4", "sp2", "sp2xdp2"):
+    for nproc in ("2", "4", "2x1", "4x1", "sp2", "sp2xdp2"):
         for name, logged in results[nproc]["logged"].items():
             for key, value in logged.items():
                 assert value == pytest.approx(results["1"]["logged"][name][key], rel=1e-5,
@@ -5165,6 +5167,7 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
         cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl.split("-")[0]
         cfg.train.rollout_correction = "tis" if impl == "triton-two-pass" else "none"
         cfg.train.shared_prefix, cfg.train.sequence_parallel = shared, sp
+        cfg.train.fsdp_shard_size = int(shard_size)  # the mesh's, as main() makes them agree
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -20,8 +20,11 @@ the clip at train.grad_clip, AdamW at train.lr), in four layouts:
                    forward stay gathered for the backward, one all-gather a layer per micro-batch
                    fewer, and a rank holds the whole model while its micro-batch runs.
   hsdp1            train.fsdp_shard_size = 1 through shard_policy: the mesh (2, 1), shard groups of
-                   one rank, so each rank holds a full replica (nothing to all-gather) and FSDP2
-                   all-reduces every layer's gradient across the replicas after each micro-batch.
+                   one rank, so each rank holds a full replica (nothing to all-gather), and
+                   update_policy has FSDP2 all-reduce every layer's gradient across the replicas
+                   once a step, in the last micro-batch's backward (set_requires_all_reduce).
+  hsdp1_each       the same, all-reducing after every micro-batch, as update_policy did before
+                   2026-11-25 (its set_requires_all_reduce calls ignored).
   replica          no FSDP: each rank a plain HF model (completion_logprobs attached as a method,
                    as bench_sp_cpu.py does), gradients accumulated locally over the micro-batches
                    and all-reduced ONCE a step as one flat fp32 bucket that every .grad is a view
@@ -127,6 +130,15 @@ def sharded_no_reshard(cfg, world: int):
     return policy
 
 
+def sharded_reduce_each(cfg, world: int):
+    """shard_policy's HSDP as update_policy ran it before it deferred the all-reduce across
+    replicas to each step's last micro-batch: its calls to set_requires_all_reduce are ignored, so
+    every micro-batch's backward all-reduces every layer's gradient."""
+    policy = sharded(cfg, world)
+    policy.set_requires_all_reduce = lambda *args, **kwargs: None  # on this instance only
+    return policy
+
+
 def replica(cfg, world: int):
     """A plain model: what shard_policy does to it but the sharding; its gradients live in one
     flat bucket, (P,) fp32, each parameter's .grad a view of it (DDP's gradient_as_bucket_view):
@@ -171,6 +183,7 @@ LAYOUTS = {
     "fsdp": (0, sharded, spell.update_policy),
     "fsdp_no_reshard": (0, sharded_no_reshard, spell.update_policy),
     "hsdp1": (1, sharded, spell.update_policy),
+    "hsdp1_each": (1, sharded_reduce_each, spell.update_policy),
     "replica": (0, replica, replica_step),
 }
 
