@@ -424,7 +424,12 @@ def held_out_metrics() -> dict:
     """What a step adds to its metrics when the held-out check ran (log.verify_every): the
     verifier right on 4 of the 6 GOLD items (YES to the negation, NO to the paraphrase), and the
     check's seconds."""
-    return {**spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1]), "perf/verify_s": 2.0}
+    return {**spell.gold_metrics(gold_items(), GOLD_VOTES), "perf/verify_s": 2.0}
+
+
+# three votes on each GOLD item (None: no verdict tag), majorities YES, NO, NO, NO, NO, YES (Eq. 4);
+# 12 of the 18 votes tagged
+GOLD_VOTES = [[1, 1, 0], [0, 0, 0], [None, 0, 0], [0, 1, None], [None, None, None], [1, 1, None]]
 
 
 def worker_mesh(shard_size: str, world: int):

@@ -148,6 +148,7 @@ FIGURES = {
         ("held-out verifier: accuracy / YES on wrong answers / NO on right ones",
          ["ver/gold_accuracy", "ver/gold_yes_on_wrong", "ver/gold_no_on_right"]),
         ("held-out accuracy where the rule is wrong", ["ver/gold_beyond_rule"]),
+        ("held-out votes with a verdict tag (the rest abstain)", ["ver/gold_tagged"]),
         ("held-out accuracy by kind of candidate (evals/README.md)",
          [f"ver/gold_kind_{kind}" for kind in ("exact", "paraphrase", "near_miss",
                                                "other_question", "hedge", "negation")]),

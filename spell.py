@@ -3295,26 +3295,29 @@ def verify_held_out(llm, cfg: Config, items: list[GoldItem], prompts: list[list[
     seeds = request_seeds(cfg.train.seed, step, "gold", count=len(items))
     outs = sample_votes(llm, cfg, [prompts[k] for k in mine], [seeds[k] for k in mine],
                         desc="held-out verifier")
-    majorities = {k: majority_vote(read_votes(cs, cfg)) for k, cs in zip(mine, outs)}
+    votes = {k: read_votes(cs, cfg) for k, cs in zip(mine, outs)}
     gathered = {}
-    for part in infra.all_gather_objects(majorities if reports else {}):
+    for part in infra.all_gather_objects(votes if reports else {}):
         gathered.update(part)
     llm.reset_prefix_cache()  # the next rollouts meet the cache they would have met without it
     return gold_metrics(items, [gathered[k] for k in range(len(items))])
 
 
-def gold_metrics(items: list[GoldItem], majorities: Sequence[int]) -> dict:
-    """ver/gold_*: how often the verifier's majority (Eq. 4: no YES majority is NO) matches the
-    label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on the right ones;
-    the accuracy where R_rule disagrees with the label (what the verifier adds to the rule), and
-    per kind of candidate (paraphrase, hedge, negation, ...). A share over no items is 0."""
-    said = [int(v == 1) for v in majorities]  # 1 = YES; NO, or no vote at all (None), is 0
-    right = [v == it.label for it, v in zip(items, said, strict=True)]
+def gold_metrics(items: list[GoldItem], votes: Sequence[Sequence[int | None]]) -> dict:
+    """ver/gold_*: how often the verifier's majority of each item's votes (Eq. 4: no YES majority
+    is NO) matches the label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on
+    the right ones; the accuracy where R_rule disagrees with the label (what the verifier adds to
+    the rule), and per kind of candidate (paraphrase, hedge, negation, ...); and the share of votes
+    with a verdict tag, which tells a verifier that judges NO from one that abstains (both score
+    the same above). A share over no items is 0."""
+    said = [majority_vote(v) == 1 for v in votes]  # YES; NO, abstaining or no votes count as NO
+    right = [int(v) == it.label for it, v in zip(items, said, strict=True)]
     m = {"ver/gold_accuracy": mean(right),
          "ver/gold_yes_on_wrong": mean([v for it, v in zip(items, said) if it.label == 0]),
          "ver/gold_no_on_right": mean([1 - v for it, v in zip(items, said) if it.label == 1]),
          "ver/gold_beyond_rule": mean([ok for it, ok in zip(items, right)
-                                       if it.rule != it.label])}
+                                       if it.rule != it.label]),
+         "ver/gold_tagged": mean([v is not None for item_votes in votes for v in item_votes])}
     for kind in sorted({it.kind for it in items}):
         m[f"ver/gold_kind_{kind}"] = mean([ok for it, ok in zip(items, right) if it.kind == kind])
     return m
@@ -3378,7 +3381,7 @@ def gold_summary(m: dict) -> str:
     if "ver/gold_accuracy" not in m:
         return ""
     return (f"| gold acc {m['ver/gold_accuracy']:.0%} yes|wrong {m['ver/gold_yes_on_wrong']:.0%} "
-            f"no|right {m['ver/gold_no_on_right']:.0%} ")
+            f"no|right {m['ver/gold_no_on_right']:.0%} tagged {m['ver/gold_tagged']:.0%} ")
 
 
 # ==================================================================================================

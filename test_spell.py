@@ -40,11 +40,11 @@ import torch
 import evaluation
 import infra
 import spell
-from conftest import (CharTokenizer, GOOD_CLUSTER, REPO, SPEAKER_QUESTION, TEMPERATURE,
-                      TORCHRUN_TIMEOUT_S, batch_counts, demo_args, gold_items, held_out_metrics,
-                      logged_inputs, logged_metrics, make_tiny_model, metrics, protocol_corpus,
-                      qa_record, read_metrics, role_sequences, run_worker, snapshot,
-                      start_torchrun, tiny_llama, torchrun, worker_mesh)
+from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, REPO, SPEAKER_QUESTION,
+                      TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args, gold_items,
+                      held_out_metrics, logged_inputs, logged_metrics, make_tiny_model, metrics,
+                      protocol_corpus, qa_record, read_metrics, role_sequences, run_worker,
+                      snapshot, start_torchrun, tiny_llama, torchrun, worker_mesh)
 from spell import (HistoryMemory, cover_exact_match, extract_answer, group_advantages,
                    majority_vote, numbers_match, parse_number, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -3014,11 +3014,12 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
     groups of 2), on 2 and 4 full replicas (train.fsdp_shard_size 1, the CPU presets' layout: the
-    gradient all-reduced across replicas once a step, after the last micro-batch), and under Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2),
-    with different micro-batch sizes, both log-prob paths (the Triton one with its LM head in one
-    pass and in two), shared prefixes and checkpointing, gives the gradient of the global loss
-    -sum_i w_i A_i sum_t log pi(y_it) (Eq. 12 at rho = 1). And in bf16 compute, where FSDP2 casts
-    a forward method's floating-point inputs, the one-pass head gets its coefficients whole."""
+    gradient all-reduced across replicas once a step, after the last micro-batch), and under
+    Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2), with different micro-batch
+    sizes, both log-prob paths (the Triton one with its LM head in one pass and in two), shared
+    prefixes and checkpointing, gives the gradient of the global loss -sum_i w_i A_i sum_t
+    log pi(y_it) (Eq. 12 at rho = 1). And in bf16 compute, where FSDP2 casts a forward method's
+    floating-point inputs, the one-pass head gets its coefficients whole."""
     results = {}
     for key, nproc, shard, sp in (("1", 1, 0, 1), ("2", 2, 0, 1), ("4", 4, 2, 1),
                                   ("2x1", 2, 1, 1), ("4x1", 4, 1, 1),
@@ -3428,19 +3429,24 @@ def test_gold_metrics_hand_worked():
     """conftest.GOLD: 2 right candidates, 4 wrong; the verifier says YES to the exact answer and
     the negation, NO to the rest: right on 4 of 6, YES to 1 of 4 wrong, NO to 1 of 2 right, and
     wrong on both items where the rule is (the paraphrase it rejects, the negation it accepts)."""
-    m = spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1])
+    m = spell.gold_metrics(gold_items(), GOLD_VOTES)  # majorities YES, NO, NO, NO, NO, YES
     assert m == {"ver/gold_accuracy": pytest.approx(4 / 6), "ver/gold_yes_on_wrong": 0.25,
                  "ver/gold_no_on_right": 0.5, "ver/gold_beyond_rule": 0.0,
+                 "ver/gold_tagged": pytest.approx(12 / 18),
                  "ver/gold_kind_exact": 1.0, "ver/gold_kind_hedge": 1.0,
                  "ver/gold_kind_near_miss": 1.0, "ver/gold_kind_negation": 0.0,
                  "ver/gold_kind_other_question": 1.0, "ver/gold_kind_paraphrase": 0.0}
-    # an abstaining majority (None) is not YES: it counts as NO (Eq. 4), right on wrong candidates
-    none = spell.gold_metrics(gold_items(), [None] * 6)
-    assert none["ver/gold_accuracy"] == pytest.approx(4 / 6) and none["ver/gold_no_on_right"] == 1
+    # votes without a tag are not YES: an abstaining verifier scores as one that says NO to all
+    # (Eq. 4), right on the wrong candidates; only gold_tagged tells them apart
+    none = spell.gold_metrics(gold_items(), [[None] * 3] * 6)
+    no = spell.gold_metrics(gold_items(), [[0] * 3] * 6)
+    assert none["ver/gold_accuracy"] == no["ver/gold_accuracy"] == pytest.approx(4 / 6)
+    assert none["ver/gold_no_on_right"] == no["ver/gold_no_on_right"] == 1
+    assert (none["ver/gold_tagged"], no["ver/gold_tagged"]) == (0, 1)
     # no wrong candidate in the set: the share over no items is 0
-    assert spell.gold_metrics(gold_items()[:2], [1, 1])["ver/gold_yes_on_wrong"] == 0.0
-    with pytest.raises(ValueError):  # one majority per item
-        spell.gold_metrics(gold_items(), [1])
+    assert spell.gold_metrics(gold_items()[:2], [[1], [1]])["ver/gold_yes_on_wrong"] == 0.0
+    with pytest.raises(ValueError):  # votes for every item
+        spell.gold_metrics(gold_items(), [[1]])
 
 
 def test_gold_warning_above_the_bound_and_the_console_line():
@@ -3452,7 +3458,7 @@ def test_gold_warning_above_the_bound_and_the_console_line():
     assert spell.gold_warning(3, logged_metrics(3), 0.0) is None  # the check did not run
     # the step's console line shows the check where it ran, between the verifier and the update
     assert "| gold" not in spell.log_line(1, 2, logged_metrics(1))
-    assert ("kept 1 | gold acc 67% yes|wrong 25% no|right 50% | train 9 seq"
+    assert ("kept 1 | gold acc 67% yes|wrong 25% no|right 50% tagged 67% | train 9 seq"
             in spell.log_line(1, 2, {**logged_metrics(1), **held_out_metrics()}))
 
 
@@ -3460,11 +3466,11 @@ def test_log_step_writes_the_held_out_metrics_and_warns(tmp_path, capsys):
     cfg = spell.Config()
     cfg.log.out_dir, cfg.log.sample_every, cfg.log.verify_warn_yes_on_wrong = str(tmp_path), 0, 0.1
     log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
-    spell.log_held_out(log, cfg, 0, spell.gold_metrics(gold_items(), [1, 0, 0, 0, 0, 1]), 2.5)
+    spell.log_held_out(log, cfg, 0, spell.gold_metrics(gold_items(), GOLD_VOTES), 2.5)
     spell.log_step(log, cfg, 1, *logged_inputs(1), [], world=2, gold=held_out_metrics())
     spell.log_step(log, cfg, 2, *logged_inputs(2), [], world=2)
     out = capsys.readouterr().out
-    assert "step 0/1000 | gold acc 67% yes|wrong 25% no|right 50% | verify 2s\n" in out
+    assert "step 0/1000 | gold acc 67% yes|wrong 25% no|right 50% tagged 67% | verify 2s\n" in out
     assert out.count("warning: the verifier said YES to 25%") == 2  # steps 0 and 1
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -3488,7 +3494,7 @@ def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypa
     sent = []
     monkeypatch.setattr(spell, "generate", generate)
     monkeypatch.setattr(infra, "all_gather_objects",
-                        lambda mine: sent.append(mine) or [mine, {1: 0, 3: 0, 5: 0}])
+                        lambda mine: sent.append(mine) or [mine, {1: [0], 3: [0], 5: [0]}])
     llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
     prompts = spell.gold_prompts(CharTokenizer(), cfg, items)
     m = spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=True)
@@ -3499,13 +3505,13 @@ def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypa
     assert [t.count("35 percent") for t in texts] == [0, 1, 1] and "25 or 35 percent" in texts[2]
     assert texts[1].index("35 percent") < texts[1].index("25 percent")
     assert all(t.endswith("<|assistant|>Decision: [[") for t in texts)
-    assert sent == [{0: 1, 2: 1, 4: 1}]  # "Decision: [[" + "YES]]": four YES votes each
-    assert m == spell.gold_metrics(items, [1, 0, 1, 0, 1, 0])
+    assert sent == [{k: [1] * 4 for k in (0, 2, 4)}]  # "Decision: [[" + "YES]]": four YES votes
+    assert m == spell.gold_metrics(items, [[1] * 4, [0], [1] * 4, [0], [1] * 4, [0]])
     # a rank that is not its engine's first sends nothing (its engine's first rank reports)
     sent.clear()
     # 3 ranks: engine 0's first, this one (engine 0's second), engine 1
     monkeypatch.setattr(infra, "all_gather_objects", lambda mine: sent.append(mine)
-                        or [{0: 1, 2: 1, 4: 1}, mine, {1: 0, 3: 0, 5: 0}])
+                        or [{k: [1] * 4 for k in (0, 2, 4)}, mine, {1: [0], 3: [0], 5: [0]}])
     assert spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=False) == m
     assert sent == [{}]
 
