@@ -193,7 +193,9 @@ def full_grads(policy, keep: bool) -> dict[str, torch.Tensor]:
     only where `keep` (rank 0)."""
     out = {}
     for name, p in policy.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.detach().clone()
+        # a copy: with nothing to gather (HSDP's shard groups of one rank) full_tensor returns
+        # the local gradient itself, which the clip then scales in place
+        g = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
         if keep:
             out[name] = g
     return out
