@@ -296,7 +296,9 @@ class TrainConfig:
     # sequence whose geometric mean ratio leaves [1/C, C] drops whole); C = rollout_correction_cap
     rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0  # C >= 1 of ROLLOUT_CORRECTIONS
-    fsdp_shard_size: int = 0  # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S
+    # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S, its gradients all-reduced
+    # across the groups once a step; 1 = a full replica on every rank (the CPU quickstart's)
+    fsdp_shard_size: int = 0
     # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
     # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
     sequence_parallel: int = 1
@@ -2911,7 +2913,7 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
     # shard group as usual, but all-reduced across the replicas only once an optimiser step, with
     # the last micro-batch's backward (FSDP2 keeps the partial sums until then). The same sum in
     # another order, for 1/len(plan) of the traffic across replicas: at shard groups of one rank
-    # (full replicas, the CPU presets' layout) the only traffic there is (bench/RESULTS.md).
+    # (full replicas, the CPU quickstart's layout) the only traffic there is (bench/RESULTS.md).
     hsdp = len(infra.mesh_shape(cfg, world)) == 2
     for epoch in range(t.ppo_epochs):
         for b, plan in enumerate(plans):
