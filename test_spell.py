@@ -3013,8 +3013,8 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 @pytest.mark.stack
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
     """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
-    groups of 2), on 2 and 4 full replicas (train.fsdp_shard_size 1, the CPU quickstart's layout: the
-    gradient all-reduced across replicas once a step, after the last micro-batch), and under
+    groups of 2), on 2 and 4 full replicas (train.fsdp_shard_size 1, the CPU quickstart's layout:
+    the gradient all-reduced across replicas once a step, after the last micro-batch), and under
     Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2), with different micro-batch
     sizes, both log-prob paths (the Triton one with its LM head in one pass and in two), shared
     prefixes and checkpointing, gives the gradient of the global loss -sum_i w_i A_i sum_t
