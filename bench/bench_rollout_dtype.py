@@ -56,7 +56,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=str(MODEL), dtype=dtype, seed=0, max_model_len=3456,
               distributed_executor_backend="external_launcher",
-              **infra.vllm_platform_kwargs(3456, False, eager, {}))
+              **infra.vllm_platform_kwargs(3456, dtype, False, eager, {}))
     start = time.perf_counter() - t0
     sanity = llm.generate([{"prompt_token_ids": chat_ids(tok, "What is the capital of France?")}],
                           SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
