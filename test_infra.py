@@ -658,8 +658,31 @@ def test_export_loads_in_transformers(embedded_dir, capsys):
 
 
 @pytest.mark.stack
-def test_export_runs_in_vllm(embedded_dir):
-    output = torchrun(1, __file__, "export-smoke", embedded_dir).stdout
+def test_rollout_precision_rule(monkeypatch):
+    """rollout.dtype "auto": bf16 on GPU; on CPU fp32, or bf16 with rollout.cpu_bf16 on an AMX
+    CPU only. vLLM on CPU runs eagerly but in bf16, which it compiles (its eager bf16 decodes wrong
+    tokens); an explicit enforce_eager wins."""
+    assert infra.rollout_dtype("auto", on_gpu=True) == "bfloat16"
+    assert infra.rollout_dtype("float16", on_gpu=False, cpu_bf16=True) == "float16"
+    for amx, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(infra, "cpu_has_amx", lambda: amx)
+        assert infra.rollout_dtype("auto", on_gpu=False) == "float32"
+        assert infra.rollout_dtype("auto", on_gpu=False, cpu_bf16=True) == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    eager = {dtype: infra.vllm_platform_kwargs(512, dtype, False, None, {})["enforce_eager"]
+             for dtype in ("float32", "bfloat16", "float16")}
+    assert eager == {"float32": True, "bfloat16": False, "float16": True}
+    assert infra.vllm_platform_kwargs(512, "bfloat16", False, True, {})["enforce_eager"] is True
+
+
+@pytest.mark.parametrize("cpu_bf16", ["false", "true"])
+def test_export_runs_in_vllm(embedded_dir, cpu_bf16):
+    """In both of the CPU's rollout settings: fp32 eager (the default) and rollout.cpu_bf16, the
+    quickstart's (bf16 through torch.compile where the CPU has AMX: a minute or more to start)."""
+    if cpu_bf16 == "true" and not infra.cpu_has_amx():
+        pytest.skip("rollout.cpu_bf16 is fp32, as tested above, on a CPU without AMX")
+    output = torchrun(1, __file__, "export-smoke", embedded_dir, cpu_bf16).stdout
     print("\n".join(line for line in output.splitlines()
                     if line.startswith(("METRIC", "vLLM answer"))))
     m = metrics(output)
@@ -1847,10 +1870,10 @@ def test_sp_flex_attention_forward_matches_one_rank(tmp_path):
 # torchrun workers (this file is also the script that torchrun starts)
 # ------------------------------------------------------------------------------------------------
 
-def worker_export_smoke(model_dir: str) -> None:
+def worker_export_smoke(model_dir: str, cpu_bf16: str) -> None:
     """One rank: the exported SmolLM2 folder starts in vLLM, in the dtype the project samples in
-    on this machine, and answers a chat prompt right (Paris),
-    stopping at <|im_end|>."""
+    on this machine ("auto", with rollout.cpu_bf16 as given), and answers a chat prompt right
+    (Paris), stopping at <|im_end|>."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -1861,7 +1884,8 @@ def worker_export_smoke(model_dir: str) -> None:
         add_generation_prompt=True, tokenize=True, return_dict=False)
     t0 = time.perf_counter()
     llm = spell.start_vllm(model_dir, max_model_len=1024, seed=0,
-                           dtype=infra.rollout_dtype("auto", torch.cuda.is_available()))
+                           dtype=infra.rollout_dtype("auto", torch.cuda.is_available(),
+                                                     cpu_bf16 == "true"))
     print(f"METRIC export_vllm_start_s={time.perf_counter() - t0:.2f}")
     t0 = time.perf_counter()
     [[greedy]] = spell.generate(llm, [prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=32,
