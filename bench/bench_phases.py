@@ -196,8 +196,11 @@ def table(name: str, records: list[dict], peaks: dict, shape: dict) -> list[str]
         u = update_roofline(rec["update"]["rows"], shape, peaks["float32"])
         per_phase["update"].append({"seconds": rec["update"]["seconds"], **u})
     mode = "eager" if engine["eager"] else "compiled"
+    # the decode roofline takes a call's requests as one batch: say whether they were
+    largest = max(len(c["prompts"]) * c["n"] for rec in records for c in rec["calls"])
     lines.append(f"{name}: vLLM {engine['dtype']} {mode}, engine start "
-                 + ", ".join(f"{r['engine']['start_s']:.0f}" for r in records) + " s")
+                 + ", ".join(f"{r['engine']['start_s']:.0f}" for r in records) + " s; largest "
+                 f"call {largest} sequences, max_num_seqs {engine['max_num_seqs']}")
     for phase, ranks in per_phase.items():
         slow = max(ranks, key=lambda r: r["seconds"])
         if phase == "update":
