@@ -322,7 +322,7 @@ class LogConfig:
     # the policy as verifier judges data.verify_set every N steps and before the first update
     # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
     # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
-    # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 118 s (learn.toml)
+    # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 33-118 s (learn.toml)
     verify_every: int = 0
     # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
     # and run); 0 = all of them
