@@ -657,7 +657,6 @@ def test_export_loads_in_transformers(embedded_dir, capsys):
     assert text.strip() and out[-1].item() == tok.eos_token_id
 
 
-@pytest.mark.stack
 def test_rollout_precision_rule(monkeypatch):
     """rollout.dtype "auto": bf16 on GPU; on CPU fp32, or bf16 with rollout.cpu_bf16 on an AMX
     CPU only. vLLM on CPU runs eagerly but in bf16, which it compiles (its eager bf16 decodes wrong
@@ -676,6 +675,7 @@ def test_rollout_precision_rule(monkeypatch):
     assert infra.vllm_platform_kwargs(512, "bfloat16", False, True, {})["enforce_eager"] is True
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("cpu_bf16", ["false", "true"])
 def test_export_runs_in_vllm(embedded_dir, cpu_bf16):
     """In both of the CPU's rollout settings: fp32 eager (the default) and rollout.cpu_bf16, the
