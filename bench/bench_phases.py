@@ -1,13 +1,13 @@
 """One quickstart step, phase by phase, against this machine's roofline (issue #29, item 4).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/bench_phases.py       # before and after, ~15 min
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/bench_phases.py       # before and after, ~10 min
     ... bench/bench_phases.py --settings after                     # one of them
 
 Each setting runs the first step of `torchrun --nproc_per_node=2 spell.py --config demo.toml`
-(the real main(), one step, no checkpoint) with three of spell.py's functions wrapped to write down
-what they did on each rank: start_vllm (the dtype and whether vLLM compiled), generate (per call:
-its prompts' lengths, n, each completion's length, the seconds) and update_policy (the sequences
-and the seconds). The settings:
+(the real main() for one step; its checkpoint and export at the end are outside every timed phase)
+with three of spell.py's functions wrapped to write down what they did on each rank: start_vllm
+(the dtype and whether vLLM compiled), generate (per call: its prompts' lengths, n, each
+completion's length, the seconds) and update_policy (the sequences and the seconds). The settings:
   before   the quickstart when issue #29 was filed: vLLM in fp32, eager; FSDP2 over both ranks
            (--rollout.cpu_bf16=false --train.fsdp_shard_size=0)
   after    demo.toml as shipped: vLLM in bf16 through torch.compile on an AMX CPU (fp32 elsewhere);
@@ -98,8 +98,8 @@ def worker(out: Path, overrides: list[str]) -> None:
         return stats
 
     spell.start_vllm, spell.generate, spell.update_policy = start_vllm, generate, update_policy
-    spell.main(["--config", "demo.toml", "--train.steps=1", "--log.save_every=1000",
-                "--log.sample_every=0", f"--log.out_dir={out}", *overrides])
+    spell.main(["--config", "demo.toml", "--train.steps=1", "--log.sample_every=0",
+                f"--log.out_dir={out}", *overrides])
     (out / f"phases_rank{rank}.json").write_text(json.dumps(record))
 
 
