@@ -83,6 +83,8 @@ from datasketch import LeanMinHash, MinHash, MinHashLSH
 from datasketch.hashfunc import sha1_hash32
 from tqdm import tqdm
 
+import tasks
+
 STAGES = ("filter", "dedup", "decontam", "cluster", "assign")
 STAGE_FILES = {
     "filter": "1_filtered.jsonl",
@@ -91,7 +93,7 @@ STAGE_FILES = {
     "cluster": "4_clusters.jsonl",
     "assign": "5_corpus.jsonl",
 }
-TASKS = ("doc_qa", "fin_math", "doc_mc")
+TASKS = tuple(tasks.TASKS)  # the three task types of §5.1, as spell.py trains them
 CHARS_PER_TOKEN = 4  # token estimate without a tokenizer; English BPE averages ~4 chars a token
 
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import infra
 import spell
+import tasks
 
 
 def main(argv: Sequence[str]) -> None:
@@ -65,7 +66,7 @@ def main(argv: Sequence[str]) -> None:
 #     the released loader asked for LongBench-E names that do not load.
 # The benchmark files' native layouts are read by infra.load_eval_data.
 PASS_KS = (1, 2, 4, 8)         # the k of pass@k reported (those ≤ n), Figure 3
-NO_ANSWER = "(no final answer)"  # what the judge sees when spell.extract_answer found nothing
+NO_ANSWER = "(no final answer)"  # what the judge sees when tasks.extract_answer found nothing
 
 
 # ---- prompts, truncation, scoring
@@ -83,12 +84,12 @@ def judge_prompt(item: infra.EvalItem, prediction: str | None) -> str:
     """The LLM-judge prompt for one extracted answer against the first gold answer (Appendix C.2,
     Table 3), each field fenced as in spell.verifier_prompt (one line, capped, no verdict tag)."""
     reference = item.answers[0]
-    shown = spell.fence(prediction or "", spell.answer_cap(reference))
-    if not spell.strip_verdict_tags(prediction or "").strip():  # a bare tag is no answer either
+    shown = tasks.fence(prediction or "", tasks.answer_cap(reference))
+    if not tasks.strip_verdict_tags(prediction or "").strip():  # a bare tag is no answer either
         shown = NO_ANSWER
-    return spell.render_prompt("judge", question=spell.fence(item.question, one_line=False),
+    return spell.render_prompt("judge", question=tasks.fence(item.question, one_line=False),
                                prediction=shown,
-                               reference=spell.fence(reference, spell.REFERENCE_CAP))
+                               reference=tasks.fence(reference, tasks.REFERENCE_CAP))
 
 
 def middle_truncate(ids: list[int], max_len: int) -> list[int]:
@@ -128,9 +129,9 @@ def rule_score(response: str, item: infra.EvalItem) -> float:
 
 
 def paper_rule_score(response: str, item: infra.EvalItem) -> float:
-    """The paper's rule score of one response, without the hedge guards (spell.paper_score), best
+    """The paper's rule score of one response, without the hedge guards (tasks.paper_score), best
     over the gold answers: the cem@1 column beside rule@1."""
-    return max(spell.paper_score(response, answer, item.task) for answer in item.answers)
+    return max(tasks.paper_score(response, answer, item.task) for answer in item.answers)
 
 
 def needs_judge(item: infra.EvalItem, rule: float) -> bool:
@@ -144,7 +145,7 @@ def score_sample(item: infra.EvalItem, index: int, completion) -> dict:
     judge filled in later if asked."""
     rule = rule_score(completion.text, item)
     return {"id": item.id, "benchmark": item.benchmark, "sample": index,
-            "answer": spell.extract_answer(completion.text, item.task), "rule": rule,
+            "answer": tasks.extract_answer(completion.text, item.task), "rule": rule,
             "cem": paper_rule_score(completion.text, item), "judge": None,
             "score": rule, "finish_reason": completion.finish_reason, "judge_output": None,
             "response": completion.text}

@@ -22,7 +22,7 @@ Symbols in shape comments: B clusters (questions) per step, G group size, N sequ
 
 The paper in this file, top to bottom:
   §5.1, App. C.3: the recipe ............. Config, check_config (values: config.toml)
-  §5.1 task types, App. F prompts ........ TASKS, questioner_prompt, responder_prompt, ...
+  §5.1 task types, App. F prompts ........ tasks.TASKS, questioner_prompt, responder_prompt, ...
   Alg. 1 lines 2-3, 20-21, §4.1: H_C ..... HistoryMemory (questioner_context, push)
   line 7: (C, tau) ~ D ................... ClusterSampler.draw
   lines 8-10, §4.1: questioning .......... run_questioner, parse_question
@@ -46,8 +46,8 @@ The paper in this file, top to bottom:
 
 To fork, edit here (all above main(); the recipe presets in presets/ show keys composing):
   a reward ............... verifier_rewards, responder_reward, questioner_reward,
-                           QUESTIONER_MAPPINGS, the rule checks (rule_doc_qa, ...)
-  a task type ............ TASKS, plus its prompt files prompts/<family>_<task>.txt
+                           QUESTIONER_MAPPINGS, the rule checks (tasks.rule_doc_qa, ...)
+  a task type ............ tasks.TASKS, plus its prompt files prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
   advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES (LINEAR_POLICY_LOSSES: those
@@ -69,7 +69,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      lower-case "in"/"on"/"at" or the gold's own article (a yes/no gold alone); every other
      answer, hedges included, is the verifier's to judge (Eq. 6's max would otherwise let a
      hedge's 1 override a NO). Words compare on word boundaries ("5" is not "1995"; the authors
-     test substrings); eval reports the paper's cover exact match beside it (paper_score).
+     test substrings); eval reports the paper's cover exact match beside it (tasks.paper_score).
   2. The number rule reads exactly one number with its currency, sign, accounting parentheses,
      scale, percent and a closed list of unit words; a second number ("5 or 6", "1,2,3") or any
      other word pays nothing. It is sign-sensitive (the authors compare absolute values) and
@@ -87,7 +87,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      prompt budget loses its oldest entries, and their documents, until it fits (the paper is
      silent).
   6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
-     both answers in its prompt, each fenced on one line and capped (fence), with the
+     both answers in its prompt, each fenced on one line and capped (tasks.fence), with the
      instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes
      say YES (an abstention is no YES, a tie is NO).
   7. A group of one sample gets advantage 0; std is the unbiased estimator, eps = 1e-6.
@@ -107,7 +107,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
  13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
      policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
      already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
-     Task.rule_decides = False restores Eq. 6's max.
+     tasks.Task.rule_decides = False restores Eq. 6's max.
  14. §4.3's selection (responder groups with reward variance, questioner positives) reads Eq. 6's
      accuracy (and the bootstrap format penalty where set); DAPO's length shaping
      (reward.overlong_buffer) enters the advantage only, so no group is kept for length alone.
@@ -119,20 +119,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import re
 import signal
-import string
 import sys
 import time
 import types
-import unicodedata
 import zlib
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
@@ -145,6 +141,7 @@ import torch.distributed as dist
 # triton.
 import kernels
 import infra
+import tasks
 
 ROOT = Path(__file__).resolve().parent
 
@@ -152,7 +149,8 @@ ROOT = Path(__file__).resolve().parent
 # ==================================================================================================
 # Config: one typed source of truth. config.toml holds the paper's recipe; unknown keys are errors.
 # A key with fixed choices says them in its Literal type; a key that names a variant of the
-# algorithm is checked against the dict of variants it looks up (TASKS, QUESTIONER_MAPPINGS, ...).
+# algorithm is checked against the dict of variants it looks up (tasks.TASKS, QUESTIONER_MAPPINGS,
+# ...).
 # ==================================================================================================
 
 @dataclass
@@ -173,9 +171,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: str = "data/corpus.jsonl"  # JSON Lines of clusters (see load_corpus)
-    # draw weight of each task type (a key of TASKS) for clusters without one (§5.1: balanced); a
-    # TOML table or `--data.task_weights=doc_mc:0`, the tasks not named keep their weight
-    task_weights: dict[str, float] = field(default_factory=lambda: {task: 1.0 for task in TASKS})
+    # draw weight of each task type (a key of tasks.TASKS) for clusters without one (§5.1:
+    # balanced); a TOML table or `--data.task_weights=doc_mc:0`, the tasks not named keep theirs
+    task_weights: dict[str, float] = field(default_factory=lambda: dict.fromkeys(tasks.TASKS, 1.0))
     qa: str = ""  # RLVR: a static QA set (load_qa_set) instead of the questioner
     # QwenLong-L1's context phases (§2.3, Eq. 9), data.qa only: "1:4096,21:8192" = steps 1-20 on
     # prompts of <= 4096 tokens, then 4096 < tokens <= 8192. "" = one phase
@@ -445,7 +443,7 @@ def check_config(cfg: Config) -> None:
         ("rollout.responder_template", needs["responder"] == [],
          f"a prompt family with a file per task in use; missing {needs['responder']}"),
         ("rollout.grounding_filter", not r.grounding_filter
-         or "documents" in template_fields(f"{r.responder_template}_{next(iter(TASKS))}"),
+         or "documents" in template_fields(f"{r.responder_template}_{next(iter(tasks.TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
         ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
         ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
@@ -482,10 +480,9 @@ def check_config(cfg: Config) -> None:
 # ==================================================================================================
 # 1. Tasks and prompts (§5.1, Appendix F)                                               [algorithm]
 # ==================================================================================================
-# A task type is three small functions in TASKS (at the end of section 2, after the readers and
-# rules it names): how the questioner's reference answer is checked (check_*, here), how a
-# response's final answer is read (extract_*) and R_rule of Eq. 6 (rule_*). A new task type is one
-# more entry plus its prompt files (prompts/<family>_<task>.txt).
+# A task type (tasks.TASKS, in tasks.py) is three small functions: how the questioner's reference
+# answer is checked, how a response's final answer is read, and R_rule of Eq. 6. Its prompts are
+# files, prompts/<family>_<task>.txt, each rendered here from named placeholders.
 
 
 @dataclass
@@ -497,59 +494,6 @@ class Cluster:
     qa: dict | None = None  # RLVR (data.qa): the set's question {"question", "answer"[, "options"]}
 
 
-LETTERS = ("A", "B", "C", "D")
-
-
-def check_doc_qa(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
-    """A general-QA question: the reference answer is a short span (rollout.max_answer_words)."""
-    if not answer.strip() or len(answer.split()) > max_words or not _matchable_gold(answer):
-        return None
-    return {"question": question, "answer": answer.strip()}
-
-
-def _matchable_gold(answer: str) -> bool:
-    """A doc_qa gold that the rule can match at all: some word left after normalisation (not a bare
-    "A" or "The"), one line (extraction reads one), no '*' (extraction drops an answer's '*'), at
-    most MAX_GOLD characters (rule_doc_qa leaves longer ones to the verifier)."""
-    one_line = "\n" not in answer.strip() and "*" not in answer
-    return bool(normalize_text(answer)) and one_line and len(answer) <= MAX_GOLD
-
-
-def check_fin_math(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
-    """A financial-math question: the reference is one non-zero number, kept in plain digits."""
-    value = parse_number(answer)
-    if value is None or value == 0:  # the prompt asks for a non-zero number
-        return None
-    return {"question": question, "answer": format_number(value)}
-
-
-def check_doc_mc(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
-    """A multiple-choice question: options A-D, each a text, and the answer is the letter the
-    questioner was told to make correct (departure 3)."""
-    options = obj.get("options")
-    if not isinstance(options, dict) or sorted(options) != list(LETTERS):
-        return None
-    texts = {k: _scalar_text(options[k]) for k in LETTERS}
-    if not all(t is not None and t.strip() and not _is_template_text(t) for t in texts.values()):
-        return None
-    given = answer.strip().strip("()").strip().upper()
-    if given not in LETTERS or (letter is not None and given != letter):
-        return None
-    return {"question": question, "options": {k: t.strip() for k, t in texts.items()},
-            "answer": given}
-
-
-class Task(NamedTuple):
-    """One task type (§5.1): how its reference answer is checked (None = a format error, Eq. 7),
-    how a response's final answer is read from the text after its reasoning, R_rule of Eq. 6 on the
-    two answers, whether it is multiple choice (the questioner is then told which letter must be
-    correct, and the prompts show the options), and whether the rule alone decides r_i (Eq. 6
-    without the verifier's max, departure 13)."""
-    check: Callable[[str, str, dict, str | None, int], dict | None]
-    extract: Callable[[str], str | None]
-    rule: Callable[[str, str], bool]
-    multiple_choice: bool = False
-    rule_decides: bool = False
 
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -591,11 +535,11 @@ def missing_templates(cfg: Config, role: str, rlvr: bool) -> list[str]:
     memory, or responder) that prompts/ lacks. Under RLVR (data.qa) there is no questioner, and the
     set may hold every task."""
     r, weights = cfg.rollout, cfg.data.task_weights
-    tasks = list(TASKS) if rlvr else [t for t in TASKS if weights[t] > 0]
-    names = {"questioner": [] if rlvr else [f"{r.questioner_template}_{t}" for t in tasks],
+    task_names = list(tasks.TASKS) if rlvr else [t for t in tasks.TASKS if weights[t] > 0]
+    names = {"questioner": [] if rlvr else [f"{r.questioner_template}_{t}" for t in task_names],
              "history": [] if rlvr or not r.history_size
-             else [f"{r.questioner_template}_{t}_history" for t in tasks],
-             "responder": [f"{r.responder_template}_{t}" for t in tasks]}[role]
+             else [f"{r.questioner_template}_{t}_history" for t in task_names],
+             "responder": [f"{r.responder_template}_{t}" for t in task_names]}[role]
     return [n + ".txt" for n in names if not prompt_path(n).is_file()]
 
 
@@ -607,7 +551,7 @@ def format_question(question: dict) -> str:
     """The question as the responder and verifier read it (multiple choice carries its options)."""
     if "options" not in question:
         return question["question"]
-    options = "\n".join(f"({k}) {question['options'][k]}" for k in LETTERS)
+    options = "\n".join(f"({k}) {question['options'][k]}" for k in tasks.LETTERS)
     return f"{question['question']}\n{options}"
 
 
@@ -617,40 +561,14 @@ def format_examples(entries: Sequence[HistoryEntry]) -> str:
                      for i, e in enumerate(entries, 1))
 
 
-# ⟦ ⟧: no answer holds them (fence takes them out), so no answer can close its fence
-FENCE_OPEN, FENCE_CLOSE = "\u27e6", "\u27e7"
-_NO_FENCE = str.maketrans({FENCE_OPEN: "[", FENCE_CLOSE: "]"})
-REFERENCE_CAP = 1000  # characters of a reference shown; questioners' golds are at most 30 words
-
-
-def answer_cap(reference: str) -> int:
-    """Characters of an answer shown beside a reference: max(64, 4 x the reference's characters),
-    the reference counted up to REFERENCE_CAP."""
-    return max(64, 4 * min(len(reference), REFERENCE_CAP))
-
-
-def fence(text: str, cap: int | None = None, one_line: bool = True) -> str:
-    """text between ⟦ and ⟧ for a verifier or judge prompt: no verdict tags, no fence characters
-    inside, every line break and run of whitespace one space (one_line), at most `cap` characters,
-    a cut marked after the fence."""
-    # translate first: "⟦[YES]]" becomes a tag, which the strip then removes
-    text = strip_verdict_tags(text.translate(_NO_FENCE))
-    if one_line:
-        # str.split() splits at every line break Python knows: \r, \v, \f, U+001C-001E, U+0085,
-        # U+2028, U+2029, so no answer can start a line of its own ("- Answer 2: ...")
-        text = " ".join(text.split())
-    if cap is None or len(text) <= cap:
-        return f"{FENCE_OPEN}{text}{FENCE_CLOSE}"
-    # the note stands outside the fence, where no answer can write
-    return f"{FENCE_OPEN}{text[:cap]}{FENCE_CLOSE} [cut: the first {cap} of {len(text)} characters]"
-
 
 def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
     """Render the verifier template comparing an extracted answer with the reference (§4.1)."""
     # the policy writes all three fields: each is fenced, and none may carry a verdict (Eq. 4)
-    return render_prompt("verifier", question=fence(format_question(question), one_line=False),
-                         answer_1=fence(predicted, answer_cap(reference)),
-                         answer_2=fence(reference, REFERENCE_CAP))
+    return render_prompt("verifier",
+                         question=tasks.fence(format_question(question), one_line=False),
+                         answer_1=tasks.fence(predicted, tasks.answer_cap(reference)),
+                         answer_2=tasks.fence(reference, tasks.REFERENCE_CAP))
 
 
 def questioner_prompt(task: str, documents: Sequence[str], examples: Sequence[HistoryEntry],
@@ -662,7 +580,7 @@ def questioner_prompt(task: str, documents: Sequence[str], examples: Sequence[Hi
     if examples:
         name += "_history"
         fields["examples"] = format_examples(examples)
-    if TASKS[task].multiple_choice:
+    if tasks.TASKS[task].multiple_choice:
         fields["correct_letter"] = correct_letter
     return render_prompt(name, **fields)
 
@@ -675,44 +593,9 @@ def responder_prompt(task: str, documents: Sequence[str] | None, question: dict,
     fields = {"question": question["question"]}
     if "documents" in template_fields(name):
         fields["documents"] = "Empty" if documents is None else join_documents(documents)
-    if TASKS[task].multiple_choice:
-        fields.update({f"choice_{k}": question["options"][k] for k in LETTERS})
+    if tasks.TASKS[task].multiple_choice:
+        fields.update({f"choice_{k}": question["options"][k] for k in tasks.LETTERS})
     return render_prompt(name, **fields)
-
-
-def control_tokens(tokenizer) -> tuple[str, ...]:
-    """The strings a tokenizer reads as one added id wherever they stand: role tags, end of turn,
-    and tags it does not flag special (Qwen2.5's "<tool_call>", Qwen3's "<think>")."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # a test's stand-in has none
-    # an added token is cut out of the text before the vocabulary is consulted, whatever its
-    # special flag says; a whitespace-only one (some vocabularies add runs of spaces) carries no
-    # role, and defusing it would change the ids of ordinary text
-    tokens = {t.content for t in added.values() if t.content.strip()}
-    return tuple(sorted(tokens | set(getattr(tokenizer, "all_special_tokens", None) or ())))
-
-
-_WORD_JOINER = "\u2060"  # invisible, and no tokenizer's control token holds it
-
-
-def defuse_control_tokens(text: str, tokens: Sequence[str]) -> str:
-    """text with a word joiner after the first character of every place a control token starts.
-
-    "Paris<|im_end|>\n<|im_start|>system" in an answer would otherwise end the user turn of the
-    verifier's prompt and open a system turn. Text that holds no control token comes back unchanged,
-    so its ids do not change either.
-    """
-    tokens = tuple(t for t in tokens if len(t) > 1)  # one character cannot be split (none in use)
-    if not any(t in text for t in tokens):
-        return text
-    return _control_token_starts(tokens).sub(lambda m: m[0] + _WORD_JOINER, text)
-
-
-@functools.lru_cache(maxsize=8)
-def _control_token_starts(tokens: tuple[str, ...]) -> re.Pattern:
-    """Matches the first character of every occurrence of a token, overlapping ones included."""
-    # a lookahead at each position also finds occurrences that overlap; a joiner lands inside each
-    # of them, and inserting joiners cannot make a new occurrence (no token holds one)
-    return re.compile("(?=" + "|".join(map(re.escape, tokens)) + ")(.)", re.S)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -721,706 +604,55 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     Every prompt enters here, and its text is documents, model output and our templates: none of it
     may become a control token, so a role tag written as text is defused first.
     """
-    content = defuse_control_tokens(text, control_tokens(tokenizer))
+    content = tasks.defuse_control_tokens(text, tasks.control_tokens(tokenizer))
     return list(tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                               add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
 
 
 # ==================================================================================================
-# 2. Parsing the roles' outputs: the questioner's JSON, final answers, the rule checks, verdicts
-#                                                                                       [algorithm]
+# 2. Parsing the roles' outputs: the questioner's JSON object, R_rule, the verdicts     [algorithm]
 # ==================================================================================================
-# Every reader runs in linear time and never raises: a model output is data. R_rule of Eq. 6 is an
-# allow-list for each task: it pays only an answer whose whole shape it knows names one candidate,
-# and leaves everything else to the verifier (doc_qa) or to nothing (fin_math, doc_mc: departure
-# 13). It may miss a right answer; it never pays a hedge.
-
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
-
-def strip_reasoning(text: str) -> str | None:
-    """Text after the last reasoning-close tag; None when a reasoning block never closes."""
-    if _THINK_CLOSE in text:
-        return text.rsplit(_THINK_CLOSE, 1)[1]
-    if _THINK_OPEN in text:
-        return None
-    return text
-
-
-def fenced_blocks(text: str) -> list[tuple[int, str]]:
-    """(end, body) of every closed ``` fence; an unclosed fence holds nothing."""
-    # str.find, not a lazy regex: r"```\s*(.*?)```" backtracks quadratically over an unclosed fence
-    found, pos = [], 0
-    while (start := text.find("```", pos)) >= 0:
-        body = start + 3 + (4 if text.startswith(("json", "JSON"), start + 3) else 0)
-        end = text.find("```", body)
-        if end < 0:
-            break
-        found.append((end + 3, text[body:end]))
-        pos = end + 3
-    return found
-
-
-_JSON_TOKEN = re.compile(r'\\.|[{}"\n]', re.S)  # an escaped character, a brace, a quote, a newline
-
-
-def json_candidates(text: str, key: str) -> list[str]:
-    """Fenced blocks and outermost balanced {...} spans holding `key` (e.g. '"question"'), by where
-    they end: what spell.parse_question tries to read, in linear time.
-
-    A span is outermost when no brace around it ever closes: an unclosed '{' in prose ("I think {
-    maybe.") then cannot hide the object after it. Outermost spans are disjoint, so looking for the
-    key in each, and parsing each, stays linear in the text.
-    """
-    # a span without the key cannot validate: skipping it keeps "{}" * 10**5 from costing 10**5
-    # parses
-    if key not in text:
-        return []
-    found = [(end, body) for end, body in fenced_blocks(text) if key in body]
-    opened: list[int] = []  # positions of the braces open here, outermost first
-    inner: dict[int, list] = {}  # depth d -> the spans that closed right inside opened[d]
-    top: list[tuple[int, int]] = []  # spans that closed with no brace open around them
-    in_str = False
-    for m in _JSON_TOKEN.finditer(text):  # only these characters matter: the scan skips prose in C
-        # inside a JSON string braces do not count, nor does an escaped quote; and a JSON string
-        # holds no raw newline, so a quote opened in prose ends at the line's end
-        if in_str:
-            in_str = m[0] not in ('"', "\n")
-            continue
-        ch, i = m[0][-1], m.end() - 1  # outside a string a backslash means nothing: \{ still opens
-        if ch == '"' and opened:
-            in_str = True
-        elif ch == "{":
-            opened.append(i)
-        elif ch == "}" and opened:
-            start = opened.pop()
-            inner.pop(len(opened), None)  # the spans inside it stop being outermost
-            (inner.setdefault(len(opened) - 1, []) if opened else top).append((start, i + 1))
-    # a brace that never closed was prose: the spans inside it are outermost too
-    spans = top + [span for inside in inner.values() for span in inside]
-    found += [(end, text[start:end]) for start, end in spans
-              if text.find(key, start, end) >= 0]
-    return [s for _, s in sorted(found, key=lambda p: p[0])]
-
-
-def loads_lenient(s: str) -> Any:
-    """json.loads, retried once with trailing commas removed (a common slip of the questioner)."""
-    try:
-        return json.loads(s)
-    except json.JSONDecodeError:
-        return json.loads(re.sub(r",\s*([}\]])", r"\1", s))
-
-
-def _scalar_text(x: Any) -> str | None:
-    """A JSON string or finite number as text; None for anything else (bool, NaN, Infinity,
-    list...)."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return str(x)  # exact; json.loads already refused more than 4300 digits (a ValueError)
-    if isinstance(x, float):
-        return format_number(x) if math.isfinite(x) else None
-    return x if isinstance(x, str) and infra.is_utf8(x) else None
-
-
-def _is_template_text(s: Any) -> bool:
-    """A field left as the prompt's example, e.g. "<your question>": the questioner copied the
-    template."""
-    return isinstance(s, str) and bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
-
-
-def validate_question(obj: Any, task: str, correct_letter: str | None,
-                       max_answer_words: int) -> dict | None:
-    """Check the keys and types a task needs; None means a format error (Eq. 7, r = -1)."""
-    if not isinstance(obj, dict):
-        return None
-    q, a = obj.get("question"), _scalar_text(obj.get("answer"))
-    if not isinstance(q, str) or not q.strip() or not infra.is_utf8(q) or _is_template_text(q):
-        return None
-    if _is_template_text(a):
-        return None
-    # the gold written as "The correct answer is X." means X
-    if a is not None and _MARKER.search(a):
-        a = after_last_marker(a)
-    if a is None:
-        return None
-    return TASKS[task].check(q.strip(), a, obj, correct_letter, max_answer_words)
-
+# The task types read the text (tasks.py): every reader runs in linear time and never raises, a
+# model output is data. R_rule is an allow-list per task: it may miss a right answer, the verifier
+# then decides; it never pays a hedge (departures 1 and 2).
 
 def parse_question(text: str, task: str, correct_letter: str | None = None,
                    max_answer_words: int = 30) -> dict | None:
     """The questioner's final JSON object (§4.1; fenced or bare, last valid wins); None = format
     error."""
-    body = strip_reasoning(text)
+    body = tasks.strip_reasoning(text)
     if body is None:
         return None
-    for candidate in reversed(json_candidates(body, '"question"')):
+    for candidate in reversed(tasks.json_candidates(body, '"question"')):
         try:
-            obj = loads_lenient(candidate)
+            obj = tasks.loads_lenient(candidate)
         # a JSONDecodeError is a ValueError, as is an integer of more than 4300 digits; nesting
         # deeper than the interpreter's recursion limit ("[[[[...") raises RecursionError: all
         # format errors
         except (ValueError, RecursionError):
             continue
-        parsed = validate_question(obj, task, correct_letter, max_answer_words)
+        parsed = tasks.validate_question(obj, task, correct_letter, max_answer_words)
         if parsed is not None:
             return parsed
     return None
 
 
-# "answer is" as words: "answer isn't" is no marker. No two unbounded runs in these patterns can
-# match the same characters, so 200k spaces after a marker cost linear time (r"\s*:?\s*\**\s*" was
-# cubic)
-_MARKER = re.compile(r"\banswer\s+is\b\s*:?", re.I)
-_PLACEHOLDER_ANSWER = "insert answer here"
-
-
-def extract_answer(text: str, task: str) -> str | None:
-    """Final answer of a response: after the reasoning, read as its task reads it (SPEC §3)."""
-    body = strip_reasoning(text)
-    return None if body is None else TASKS[task].extract(body)
-
-
-# each pattern starts with a literal or a class, so re scans for it in C (a leading lookbehind is
-# ~20x slower)
-_THOUSANDS_COMMA = re.compile(r",(?<=\d,)(?=\d)")
-
-
-_NON_DECIMAL_DOT = re.compile(r"\.(?:(?!\d)|(?<!\d\.))")  # a dot not between two digits
-
-
-_ASCII_PUNCTUATION = re.compile("[" + re.escape(string.punctuation.replace(".", "")) + "]")
-
-
-# punctuation and symbols, also combining marks
-_NON_ASCII_NOT_WORD = re.compile(r"[^\w\s\x00-\x7f]+")
-
-
-_ARTICLES = frozenset(("a", "an", "the"))
-
-
-def _space_if_punctuation(m: re.Match) -> str:
-    """Unicode punctuation (P*) and symbols (S*) become spaces; a combining mark (M*) stays in its
-    word."""
-    return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
-
-
-def normalize_text(s: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
-    Unicode-aware)."""
-    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
-    s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
-    # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
-    s = _ASCII_PUNCTUATION.sub(" ", s)
-    if not s.isascii():
-        s = _NON_ASCII_NOT_WORD.sub(_space_if_punctuation, s)
-    return " ".join(w for w in s.split() if w not in _ARTICLES)
-
-
-YES_NO = frozenset(("yes", "no"))
-
-
-NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-
-
-CURRENCY = ("$", "€", "£", "¥")
-
-
-def answer_number(s: str) -> re.Match | None:
-    """The first number of s that is not a label, else the first number at all (a lone 'FY2023')."""
-    # the answer comes first and its context after ("12.5% in 2023", "25% (2019 to 2020)"): so the
-    # first number, not the last
-    first = None
-    for m in NUMBER.finditer(s):
-        if not is_label(s, m):
-            return m
-        first = first or m
-    return first
-
-
-def is_label(s: str, m: re.Match) -> bool:
-    """A number that names rather than counts: glued to a word ('FY2023', 'Q4') or before a colon
-    ('2023: 1.5')."""
-    glued = m.start() > 0 and s[m.start() - 1].isalpha()
-    colon = s.startswith((": ", ":\t"), m.end()) or (s.endswith(":") and m.end() == len(s) - 1)
-    return glued or colon
-
-
-CLOSING_PAREN = re.compile(r"\s*\)")
-
-
-def number_is_negative(s: str, m: re.Match) -> bool:
-    """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
-    around them ('(12)', '$(1,234)', '($1,234)')."""
-    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
-    head = s[:m.start()].rstrip()
-    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
-        head = head[:-1].rstrip()
-    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
-    return head.endswith("-") or accounting
-
-
-def parse_number(text: Any) -> float | None:
-    """The number a text gives as its answer, else None ('$1,234.5 million' -> 1234.5, '-1%' -> -1).
-
-    Where: the line after the last 'answer is' (as extract_answer reads it), else the last non-empty
-    line; there the first number that is not a label ('FY2023: 1.5' -> 1.5, 'Q4' and '2023:' are
-    labels). Accounting parentheses make it negative: '$(1,234)' -> -1234.0.
-    """
-    if isinstance(text, bool):
-        return None
-    if isinstance(text, (int, float)):
-        try:
-            value = float(text)
-        except OverflowError:  # an integer beyond the float range (JSON integers are unbounded)
-            return None
-        return value if math.isfinite(value) else None
-    s = number_region(str(text).replace("\u2212", "-")).replace(",", "")
-    m = answer_number(s)
-    if m is None:
-        return None
-    value = float(m[0])
-    if not math.isfinite(value):  # "1e999"
-        return None
-    return -value if number_is_negative(s, m) else value
-
-
-def format_number(value: float) -> str:
-    """A finite number in plain digits, never an exponent: 1500000.0 -> '1500000', 1.5e-07 ->
-    '0.00000015'."""
-    # f"{x:g}" would write 1.5e+06 (which CEM never matches) and keep only 6 significant digits
-    if value.is_integer():
-        return str(int(value))
-    return format(Decimal(repr(value)), "f")  # repr: the shortest digits that give the float back
-
-
-def cover_exact_match(prediction: str, gold: str) -> bool:
-    """CEM (§4.2): the normalised gold answer occurs in the prediction, on word boundaries."""
-    p, g = normalize_text(prediction), normalize_text(gold)
-    if not p or not g:
-        return False
-    # padding both with spaces turns substring search into whole-word search: "5" is not in "1995"
-    return f" {g} " in f" {p} "
-
-
-def _bmp_chars(categories: str, but: str = "") -> str:
-    """Every character of the BMP whose two-letter category is in `categories` ("Pi Pf ..."),
-    except those in `but`, escaped for a regex class."""
-    wanted = set(categories.split())
-    return "".join(re.escape(chr(c)) for c in range(0x10000)
-                   if unicodedata.category(chr(c)) in wanted and chr(c) not in but)
-
-
-_MARKS = _bmp_chars("Mn Mc Me")  # combining marks belong to the word they follow ("e" + U+0301)
-_QUOTES = _bmp_chars("Pi Pf") + re.escape("\"'`")
-_EMPHASIS = re.escape("*_")  # markdown bold and italics
-# what may wrap an answer at its ends: quotes, markdown, brackets (not braces, TeX's: "\boxed{B}"),
-# and at the end a full stop or "!"
-_OPEN_EDGE = re.compile(rf"[\s{_QUOTES}{_EMPHASIS}{_bmp_chars('Ps', but='{')}]*")
-_STOPS = re.escape(".!。！")
-_CLOSE_EDGE = re.compile(rf"[\s{_QUOTES}{_EMPHASIS}{_bmp_chars('Pe', but='}')}{_STOPS}]*")
-# a number's edges keep their brackets: "(1,234)" is a negative amount, not a wrapped one
-_NUMBER_OPEN_EDGE = re.compile(rf"[\s{_QUOTES}{_EMPHASIS}]*")
-_NUMBER_CLOSE_EDGE = re.compile(rf"[\s{_QUOTES}{_EMPHASIS}{_STOPS}]*")
-
-
-def strip_edges(text: str, open_edge: re.Pattern = _OPEN_EDGE,
-                close_edge: re.Pattern = _CLOSE_EDGE) -> str:
-    """text without the wrapping characters at its two ends ('**"Paris"**.' -> 'Paris')."""
-    # the end is matched on the reversed text: a search for "[...]*\Z" retries at every start
-    start = open_edge.match(text).end()
-    end = len(text) - close_edge.match(text[::-1]).end()
-    return text[start:max(start, end)]
-
-
-# ---- Extraction: the answer statement is one line, and every \boxed{} on that line is opened
-
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-# a whole answer in TeX math: "$5$", "\(5\)", "\[5\]"
-_MATH_PAIR = re.compile(r"\$(.*)\$|\\\((.*)\\\)|\\\[(.*)\\\]", re.S)
-
-
-def clean_answer(line: str) -> str | None:
-    """An answer line without markdown, quotes, trailing dots, TeX math delimiters and the
-    template's parentheses; None when empty or still the template's placeholder."""
-    line = line.replace("*", "").strip().strip('"\u201c\u201d\'').strip().rstrip(".").strip()
-    if m := _MATH_PAIR.fullmatch(line):
-        line = next(g for g in m.groups() if g is not None).strip()
-    if line.startswith("(") and line.endswith(")"):  # the model copied the template's parentheses
-        line = line[1:-1].strip()
-    if not line or _PLACEHOLDER_ANSWER in line.lower():
-        return None
-    return line
-
-
-def last_match(pattern: re.Pattern, text: str, pos: int = 0,
-               endpos: int | None = None) -> re.Match | None:
-    """The last match of pattern in text[pos:endpos], or None."""
-    # one match object alive at a time: a list of 10^5 of them made the garbage collector's passes
-    # grow with the text, and the scan superlinear
-    last = None
-    for last in pattern.finditer(text, pos, len(text) if endpos is None else endpos):
-        pass
-    return last
-
-
-def after_last_marker(text: str) -> str | None:
-    """The first line after the last 'answer is' marker, cleaned (clean_answer)."""
-    mark = last_match(_MARKER, text)
-    if mark is None:
-        return None
-    return clean_answer(text[mark.end():].strip().split("\n", 1)[0])
-
-
-_TEX_OPENER_REVERSED = re.compile(r"[ \t*]*(?:\$|[(\[]\\)?")  # "$", "\(" or "\[" before a box
-
-
-def box_statement(body: str, box: re.Match, labels: tuple[re.Pattern, ...] = (_MARKER,)) -> int:
-    """Where the statement of a \\boxed{} starts (it ends with the line): after a marker or label on
-    the box's line ("the answer is \\boxed{X}"), else at the line's first box and its TeX opener."""
-    line = body.rfind("\n", 0, box.start()) + 1
-    ends = [m.end() for m in (last_match(p, body, line, box.start()) for p in labels) if m]
-    if ends:
-        return max(ends)
-    # prose before the first box is left out: "So \boxed{Rome}"
-    first = _BOXED.search(body, line, box.end()).start()
-    return first - _TEX_OPENER_REVERSED.match(body[line:first][::-1]).end()
-
-
-def rest_of_line(text: str, start: int) -> str:
-    end = text.find("\n", start)
-    return text[start:end if end >= 0 else len(text)]
-
-
-def extract_text_answer(body: str) -> str | None:
-    """The final answer of a free-form response (SPEC §3): the line after the last 'answer is', or
-    the statement of the last \\boxed{} when that comes later (box_statement), every box opened."""
-    mark, box = last_match(_MARKER, body), last_match(_BOXED, body)
-    if box is None or (mark is not None and mark.start() > box.start()):
-        return after_last_marker(body)
-    # all boxes of the statement, so "\boxed{Paris} or \boxed{Berlin}" reaches the rule as a hedge
-    return clean_answer(_BOXED.sub(r"\1", rest_of_line(body, box_statement(body, box))))
-
-
-def extract_number_answer(body: str) -> str | None:
-    """A financial answer: the free-form answer, which must contain a number (the verifier is shown
-    it even where the number rule refuses it)."""
-    answer = extract_text_answer(body)
-    return answer if answer is not None and parse_number(answer) is not None else None
-
-
-# ---- doc_qa: the gold itself, once, with nothing beside it but "the" and a preposition (Eq. 6)
-
-# What may stand before the gold. "the" never names a candidate; the prepositions count only in
-# lower case ("In", "At" are element symbols: "In Ga" is a list of two); "a" and "an" only where the
-# gold itself starts with them ("A" is a letter: "A B" is a list of two). A word that joins,
-# excludes, compares or negates ("or", "and", "but", "than", "not", "no", "vs") is never allowed:
-# with one of them the gold plus allowed words would build a hedge. Nothing may follow the gold.
-FILLERS = frozenset(("the",))
-PREPOSITIONS = frozenset(("in", "on", "at"))  # "in 1995", "on Monday", "at 5 pm"
-MAX_FILLERS = 3  # "in the 1990s" needs two
-_ABBREVIATION_DOT = re.compile(r"([^\W\d_])\.")  # "U.S." is "US"; "3.5" keeps its point
-# "1,500" is 1500 only in a valid grouping: "1,2,3" stays three numbers, "1994,1995" two
-_GROUPED = re.compile(r"(?<![\w.,])[0-9]{1,3}(?:,[0-9]{3})+(?![0-9]|,[0-9])")
-# a decimal, a word, or a run of marks (spaces inside the run dropped later: "? !" is "?!")
-_MARK, _MARK_OR_SPACE = rf"[^\w{_MARKS}\s]", rf"[^\w{_MARKS}]"
-_UNIT = re.compile(rf"[0-9]+(?:\.[0-9]+)+|[\w{_MARKS}]+|{_MARK}(?:{_MARK_OR_SPACE}*{_MARK})?")
-_WORD_START = re.compile(rf"[\w{_MARKS}]")
-MAX_GOLD = 1000  # characters; a doc_qa gold is a short span (rollout.max_answer_words words)
-
-
-def answer_units(text: str) -> list[str]:
-    """The words and runs of punctuation of an answer, in its own case, its edges stripped
-    (strip_edges): '**"U.S. Army"**.' -> ['US', 'Army'], 'AC / DC' -> ['AC', '/', 'DC']."""
-    s = strip_edges(text).replace("_", " ")
-    s = _ABBREVIATION_DOT.sub(r"\1", s)
-    s = _GROUPED.sub(lambda m: m[0].replace(",", ""), s)
-    return [u if _is_word(u) else "".join(u.split()) for u in _UNIT.findall(s)]
-
-
-def _is_word(unit: str) -> bool:
-    return _WORD_START.match(unit) is not None
-
-
-def _filler(unit: str, lead: set[str]) -> bool:
-    """A unit that may stand before the gold: 'the', a lower-case preposition, the gold's own
-    article."""
-    return unit.lower() in FILLERS or unit in PREPOSITIONS or unit.lower() in lead
-
-
-def rule_doc_qa(prediction: str, gold: str) -> bool:
-    """R_rule for doc_qa (Eq. 6, departure 1): the answer, its wrapping quotes, markdown and end
-    punctuation removed, is the gold's words once, with the gold's own punctuation or none between
-    them, led at most by "the", a lower-case "in"/"on"/"at" or the gold's own leading article."""
-    if len(gold) > MAX_GOLD:  # no short answer: the verifier decides
-        return False
-    g = answer_units(gold)
-    lead = set()
-    while g and g[0].lower() in _ARTICLES:  # "The Beatles" is "Beatles", led by its own "the"
-        lead.add(g.pop(0).lower())
-    gold_words = [u.lower() for u in g if _is_word(u)]
-    if not gold_words:
-        return False
-    # every right answer is shorter than this (fillers, the gold with a space around every piece,
-    # a dot after every letter, wrapping): anything longer is no answer the rule pays, at no cost
-    if len(prediction) > 4 * len(gold) + 64:
-        return False
-    p = answer_units(prediction)
-    i = len(p) - 1
-    for j in range(len(g) - 1, -1, -1):  # the gold's units, matched from the answer's end
-        if i < 0:
-            return False
-        if _is_word(g[j]) or not 0 < j < len(g) - 1:  # words, and marks at the gold's ends
-            if p[i].lower() != g[j].lower():
-                return False
-            i -= 1
-        elif not _is_word(p[i]):  # marks inside the gold: its own ("AC/DC"), or none ("AC DC")
-            if p[i] != g[j]:
-                return False
-            i -= 1
-    rest = p[:i + 1]
-    if rest and (" ".join(gold_words) in YES_NO or len(rest) > MAX_FILLERS
-                 or not all(_filler(u, lead) for u in rest)):
-        return False  # a yes/no gold takes nothing beside it
-    words = [u.lower() for u in p if _is_word(u)]
-    n = len(gold_words)  # once: "in in" for a gold "in" names it twice
-    return sum(words[k:k + n] == gold_words for k in range(len(words) - n + 1)) == 1
-
-
-# ---- fin_math: one number, with its currency, sign, scale and percent, and a few harmless words
-
-CURRENCY_MARKS = frozenset("$€£¥₹")
-CURRENCY_WORDS = frozenset(("usd", "us", "eur", "gbp", "jpy", "cny", "rmb", "inr", "dollar",
-                            "dollars", "euro", "euros", "pound", "pounds", "yen", "yuan", "rupee",
-                            "rupees", "cent", "cents"))
-SCALE_WORDS = frozenset(("hundred", "thousand", "thousands", "million", "millions", "billion",
-                         "billions", "trillion", "trillions", "k", "m", "mm", "mn", "b", "bn", "t",
-                         "tn"))
-GLUED_SUFFIXES = frozenset(("", "k", "m", "mm", "mn", "b", "bn", "t", "tn", "x"))  # "1.5bn", "2x"
-PERCENT_WORDS = frozenset(("percent", "per", "cent", "pct", "percentage", "point", "points"))
-UNIT_WORDS = frozenset(("share", "shares", "unit", "units", "day", "days", "month", "months",
-                        "year", "years", "annum", "times"))
-# before the number: an approximation names one value still ("about 5"); a range ("over 5",
-# "between 5 and 6", "up to 5") or a negation ("not 5") has no word here
-PREFIX_WORDS = frozenset(("approximately", "approx", "about", "around", "roughly",
-                          "the")) | CURRENCY_WORDS
-SUFFIX_WORDS = SCALE_WORDS | PERCENT_WORDS | UNIT_WORDS | CURRENCY_WORDS
-MAX_WORDS = 4  # on each side of the number
-_NUMBER_PIECE = re.compile(
-    r"(?P<num>(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(?P<exp>e[+-]?[0-9]+)?"
-    r"(?P<glued>[^\W_]*)|(?P<word>[^\W_]+)|(?P<mark>\S)")
-
-
-def number_region(text: str) -> str:
-    """The part of a text that states its number: after the last 'answer is' marker, else the last
-    non-empty line."""
-    if (region := after_last_marker(text)) is not None or _MARKER.search(text):
-        return region or ""
-    text = text.rstrip()
-    return text[text.rfind("\n") + 1:]
-
-
-def answer_value(text: Any) -> float | None:
-    """The one number an answer states, else None (departure 2): '$1,234.5 million' -> 1234.5,
-    '$(1,234)' -> -1234.0, 'FY2023: 1.5' -> 1.5; '5 or 6', 'not 5', '1,2,3', '12.5% in 2023' ->
-    None.
-
-    Allowed beside the number: first a label glued to digits with its colon ('FY2023:', 'Q4:'); then
-    PREFIX_WORDS; then a currency mark, a sign or accounting parentheses; after the number a glued
-    scale ('1.5bn'), '%' and SUFFIX_WORDS. A second number, any other word or mark: None.
-    """
-    if isinstance(text, bool):
-        return None
-    if isinstance(text, (int, float)):
-        return parse_number(text)  # a JSON number: exact, finite
-    s = number_region(str(text)).replace("\u2212", "-")  # the Unicode minus sign is a minus
-    s = strip_edges(s, _NUMBER_OPEN_EDGE, _NUMBER_CLOSE_EDGE).lower()
-    number, colon_due, words, before, after = None, False, 0, "", []
-    # read lazily: the first piece refused ends the reading, so a long text costs one regex scan
-    for k, m in enumerate(_NUMBER_PIECE.finditer(s)):
-        kind, piece = "num" if m["num"] else m.lastgroup, m[0]  # lastgroup: "glued" closes last
-        if colon_due:  # a label stands for what follows its colon
-            if piece != ":":
-                return None
-            colon_due = False
-        elif number is None and kind == "num":
-            if m["glued"] not in GLUED_SUFFIXES:  # "5or6", "2023fy"
-                return None
-            number, words = m, 0
-        elif number is None and kind == "word" and k == 0 and not piece.isalpha():
-            colon_due = True  # letters glued to digits: "fy2023", "q4"
-        elif number is None and kind == "word":
-            if before or piece not in PREFIX_WORDS or words == MAX_WORDS:  # words come first
-                return None
-            words += 1
-        elif number is None and kind == "mark":
-            if piece not in "$€£¥₹-+(" or piece in before:
-                return None
-            before += piece
-        elif number is not None and kind == "word" and piece in SUFFIX_WORDS and words < MAX_WORDS:
-            words += 1
-            after.append(piece)
-        elif number is not None and kind == "mark" and piece in "%)" and piece not in after:
-            after.append(piece)
-        else:
-            return None
-    if number is None or colon_due:
-        return None
-    signs = sum(c in "-+(" for c in before)
-    if signs > 1 or sum(c in CURRENCY_MARKS for c in before) > 1:  # "-(5)", "$€5"
-        return None
-    accounting = "(" in before
-    if accounting != (")" in after):
-        return None
-    # accounting parentheses close right after the number or its scale: "(1.2) million",
-    # "(1.2 million)"; "(12.5%)" may be an aside or a negative share, so it states nothing
-    if accounting and ("%" in after or after.index(")") > int(after[0] in SCALE_WORDS)):
-        return None
-    value = float(number["num"].replace(",", "") + (number["exp"] or ""))
-    if not math.isfinite(value):  # "1e999"
-        return None
-    return -value if "-" in before or accounting else value
-
-
-def values_match(p: float, g: float, rel_tol: float = 0.0015) -> bool:
-    """Equal within rel_tol of the gold, up to a scale of 100/1e3/1e6/1e9; sign matters (SPEC
-    §3)."""
-    if g == 0 or p == 0:
-        return p == g
-    if (p < 0) != (g < 0):
-        return False
-    ratio = p / g  # |p*s - g| <= tol*|g| as |ratio*s - 1| <= tol: no overflow for huge golds
-    return any(abs(ratio * s - 1) <= rel_tol or abs(ratio / s - 1) <= rel_tol
-               for s in (1.0, 100.0, 1e3, 1e6, 1e9))
-
-
-def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
-    """R_rule for fin_math (Eq. 6): the one number each states (answer_value) match
-    (values_match)."""
-    p, g = answer_value(prediction), answer_value(gold)
-    return p is not None and g is not None and values_match(p, g, rel_tol)
-
-
-# ---- doc_mc: the last answer statement is one letter and nothing else
-
-# where a letter is read (SPEC §3): after 'answer is', after an 'Answer:' label at a line's start,
-# in a \boxed{}, or a last line that starts with 'Option'
-_ANSWER_LABEL = re.compile(r"^[ \t*#>]*(?i:(?:final|correct)[ \t]+)?(?i:answer)[ \t*]*:", re.M)
-_OPTION_LINE = re.compile(r"[ \t*#>]*(?i:option|choice)[ \t]*\(?[A-Da-d]\)?(?![A-Za-z0-9])")
-# a statement is one whose text starts with a letter in one of these forms; prose after 'answer is'
-# ("this answer is supported by...") is no statement
-_LETTER_START = re.compile(r"(?:\\boxed\{\s*)?"
-                           r"(?:(?i:option|choice)[ \t]*\(?[A-Da-d]\)?|\(?[A-D]\)?)(?![A-Za-z0-9])")
-_LETTER = re.compile(r"(?i:option|choice)[ \t]*\(?([A-Da-d])\)?|\(?([A-D])\)?")
-MAX_LETTER_LINE = 200  # characters: a statement of one letter in any allowed wrapping is shorter
-
-
-def _letter_of(region: str) -> str | None:
-    """The letter a statement's text names when it is nothing but one letter form ('(B)', 'B',
-    'Option b', '\\boxed{B}', wrapped in markdown, quotes or TeX), else None."""
-    if len(region) > MAX_LETTER_LINE:
-        return None
-    # the end's dot goes before "\\]" can be read as a bracket
-    region = region.replace("*", "").strip().rstrip(".!").strip()
-    if m := _MATH_PAIR.fullmatch(region):
-        region = next(g for g in m.groups() if g is not None)
-    region = strip_edges(region)
-    if m := _BOXED.fullmatch(region):
-        region = strip_edges(m[1])
-    m = _LETTER.fullmatch(region)
-    return (m[1] or m[2]).upper() if m else None
-
-
-def extract_letter_answer(body: str) -> str | None:
-    """The option a multiple-choice response settles on (SPEC §3): its last answer statement, when
-    that states one letter and nothing else ("A or B", "A good choice", "(B) and (C)": None)."""
-    last = (-1, -1)  # the last statement: where it stands, where its text starts (to the line end)
-    for pattern in (_MARKER, _ANSWER_LABEL):
-        for m in pattern.finditer(body):
-            # the text may start on a later line ("The answer is\n\n(B)"); the runs skipped here
-            # are disjoint (each stops before the next marker's letters): the scan stays linear
-            text_at = _OPEN_EDGE.match(body, m.end()).end()
-            if _LETTER_START.match(body, text_at):
-                last = max(last, (m.start(), text_at))
-    if box := last_match(_BOXED, body):  # a box always states
-        last = max(last, (box.start(), box_statement(body, box, (_MARKER, _ANSWER_LABEL))))
-    tail = body.rstrip()
-    line = tail.rfind("\n") + 1
-    if _OPTION_LINE.match(tail, line) and _letter_of(tail[line:]):  # a last line "Option B."
-        last = max(last, (line, line))
-    at, start = last
-    return None if at < 0 else _letter_of(rest_of_line(body, start))
-
-
-# ---- the task types
-
-def rule_fin_math(predicted: str, gold: str) -> bool:
-    """The same number: within 0.15 %, up to a scale of 100 / 1e3 / 1e6 / 1e9 (numbers_match)."""
-    return numbers_match(predicted, gold)
-
-
-def rule_doc_mc(predicted: str, gold: str) -> bool:
-    """The same letter."""
-    return predicted == gold.strip().strip("()").upper()
-
-
-# §5.1's three task types; data.task_weights draws among them in this order
-TASKS: dict[str, Task] = {
-    "doc_qa": Task(check=check_doc_qa, extract=extract_text_answer, rule=rule_doc_qa),
-    "fin_math": Task(check=check_fin_math, extract=extract_number_answer, rule=rule_fin_math,
-                     rule_decides=True),
-    "doc_mc": Task(check=check_doc_mc, extract=extract_letter_answer, rule=rule_doc_mc,
-                   multiple_choice=True, rule_decides=True),
-}
-
-
-def paper_score(response: str, gold: str, task: str) -> float:
-    """The score the paper's rule gives, without this file's hedge guards (departures 1, 2): cover
-    exact match on word boundaries for doc_qa (§4.2), the first number of the answer for fin_math,
-    the letter an answer statement starts with for doc_mc. Eval reports it beside R_rule, so a
-    reader sees when hedging inflates the paper's number."""
-    body = strip_reasoning(response)
-    if body is None:
-        return 0.0
-    if task == "doc_mc":
-        mark = last_match(_MARKER, body)
-        if mark is None:
-            return 0.0
-        letter = _LETTER_START.match(body, _OPEN_EDGE.match(body, mark.end()).end())
-        return float(letter is not None and _letter_of(letter[0]) == gold.strip().strip("()"))
-    predicted = extract_text_answer(body)
-    if predicted is None:
-        return 0.0
-    if task == "fin_math":
-        p, g = parse_number(predicted), parse_number(gold)
-        return float(p is not None and g is not None and values_match(p, g))
-    return float(cover_exact_match(predicted, gold))
-
-
 def rule_reward(response: str, answer: str, task: str) -> float:
     """R_rule(y, a) of Eq. 6: 1.0 if the extracted answer passes the task's rule check, else 0.0."""
-    predicted = extract_answer(response, task)
-    return 0.0 if predicted is None else float(TASKS[task].rule(predicted, answer))
+    predicted = tasks.extract_answer(response, task)
+    return 0.0 if predicted is None else float(tasks.TASKS[task].rule(predicted, answer))
 
 
 _YES, _NO = "[[YES]]", "[[NO]]"
-_VERDICT_TAG = re.compile(r"\[\[(?:YES|NO)\]\]", re.I)
 # '[[YES]] or [[NO]]' (also quoted) names the choices, as the prompts do: copied, it decides nothing
 _VERDICT_CHOICES = re.compile(r'\[\[YES\]\]"?\s*or\s*"?\[\[NO\]\]')
-
-
-def strip_verdict_tags(text: str) -> str:
-    """Text with every [[YES]] / [[NO]] (any case) replaced by a space, for the verifier prompt
-    (Eq. 4)."""
-    # a space, not nothing: "[[YE[[NO]]S]]" would otherwise close up into a new tag
-    return _VERDICT_TAG.sub(" ", text)
 
 
 def parse_verdict(text: str) -> int | None:
     """v_ij of Eq. 4: the reply's last tag decides, 1 for [[YES]], 0 for [[NO]]; None (abstain)
     without one."""
-    body = strip_reasoning(text)
+    body = tasks.strip_reasoning(text)
     if body is None:
         return None
     body = _VERDICT_CHOICES.sub(" ", body)
@@ -1490,8 +722,8 @@ class HistoryMemory:
         if self.size == 0:
             return False
         entries = self.entries.setdefault(self.key(cluster_id, task), [])
-        norm = normalize_text(question)
-        if any(normalize_text(e.question) == norm for e in entries):
+        norm = tasks.normalize_text(question)
+        if any(tasks.normalize_text(e.question) == norm for e in entries):
             return False
         doc_ids = sorted(int(i) for i in doc_ids)
         entries.append(HistoryEntry(doc_ids=doc_ids, question=question, answer=answer))
@@ -1548,8 +780,8 @@ def vote_agreement(rewards: list[float] | None) -> float:
 
 def responder_reward(rule: float, vote: int | None, rule_decides: bool = False) -> float:
     """r_i = max(R_rule(y_i, a), v_i) (Eq. 6); a response never verified (no answer, vote None) has
-    v_i = 0. Where the rule decides (a number, a letter: Task.rule_decides), r_i = R_rule: a YES
-    cannot pay for an answer the rule has proven wrong (departure 13)."""
+    v_i = 0. Where the rule decides (a number, a letter: tasks.Task.rule_decides), r_i = R_rule: a
+    YES cannot pay for an answer the rule has proven wrong (departure 13)."""
     return float(rule if rule_decides else max(rule, vote or 0))
 
 
@@ -1627,7 +859,7 @@ def bootstrap_rewards(r: Rollout, cfg: Config) -> None:
     and a vote with no verdict tag bootstrap.verifier_format_penalty instead of Eq. 5's 0."""
     b = cfg.bootstrap
     if b.responder_format_penalty:
-        answered = [finished(c, cfg) and extract_answer(c.text, r.task) is not None
+        answered = [finished(c, cfg) and tasks.extract_answer(c.text, r.task) is not None
                     for c in r.responses]
         r.res_rewards = [b.responder_format_penalty if not a and x == 0 else x
                          for x, a in zip(r.res_rewards, answered)]
@@ -1733,7 +965,7 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
     rollouts, letters = [], []
     for cluster, task in drawn:
         # the letter that must be correct, drawn uniformly (departure 3)
-        letter = LETTERS[rng.integers(4)] if TASKS[task].multiple_choice else None
+        letter = tasks.LETTERS[rng.integers(4)] if tasks.TASKS[task].multiple_choice else None
         evicted = -1
         while True:  # a history grown past the prompt budget forgets its oldest entry (dep. 5)
             evicted += 1
@@ -1833,7 +1065,7 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
     jobs = []  # (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
         for i, c in enumerate(r.responses):
-            predicted = extract_answer(c.text, r.task) if finished(c, cfg) else None
+            predicted = tasks.extract_answer(c.text, r.task) if finished(c, cfg) else None
             # no answer to compare: the rule's 0 stands, nothing to verify
             if predicted is not None:
                 r.ver_prompts[i] = verifier_ids(tok, cfg, r.question, predicted,
@@ -1865,7 +1097,7 @@ def score_responses(r: Rollout, cfg: Config) -> None:
         decisions = r.majorities
     else:  # Table 2 "w/o majority voting": the first vote decides, unless masked (no_majority)
         decisions = [votes[0] if m is not None else None for votes, m in zip(r.votes, r.majorities)]
-    rule_decides = TASKS[r.task].rule_decides
+    rule_decides = tasks.TASKS[r.task].rule_decides
     r.solved = [responder_reward(rule, v, rule_decides) for rule, v in zip(r.rules, decisions)]
     r.res_rewards = list(r.solved)
     bootstrap_rewards(r, cfg)
@@ -2012,20 +1244,20 @@ def responder_groups_to_keep(group_rewards: Sequence[Sequence[float]]) -> list[i
     return [i for i, r in enumerate(group_rewards) if len(r) > 1 and float(np.std(r)) > 0]
 
 
-def questioner_samples_to_keep(rewards: Sequence[float], tasks: Sequence[str],
+def questioner_samples_to_keep(rewards: Sequence[float], task_names: Sequence[str],
                                positives: Sequence[int], rng: np.random.Generator,
                                ratio: float = 1.0) -> list[int]:
     """Positives plus, per task, ratio x as many negatives (r_que <= 0) drawn at random (§4.3).
 
-    A task short of negatives passes its shortfall on to the next task in TASKS order, so the total
-    stays balanced when it can.
+    A task short of negatives passes its shortfall on to the next task in tasks.TASKS order, so the
+    total stays balanced when it can.
     """
     pos = set(positives)
     kept, carry = sorted(pos), 0
-    for task in TASKS:
-        n_pos = sum(1 for i in pos if tasks[i] == task)
+    for task in tasks.TASKS:
+        n_pos = sum(1 for i in pos if task_names[i] == task)
         want = int(round(ratio * n_pos)) + carry
-        pool = [i for i, (r, t) in enumerate(zip(rewards, tasks))
+        pool = [i for i, (r, t) in enumerate(zip(rewards, task_names))
                 if t == task and r <= 0 and i not in pos]
         take = min(want, len(pool))
         if take:
@@ -2034,16 +1266,16 @@ def questioner_samples_to_keep(rewards: Sequence[float], tasks: Sequence[str],
     return kept
 
 
-def questioner_floor_samples(rewards: Sequence[float], tasks: Sequence[str],
+def questioner_floor_samples(rewards: Sequence[float], task_names: Sequence[str],
                              well_formed: Sequence[bool], positives: Sequence[int], floor: int,
                              rng: np.random.Generator) -> list[int]:
     """Extra positives for bootstrap.questioner_floor: per task short of `floor` positives,
     well-formed questions that are not positives, highest r_que first (ties in random order)."""
     pos, extra = set(positives), []
-    for task in TASKS:
-        want = floor - sum(tasks[i] == task for i in pos)
+    for task in tasks.TASKS:
+        want = floor - sum(task_names[i] == task for i in pos)
         pool = [i for i in rng.permutation(len(rewards)).tolist()
-                if tasks[i] == task and well_formed[i] and i not in pos]
+                if task_names[i] == task and well_formed[i] and i not in pos]
         # stable: ties keep the shuffle
         extra += sorted(pool, key=lambda i: -rewards[i])[:max(want, 0)]
     return sorted(extra)
@@ -2124,18 +1356,18 @@ def select_questioner(summaries: list[Summary], solved: set[tuple[int, int]], cf
     pool = [s for s in summaries if s.status != "skipped"]
     pos = [p for p, s in enumerate(pool) if (s.rank, s.idx) in solved]
     r_que = [s.que_reward for s in pool]
-    tasks = [s.task for s in pool]
+    task_names = [s.task for s in pool]
     extra = []
     if cfg.reward.questioner_pool == "all":  # SPICE: every question drawn trains (its Alg. 1)
         kept = list(range(len(pool)))
     else:
         if cfg.bootstrap.questioner_floor:
             well_formed = [s.status != "format" for s in pool]
-            extra = questioner_floor_samples(r_que, tasks, well_formed, pos,
+            extra = questioner_floor_samples(r_que, task_names, well_formed, pos,
                                              cfg.bootstrap.questioner_floor, rng)
-        kept = questioner_samples_to_keep(r_que, tasks, pos + extra, rng,
+        kept = questioner_samples_to_keep(r_que, task_names, pos + extra, rng,
                                           cfg.reward.negative_ratio)
-    advantages = group_advantages([r_que[p] for p in kept], [tasks[p] for p in kept],
+    advantages = group_advantages([r_que[p] for p in kept], [task_names[p] for p in kept],
                                   cfg.train.advantage)  # Eq. 9: one group per task
     items = []
     for p, a in zip(kept, advantages):
@@ -2310,9 +1542,9 @@ ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str = "zscore",
-                     tasks: Sequence[str] | None = None) -> list[float]:
+                     task_names: Sequence[str] | None = None) -> list[float]:
     """Every sample's advantage, computed within its group (the samples with equal `groups` entries)
-    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size. tasks[i] is
+    by ADVANTAGES[kind], in float32 as the loss uses it. Groups may differ in size. task_names[i] is
     sample i's task: a group's task batch is every group of its task here (None: each group is
     its own task's batch, as the questioner's per-task groups are)."""
     advantage = ADVANTAGES[kind]
@@ -2321,8 +1553,8 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str 
     members: dict[Any, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
-    task_of = {g: g if tasks is None else tasks[idx[0]] for g, idx in members.items()}
-    assert tasks is None or all(tasks[i] == task_of[g] for g, idx in members.items()
+    task_of = {g: g if task_names is None else task_names[idx[0]] for g, idx in members.items()}
+    assert task_names is None or all(task_names[i] == task_of[g] for g, idx in members.items()
                                 for i in idx), "a group's samples must share their task"
     batch: dict[Any, list[torch.Tensor]] = defaultdict(list)  # task -> its groups' rewards
     for g, idx in members.items():
@@ -2332,14 +1564,14 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str 
     return out.tolist()
 
 
-def role_advantages(group_rewards: Sequence[Sequence[float]], tasks: Sequence[str],
+def role_advantages(group_rewards: Sequence[Sequence[float]], task_names: Sequence[str],
                     kind: str = "zscore") -> list[list[float]]:
     """A role's kept groups (responder: a question's G responses; verifier: a response's votes),
     each with the task of its question: every group's advantages (group_advantages), the task-level
     variants reading the groups of the same task."""
     flat = group_advantages([r for g in group_rewards for r in g],
                             [n for n, g in enumerate(group_rewards) for _ in g], kind,
-                            tasks=[t for t, g in zip(tasks, group_rewards) for _ in g])
+                            task_names=[t for t, g in zip(task_names, group_rewards) for _ in g])
     ends = np.cumsum([len(g) for g in group_rewards]).tolist()
     return [flat[end - len(g):end] for g, end in zip(group_rewards, ends)]
 
@@ -3008,7 +2240,7 @@ class ClusterSampler:
     def __init__(self, cfg: Config, corpus: list[Cluster], shard: list[int],
                  rng: np.random.Generator, tok=None, device: torch.device | None = None):
         self.corpus, self.rng, self.device = corpus, rng, device
-        self.weights = np.asarray([cfg.data.task_weights[t] for t in TASKS], dtype=float)
+        self.weights = np.asarray([cfg.data.task_weights[t] for t in tasks.TASKS], dtype=float)
         self.plan = phase_plan(cfg.data.phases)
         self.retrospective = cfg.data.retrospective
         self.pools = phase_pools(cfg, corpus, shard, tok)
@@ -3044,7 +2276,8 @@ class ClusterSampler:
                     continue
                 self.drawn.add(i)
             p = self.weights / self.weights.sum()
-            out.append((cluster, cluster.task or list(TASKS)[self.rng.choice(len(TASKS), p=p)]))
+            names = list(tasks.TASKS)
+            out.append((cluster, cluster.task or names[self.rng.choice(len(names), p=p)]))
         return out
 
     def start_step(self, step: int) -> bool:
@@ -3951,7 +3184,7 @@ def load_verify_set(cfg: Config) -> list[GoldItem]:
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
     """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
     each line checked by infra.corpus_records (errors name the file, line and field)."""
-    records = infra.corpus_records(Path(path), TASKS)
+    records = infra.corpus_records(Path(path), tasks.TASKS)
     return [Cluster(id=cid, task=task, documents=docs) for cid, task, docs in records]
 
 
@@ -3977,7 +3210,7 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
         for it in items:
             qa = {"question": it.question, "answer": it.answers[0]}
             if it.choices:
-                qa["options"] = dict(zip(LETTERS, it.choices))
+                qa["options"] = dict(zip(tasks.LETTERS, it.choices))
             clusters.append(Cluster(id=it.id, task=it.task, documents=[it.context], qa=qa))
         return clusters
     clusters = load_corpus(spec)  # ids, tasks and documents checked, with line numbers
@@ -3985,25 +3218,25 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     records = [(where, rec) for _, where, rec in infra.jsonl_records(Path(spec), infra.CorpusError)]
     for c, (where, rec) in zip(clusters, records, strict=True):
         c.task = c.task or "doc_qa"
-        # what validate_question would only call "no question", said precisely
+        # what tasks.validate_question would only call "no question", said precisely
         for key, value in _qa_fields(rec).items():
             if not infra.is_utf8(value):
                 raise infra.CorpusError(f"{where}: field {key!r} {infra.SURROGATE_NOTE}")
             if not infra.visible(value) or infra.is_placeholder(value):
                 raise infra.CorpusError(f"{where}: field {key!r} is {infra.shown(value)}, "
                                         "nothing a response can be checked against")
-        c.qa = validate_question(rec, c.task, None, max_answer_words=10**6)
+        c.qa = tasks.validate_question(rec, c.task, None, max_answer_words=10**6)
         if c.qa is None:
             fields = ("'question', 'answer'"
-                      + (", 'options'" if TASKS[c.task].multiple_choice else ""))
+                      + (", 'options'" if tasks.TASKS[c.task].multiple_choice else ""))
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
-        options = [c.qa["options"][k] for k in LETTERS] if "options" in c.qa else []
+        options = [c.qa["options"][k] for k in tasks.LETTERS] if "options" in c.qa else []
         if options and (other := infra.repeated_gold_option(
-                options, LETTERS.index(c.qa["answer"]))) is not None:
-            raise infra.CorpusError(f"{where}: field 'options.{LETTERS[other]}' has the text of "
-                                    f"the answer, options.{c.qa['answer']}: two letters would "
-                                    "be right")
+                options, tasks.LETTERS.index(c.qa["answer"]))) is not None:
+            raise infra.CorpusError(f"{where}: field 'options.{tasks.LETTERS[other]}' has the "
+                                    f"text of the answer, options.{c.qa['answer']}: two letters "
+                                    "would be right")
     return clusters
 
 

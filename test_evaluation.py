@@ -19,11 +19,12 @@ import torch
 
 import evaluation
 import spell
+import tasks
 import infra
 from conftest import (CharTokenizer, FIXTURE_FILES, FIXTURES, REPO, all_fixture_items,
                       make_tiny_model, protocol_corpus, run_worker, torchrun)
 from evaluation import eval_metrics, eval_table, evaluate, middle_truncate, pass_at_k
-from spell import cover_exact_match
+from tasks import cover_exact_match
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ def scripted_engine(items: list[infra.EvalItem], calls: list):
             text = "".join(map(chr, ids))
             if "Predicted answer:" in text:  # the judge prompt
                 calls.append(("judge", text, n, temperature, top_p, max_tokens))
-                fenced = f"Predicted answer: \u27e6{PARAPHRASE}\u27e7"  # spell.fence
+                fenced = f"Predicted answer: \u27e6{PARAPHRASE}\u27e7"  # tasks.fence
                 verdict = ("Decision: [[YES]]" if fenced in text
                            else "zzz garbage")
                 outs.append([FakeCompletion([1], verdict, "stop")])
@@ -644,8 +645,8 @@ HELDOUT = REPO / "evals" / "sotu_heldout_qa.jsonl"
 def occurrences(answer: str, text: str) -> int:
     """How often the normalised answer occurs on word boundaries in the normalised text; a dash
     between two words ("million--compared") counts as a space, as it does for a reader."""
-    text = spell.normalize_text(re.sub(r"--+|—", " ", text))
-    return f" {text} ".count(f" {spell.normalize_text(answer)} ")
+    text = tasks.normalize_text(re.sub(r"--+|—", " ", text))
+    return f" {text} ".count(f" {tasks.normalize_text(answer)} ")
 
 
 def test_heldout_sotu_set_loads_and_every_answer_is_in_its_passage():

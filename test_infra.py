@@ -22,6 +22,7 @@ import torch
 
 import infra
 import spell
+import tasks
 from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
                       deadline, held_out_metrics, logged_metrics, metrics, mutated_fixture, run_worker,
                       snapshot, torchrun, worker_mesh)
@@ -53,7 +54,7 @@ def test_tuples_from_the_command_line(tmp_path, text):
 def test_tables_from_the_command_line_merge_with_the_defaults(tmp_path, text):
     """A table key (data.task_weights) takes named values; the names it leaves out keep theirs, in
     TOML files as on the command line, so stacked files override key by key."""
-    every = dict.fromkeys(spell.TASKS, 1.0)
+    every = dict.fromkeys(tasks.TASKS, 1.0)
     cfg = spell.load_config(None, [f"--data.task_weights={text}"])
     assert cfg.data.task_weights == {**every, "fin_math": 2.0, "doc_mc": 0.5}
     toml = tmp_path / "w.toml"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import spell
+import tasks
 
 REPO = Path(__file__).resolve().parent
 VERIFY = REPO / "evals" / "sotu_verify_set.jsonl"
@@ -76,19 +77,19 @@ def test_every_candidate_is_one_short_line(items):
 
 
 def test_the_kinds_are_what_they_claim(items, heldout):
-    golds = {qid: {spell.normalize_text(a) for a in q["answers"]} for qid, q in heldout.items()}
+    golds = {qid: {tasks.normalize_text(a) for a in q["answers"]} for qid, q in heldout.items()}
     others = {qid: {a for o, q in heldout.items() if o != qid for a in q["answers"]}
               for qid in heldout}
     for item in items:
         kind, c, qid = item["kind"], item["candidate"], item["question_id"]
         if kind == "exact":
-            assert spell.normalize_text(c) == spell.normalize_text(item["reference"]), item["id"]
+            assert tasks.normalize_text(c) == tasks.normalize_text(item["reference"]), item["id"]
         if kind in ("hedge", "negation"):  # the right answer is one of those named, or the denied
-            assert spell.cover_exact_match(c, item["reference"]), item["id"]
+            assert tasks.cover_exact_match(c, item["reference"]), item["id"]
         if kind == "other_question":  # another question's gold answer, as that question has it
             assert c in others[qid], item["id"]
         if kind in NO_KINDS:  # no wrong candidate is a gold answer of its own question
-            assert spell.normalize_text(c) not in golds[qid], item["id"]
+            assert tasks.normalize_text(c) not in golds[qid], item["id"]
 
 
 def test_report_how_many_items_the_rule_already_decides(items):
