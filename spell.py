@@ -141,6 +141,7 @@ import torch.distributed as dist
 # triton.
 import kernels
 import infra
+import recipes
 import tasks
 
 ROOT = Path(__file__).resolve().parent
@@ -793,40 +794,11 @@ def gaussian_mapping(r: float, mu: float, sigma: float) -> float:
     return math.exp(-((r - mu) ** 2) / (2 * sigma ** 2))
 
 
-def azr_mapping(r: float, mu: float, sigma: float) -> float:
-    """Absolute Zero's learnability reward (Zhao et al. 2025; compared in SPELL §5.4, formula as
-    SPICE App. 8 / Fig. 7 states it): 1 - r, 0 when nobody or everybody solved it."""
-    if r <= 0.0 or r >= 1.0:
-        return 0.0
-    return 1.0 - r
-
-
-def rzero_mapping(r: float, mu: float, sigma: float) -> float:
-    """R-Zero's uncertainty reward (Huang et al. 2025; compared in SPELL §5.4, formula as SPICE
-    App. 8 / Fig. 7 states it): 1 - 2|r - 0.5|. R-Zero's p is the share of answers agreeing with
-    their majority vote; here it is r, the mean responder reward, as in SPELL's §5.4 comparison.
-    0 at r = 0 and r = 1 by itself."""
-    return 1.0 - 2.0 * abs(r - 0.5)
-
-
-def spice_mapping(r: float, mu: float, sigma: float) -> float:
-    """SPICE's variance reward (arXiv:2510.24684, §2.2 Eq. 1 = App. 10 Eq. 5):
-    exp(-(Var - 0.25)^2 / (2 * 0.01)) with Var = r(1 - r), the population variance of G binary
-    rewards (App. 10 writes sigma^2 = p(1 - p)). The paper has no zero case: r = 0 or 1 earns
-    exp(-3.125) = 0.044, so under this mapping such a question counts as solvable (r_que > 0:
-    history memory, not a §4.3 negative)."""
-    # Eq. 6's r_i are 0 or 1, so this is Var({r_i}); SPICE's own constants below
-    variance = r * (1.0 - r)
-    return math.exp(-((variance - 0.25) ** 2) / (2 * 0.01))
-
-
 # reward.questioner_mapping -> r_que of a well-formed, grounded question from the responders' mean
-# reward r. Every mapping takes (r, mu, sigma) so that they swap freely; only SPELL's Gaussian reads
-# mu and sigma. SPELL §5.4 / Figure 5 compares gaussian, azr and rzero; SPICE §4.3 / Table 4
-# compares azr, rzero and spice.
+# reward r: SPELL's Gaussian, or Absolute Zero's, R-Zero's (§5.4) and SPICE's (recipes.py). Every
+# mapping takes (r, mu, sigma), so that they swap freely; only the Gaussian reads mu and sigma
 QUESTIONER_MAPPINGS: dict[str, Callable[[float, float, float], float]] = {
-    "gaussian": gaussian_mapping, "azr": azr_mapping, "rzero": rzero_mapping,
-    "spice": spice_mapping}
+    "gaussian": gaussian_mapping, **recipes.QUESTIONER_MAPPINGS}
 
 
 def questioner_reward(mean_responder_reward: float | None, *, well_formed: bool = True,
@@ -844,13 +816,6 @@ def questioner_reward(mean_responder_reward: float | None, *, well_formed: bool 
         raise ValueError("a well-formed, grounded question needs the responders' mean reward")
     fn = QUESTIONER_MAPPINGS[mapping] if isinstance(mapping, str) else mapping
     return fn(mean_responder_reward, mu, sigma)
-
-
-def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025): 0 up to max_len - buffer tokens, then
-    falling linearly to -1 at max_len (where vLLM cuts the generation)."""
-    start = max_len - buffer
-    return 0.0 if buffer <= 0 or length <= start else max(-1.0, (start - length) / buffer)
 
 
 def bootstrap_rewards(r: Rollout, cfg: Config) -> None:
@@ -1104,7 +1069,7 @@ def score_responses(r: Rollout, cfg: Config) -> None:
     r.selection = list(r.res_rewards)
     if buffer := cfg.reward.overlong_buffer:  # DAPO's soft overlong punishment, training only
         budget = max_new_tokens(cfg, "res")
-        r.res_rewards = [x + overlong_penalty(len(c.token_ids), budget, buffer)
+        r.res_rewards = [x + recipes.overlong_penalty(len(c.token_ids), budget, buffer)
                          for x, c in zip(r.res_rewards, r.responses)]
 
 
@@ -1435,7 +1400,7 @@ def select_batch(summaries: list[Summary], cfg: Config, rng: np.random.Generator
         return it.length > 0 and it.role in trained and not masked
 
     trainable = [it for it in res + que + ver if trains(it)]
-    kept = aepo_batch(trainable, aepo_masking)  # QwenLong-L1.5 §4.4 (off: all of them)
+    kept = recipes.aepo_batch(trainable, aepo_masking)  # QwenLong-L1.5 §4.4 (off: all of them)
     items = loss_weights(kept, cfg)
     counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items),
               "aepo_masking": int(aepo_masking), "aepo_masked": len(trainable) - len(kept)}
@@ -1500,45 +1465,13 @@ def zscore_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
     return (rewards - rewards.mean()) / (rewards.std(correction=1) + eps)
 
 
-def mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
-                    eps: float = 1e-6) -> torch.Tensor:
-    """Dr.GRPO (SPICE §2.4): A_i = r_i - mean, no division by the std, so a nearly unanimous group
-    is not scaled up. (n,) -> (n,)."""
-    return rewards - rewards.mean()
-
-
-def task_std_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
-                        eps: float = 1e-6) -> torch.Tensor:
-    """QwenLong-L1.5 §4.2, Eq. 7: A_i = (r_i - mean of the group) / (std of the rewards of every
-    sample of the group's task in the batch + eps). Unbiased std over the task's samples pooled
-    (their code's torch.std); a group of one has no baseline (departure 7). (n,) -> (n,)."""
-    if len(rewards) < 2:
-        return torch.zeros_like(rewards)
-    pooled = torch.cat(list(task)) if len(task) else rewards  # (samples of the task,)
-    return (rewards - rewards.mean()) / (pooled.std(correction=1) + eps)
-
-
-def task_mean_advantages(rewards: torch.Tensor, task: Sequence[torch.Tensor] = (),
-                         eps: float = 1e-6) -> torch.Tensor:
-    """GoLongRL's task-level mean normalisation (TMN, its difficulty reweighting off): A_i =
-    (r_i - mean of the group) / (sqrt(the mean over the task's groups of each group's unbiased
-    variance) + eps), each group weighing the same. A group of one has no baseline (departure 7)
-    and no variance, so it is left out of the mean (GoLongRL counts it as variance 1). (n,) -> (n,).
-    """
-    if len(rewards) < 2:
-        return torch.zeros_like(rewards)
-    variances = [g.var(correction=1) for g in (task if len(task) else [rewards]) if len(g) > 1]
-    scale = torch.stack(variances).mean().sqrt()  # the task's root mean group variance
-    return (rewards - rewards.mean()) / (scale + eps)
-
-
 # train.advantage -> A_i of one group's rewards, given the rewards of every group of its task in the
-# batch (`task`, the group included; empty: the group is its task's batch). The responder's and the
-# verifier's batch of a task are their kept groups of that task's questions. The questioner's group
-# is already its task's batch (Eq. 9), so there task_std and task_mean are Eq. 9's z-score.
+# batch (`task`, the group included; empty: the group is its task's batch): Eq. 8's z-score, or
+# Dr.GRPO's mean, QwenLong-L1.5's task std, GoLongRL's task mean (recipes.py). The responder's and
+# the verifier's batch of a task are their kept groups of that task's questions. The questioner's
+# group is already its task's batch (Eq. 9), so there task_std and task_mean are Eq. 9's z-score.
 ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
-    "zscore": zscore_advantages, "mean": mean_advantages, "task_std": task_std_advantages,
-    "task_mean": task_mean_advantages}
+    "zscore": zscore_advantages, **recipes.ADVANTAGES}
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[Any], kind: str = "zscore",
@@ -1618,49 +1551,11 @@ def group_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[st
     return [1.0 / (tokens_per_group[g] * len(tokens_per_group)) for g in groups]
 
 
-def token_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
-               max_len: int) -> list[float]:
-    """DAPO's token mean: 1 / all tokens of the batch; roles weigh by their token counts."""
-    return [1.0 / sum(lengths)] * len(lengths)
-
-
-def sequence_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
-                  max_len: int) -> list[float]:
-    """GRPO's Eq. 2: 1 / (|y_i| * #sequences), every sequence counts the same."""
-    return [1.0 / (n * len(lengths)) for n in lengths]
-
-
-def constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
-                  max_len: int) -> list[float]:
-    """Dr.GRPO (SPICE §2.4): 1 / (max_len * #sequences), a constant in place of |y_i|, so that no
-    length bias enters; max_len is rollout.max_new_tokens for every role, whatever its budget."""
-    if max_len < 1:
-        raise ValueError("constant_norm needs max_len >= 1")
-    return [1.0 / (max_len * len(lengths))] * len(lengths)
-
-
-def role_constant_norm(lengths: Sequence[int], groups: Sequence[Any], roles: Sequence[str],
-                       max_len: int) -> list[float]:
-    """SPICE (§2.4, Eq. 2): Dr.GRPO's constant normaliser within each role, max_len x the role's
-    number of sequences, the roles added up: each role's objective is its own mean, as Eq. 2 sums
-    one expectation per role. SPICE's batch holds G Challenger and G Reasoner trajectories per
-    document (its Alg. 1), so its one constant splits the objective just so; with every question of
-    every round training the Challenger (reward.questioner_pool = "all") and at most
-    train.batch_groups groups the Reasoner, one constant (constant_norm) would hand the Challenger
-    a share that grows with the rounds. Here a role's share is its mean length over the sum of the
-    roles' mean lengths, SPICE's split, whatever the counts."""
-    if roles is None or len(roles) != len(lengths):
-        raise ValueError("role_constant_norm needs the role of every sequence")
-    if max_len < 1:
-        raise ValueError("role_constant_norm needs max_len >= 1")
-    count = {role: list(roles).count(role) for role in set(roles)}
-    return [1.0 / (max_len * count[role]) for role in roles]
-
-
-# train.loss_norm -> per-sequence token weights of the batch
+# train.loss_norm -> per-sequence token weights of the batch: Eq. 12 per role (the default) or over
+# the whole batch, or DAPO's token mean, GRPO's sequence mean, Dr.GRPO's and SPICE's constants
+# (recipes.py)
 LOSS_NORMS: dict[str, Callable[..., list[float]]] = {
-    "role": role_norm, "group": group_norm, "token": token_norm, "sequence": sequence_norm,
-    "constant": constant_norm, "role_constant": role_constant_norm}
+    "role": role_norm, "group": group_norm, **recipes.LOSS_NORMS}
 
 
 def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
@@ -1691,18 +1586,6 @@ def loss_weights(items: list[TrainItem], cfg: Config) -> list[TrainItem]:
 # -sum_t w_t A_t grad log pi(y_t): they differ only off-policy.
 
 
-def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """The mean of `values` over each token's sequence, at every token of it; 0 outside every
-    sequence (seq_ids -1). Differentiable. (T,), (T,) -> (T,)."""
-    on = seq_ids >= 0  # (T,)
-    ids = seq_ids.clamp(min=0)
-    n = int(seq_ids.max()) + 1 if on.any() else 1
-    masked = torch.where(on, values, torch.zeros_like(values))
-    sums = masked.new_zeros(n).index_add(0, ids, masked)  # (n,)
-    counts = masked.new_zeros(n).index_add(0, ids, on.to(masked.dtype))
-    return torch.where(on, (sums / counts.clamp(min=1))[ids], torch.zeros_like(values))
-
-
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 2's clipped surrogate, negated: -sum_t w_t min(rho_t A_t, clip(rho_t) A_t), and how many
@@ -1724,42 +1607,16 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return clipped_objective(ratio, advantages, weights, clip_low, clip_high)
 
 
-def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-              weights: torch.Tensor, seq_ids: torch.Tensor, clip_low: float = 0.2,
-              clip_high: float = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean over its tokens of
-    log rho_t), clipped as in Eq. 2, so a sequence is kept or clipped whole. GSPO's own clip range
-    is about 3e-4 / 4e-4 (train.clip_low / clip_high). With train.loss_norm = "sequence" this is
-    GSPO's objective exactly; other normalisers weigh each sequence by its tokens' weights."""
-    ratio = torch.exp(sequence_mean(logp - old_logp, seq_ids))  # (T,) s_i at every token of i
-    return clipped_objective(ratio, advantages, weights, clip_low, clip_high)
-
-
-def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-               weights: torch.Tensor, seq_ids: torch.Tensor, clip_low: float = 0.2,
-               clip_high: float = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
-    """CISPO (MiniMax-M1, 2025): every token's log-likelihood gradient, weighted by its importance
-    ratio clipped to [1 - clip_low, 1 + clip_high] and detached. Unlike Eq. 2's min, a clipped
-    token still trains; only its weight is bounded. MiniMax-M1 clips the upper side only (take
-    clip_low close to 1)."""
-    ratio = torch.exp(logp - old_logp).detach()  # (T,)
-    capped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = -(capped * advantages * logp * weights).sum()
-    active = weights > 0
-    return loss, {"clipped": float(((capped != ratio) & active).sum()),
-                  "active": float(active.sum())}
-
-
-# train.policy_loss -> the objective of a micro-batch
+# train.policy_loss -> the objective of a micro-batch: Eq. 2, or GSPO's and CISPO's (recipes.py)
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
-    "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+    "grpo": grpo_loss, **recipes.POLICY_LOSSES}
 
 # The objectives whose on-policy gradient is the same at every log-prob: d loss / d log pi(y_t)
 # = c_t, set by the advantages and weights alone (the ratio is exp(0) = 1 wherever log pi is). On
 # those the LM head can train in one pass over the vocabulary, given c_t before its forward
 # (fused_head). A POLICY_LOSSES entry not listed here trains on the two-pass path, correctly; one
 # listed wrongly stops the run at its first micro-batch (micro_batch_loss checks c_t there).
-LINEAR_POLICY_LOSSES = {"grpo", "gspo", "cispo"}
+LINEAR_POLICY_LOSSES = {"grpo"} | recipes.LINEAR_POLICY_LOSSES
 
 
 def logprob_gradient(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor,
@@ -1789,41 +1646,10 @@ def no_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> t
     return torch.ones_like(log_rho)
 
 
-def tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling: min(rho_t, C). (T,) -> (T,)."""
-    return log_rho.exp().clamp(max=cap)
-
-
-def mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
-    """1 where 1/C <= rho_t <= C, else 0: the token leaves the loss. (T,) -> (T,)."""
-    rho = log_rho.exp()
-    return ((rho >= 1.0 / cap) & (rho <= cap)).to(rho.dtype)
-
-
-def sequence_kept(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
-    """1 at every token of a sequence whose geometric mean ratio, exp(mean_t log rho_t), lies in
-    [1/C, C], else 0: the sequence is kept or rejected whole. (T,) -> (T,)."""
-    mean_log_rho = sequence_mean(log_rho, seq_ids)  # (T,) log of the geometric mean
-    return (mean_log_rho.abs() <= math.log(cap)).to(log_rho.dtype)
-
-
-def seq_mask_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> torch.Tensor:
-    """The sequence-level mask (the level TRL's rejection defaults to): sequence_kept. (T,) ->
-    (T,)."""
-    return sequence_kept(log_rho, seq_ids, cap)
-
-
-def seq_mask_tis_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor,
-                            cap: float) -> torch.Tensor:
-    """NeMo-RL's seq-mask-tis: the sequence-level mask, and min(rho_t, C) on the kept sequences'
-    tokens. (T,) -> (T,)."""
-    return sequence_kept(log_rho, seq_ids, cap) * tis_correction(log_rho, seq_ids, cap)
-
-
-# train.rollout_correction -> the factor on each token's weight
+# train.rollout_correction -> the factor on each token's weight: none (the paper's), or truncated
+# importance sampling and the token and sequence masks (recipes.py)
 ROLLOUT_CORRECTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "none": no_correction, "tis": tis_correction, "mask": mask_correction,
-    "seq_mask": seq_mask_correction, "seq_mask_tis": seq_mask_tis_correction}
+    "none": no_correction, **recipes.ROLLOUT_CORRECTIONS}
 
 
 def rollout_gap_stats(log_rho: torch.Tensor, recorded: torch.Tensor, seq_ids: torch.Tensor,
@@ -1833,7 +1659,7 @@ def rollout_gap_stats(log_rho: torch.Tensor, recorded: torch.Tensor, seq_ids: to
     outside [1/C, C], and the sequences whose geometric mean ratio is outside [1/C, C] (rejected
     by seq_mask and seq_mask_tis). All (T,)."""
     rho = log_rho.exp()[recorded]
-    rejected = recorded & (sequence_kept(log_rho, seq_ids, cap) == 0)  # (T,)
+    rejected = recorded & (recipes.sequence_kept(log_rho, seq_ids, cap) == 0)  # (T,)
     return {"rollout_logp_gap_sum": float(log_rho[recorded].abs().sum()),
             "rollout_logp_tokens": int(recorded.sum()),
             "rollout_is_weight_sum": float(rho.clamp(max=cap).sum()),
@@ -1847,57 +1673,6 @@ def sequences_with(flags: torch.Tensor, seq_ids: torch.Tensor) -> int:
     n = len(seq_ids) + 1  # more than any sequence id: no data-dependent shape
     hits = flags.new_zeros(n, dtype=torch.float32).index_add(0, seq_ids.clamp(min=0), flags.float())
     return int((hits > 0).sum())
-
-
-class AEPO:
-    """QwenLong-L1.5 §4.4, AEPO, with the rule as its authors settled it after the paper (source in
-    docs/reference.md): a hysteresis on the batch entropy H (Eq. 11). Once H exceeds `high`, every
-    sample with a negative advantage leaves the batch (aepo_batch); they stay out until H falls
-    below `low`.
-
-    H is known only after an update, from the update's own per-token entropies over the samples it
-    trained: the state that step t's H sets applies to step t+1's batch. (verl, the authors'
-    framework, measures H over the whole batch in a log-prob pass before the update, which an
-    on-policy step here does not run.) Bounds (0, 0): off, never masking. The state goes into the
-    checkpoint (run_state), so a resumed run masks as the uninterrupted one.
-    """
-
-    def __init__(self, low: float, high: float):
-        self.low, self.high, self.masking = low, high, False
-
-    def observe(self, entropy: float) -> None:
-        """The state after an update whose batch entropy (Eq. 11) was `entropy`."""
-        if self.high <= 0:
-            return
-        if entropy > self.high:
-            self.masking = True
-        elif entropy < self.low:
-            self.masking = False
-
-    def state_dict(self) -> dict:
-        return {"masking": self.masking}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.masking = bool(state["masking"])
-
-
-def aepo_batch(items: list[TrainItem], masking: bool) -> list[TrainItem]:
-    """AEPO's mask (§4.4): while masking, the samples with A_i < 0 leave the batch, so the loss
-    normaliser (loss_weights) is the one of the kept samples, as in the authors' code, which drops
-    them from the batch before the update."""
-    return [it for it in items if not (masking and it.advantage < 0)]
-
-
-def batch_entropy_sum(entropy: torch.Tensor, seq_ids: torch.Tensor) -> float:
-    """Eq. 11 before its division by |B|: every sequence's mean token entropy, added up
-    (update_policy adds it over micro-batches and ranks, and divides by the sequences). (T,), (T,)
-    -> a number."""
-    on = (seq_ids >= 0).float()  # (T,)
-    values = entropy.detach().float() * on
-    ids, n = seq_ids.clamp(min=0), len(seq_ids) + 1  # n: more than any id, no data-dependent shape
-    sums = values.new_zeros(n).index_add(0, ids, values)  # (n,)
-    counts = values.new_zeros(n).index_add(0, ids, on)
-    return float((sums / counts.clamp(min=1)).sum())  # a sequence without tokens adds 0
 
 
 # ==================================================================================================
@@ -2109,7 +1884,8 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
         gap = dict.fromkeys(gap, 0)
     stats.update(entropy_sum=float(entropy.sum()),
                  # Eq. 11 (AEPO)
-                 seq_entropy_sum=batch_entropy_sum(whole["entropy"], row_ids) if reports else 0.0,
+                 seq_entropy_sum=(recipes.batch_entropy_sum(whole["entropy"], row_ids) if reports
+                                  else 0.0),
                  seqs=len(seqs) if reports else 0,
                  tokens=len(logp),  # trained
                  row_tokens=row_share(packed, policy),  # encoded
@@ -2661,7 +2437,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = generator(cfg, "engine", group)  # per engine, as all that it samples
     sampler = ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng, tok, device)
     history = HistoryMemory(cfg.rollout.history_size)  # lines 2-3: a queue H_C per cluster
-    aepo = AEPO(*cfg.train.aepo)  # QwenLong-L1.5's entropy control; never masks at [0, 0]
+    aepo = recipes.AEPO(*cfg.train.aepo)  # QwenLong-L1.5's entropy control; never masks at [0, 0]
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
                            aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
@@ -3261,7 +3037,7 @@ def _qa_fields(rec: dict) -> dict[str, str]:
 
 
 def run_state(step: int, sampler: ClusterSampler, history: HistoryMemory,
-              rng: np.random.Generator, aepo: AEPO) -> dict:
+              rng: np.random.Generator, aepo: recipes.AEPO) -> dict:
     """What this rank needs to continue the run exactly: the sampler, the history memory, AEPO's
     masking state and the generators (vLLM's request seeds derive from the step, so rollouts
     repeat too)."""
@@ -3272,7 +3048,7 @@ def run_state(step: int, sampler: ClusterSampler, history: HistoryMemory,
 
 def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimizer, llm,
                     device: torch.device, sampler: ClusterSampler, history: HistoryMemory,
-                    rng: np.random.Generator, aepo: AEPO) -> int:
+                    rng: np.random.Generator, aepo: recipes.AEPO) -> int:
     """Restore the checkpoint --resume found (then the engine gets the restored weights), and write
     the run's config beside its metrics; returns the step reached (0 for a fresh run)."""
     rank, world, step = dist.get_rank(), dist.get_world_size(), 0

@@ -39,6 +39,7 @@ import torch
 
 import evaluation
 import infra
+import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, REPO, SPEAKER_QUESTION,
                       TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args, gold_items,
@@ -1564,9 +1565,9 @@ def test_questioner_reward_mapping_penalties_unchanged(mapping):
 
 def test_overlong_penalty_worked_values():
     """DAPO's soft overlong punishment with max 100 tokens and a buffer of 20."""
-    assert ([spell.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)]
+    assert ([recipes.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)]
             == [0.0, 0.0, -0.25, -0.5, -1.0])
-    assert spell.overlong_penalty(100, 100, 0) == 0.0
+    assert recipes.overlong_penalty(100, 100, 0) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1844,7 +1845,7 @@ def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     assert (not any(doc in reasoner for doc in GATE.documents)
             and "Which colour was the north gate?" in reasoner)
     assert (r.res_rewards == [1.0, 0.0, 0.0, 0.0]
-            and r.que_reward == pytest.approx(spell.spice_mapping(0.25, 0, 0)))
+            and r.que_reward == pytest.approx(recipes.spice_mapping(0.25, 0, 0)))
     items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res", "que"}
     res = [it.advantage for it in items if it.role == "res"]
@@ -2352,7 +2353,7 @@ def test_spice_pool_trains_every_question_the_too_easy_and_too_hard_below_zero()
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.questioner_mapping = 4, "spice"
     cfg.train.advantage = "mean"
-    r_que = lambda res: spell.spice_mapping(sum(res) / 4, 0, 0)  # noqa: E731
+    r_que = lambda res: recipes.spice_mapping(sum(res) / 4, 0, 0)  # noqa: E731
     solve = [[1.0] * 4, [0.0] * 4, [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
     summaries = [[summary(res, r_que=r_que(res)) for res in solve] + [invalid("format", -0.1)]]
     items, counts = spell.select_batch(spread(summaries), cfg, np.random.default_rng(0))
@@ -2796,7 +2797,7 @@ AEPO_MASKING = [False, False, True, True, True, True, False, False, True]
 def test_aepo_hysteresis_on_a_worked_entropy_run():
     """Masking starts once an update's entropy exceeds the upper bound and lasts until one falls
     below the lower bound; at [0, 0] it never starts."""
-    aepo, off = spell.AEPO(0.5, 1.0), spell.AEPO(0.0, 0.0)
+    aepo, off = recipes.AEPO(0.5, 1.0), recipes.AEPO(0.0, 0.0)
     states = []
     for h in AEPO_ENTROPIES:
         aepo.observe(h)
@@ -2836,7 +2837,7 @@ def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
     """QwenLong-L1.5 Eq. 11 before / |B|: token entropies 1, 1, 1, 3 (mean 1.5) and 2 (mean 2), and
     a token outside every sequence, sum 3.5; so H = 1.75, where the token mean is 8 / 5 = 1.6."""
     entropy = torch.tensor([1.0, 1.0, 1.0, 3.0, 2.0, 9.0])
-    assert spell.batch_entropy_sum(entropy, torch.tensor([0, 0, 0, 0, 1, -1])) == 3.5
+    assert recipes.batch_entropy_sum(entropy, torch.tensor([0, 0, 0, 0, 1, -1])) == 3.5
     m = spell.train_metrics({"entropy_sum": 8.0, "tokens": 5, "seq_entropy_sum": 3.5, "seqs": 2}, 2)
     assert m["train/batch_entropy"] == 1.75 and m["train/entropy"] == 1.6
     assert "train/seq_entropy_sum" not in m and "train/seqs" not in m
@@ -2963,7 +2964,7 @@ def test_loss_norms_role_split_of_a_paper_shaped_batch():
     with pytest.raises(ValueError, match="needs the role"):
         spell.role_norm([1, 2], ["a", "b"], None, 0)
     with pytest.raises(ValueError, match="needs the role"):
-        spell.role_constant_norm([1, 2], ["a", "b"], None, 6)
+        recipes.role_constant_norm([1, 2], ["a", "b"], None, 6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -4821,7 +4822,7 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     history.push("0", "doc_qa", [1, 0], "Which gate?", "north")
     infra.seed_everything(3)
     random.random(), np.random.normal(), torch.rand(2)  # NumPy now holds a second Gaussian
-    aepo = spell.AEPO(0.5, 1.0)
+    aepo = recipes.AEPO(0.5, 1.0)
     aepo.observe(2.0)  # masking
     state = spell.run_state(5, sampler, history, rng, aepo)
     torch.save(state, tmp_path / "rank0.pt")
@@ -4836,7 +4837,7 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     sampler.load_state_dict(loaded["sampler"])
     assert draws() == expected
     assert loaded["step"] == 5 and loaded["history"] == history.state_dict()
-    resumed = spell.AEPO(0.5, 1.0)
+    resumed = recipes.AEPO(0.5, 1.0)
     resumed.load_state_dict(loaded["aepo"])
     assert resumed.masking  # a resumed run masks as the uninterrupted one
     restored = spell.HistoryMemory(0)
