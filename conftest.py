@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import evaluation
 import infra
 import spell
 
@@ -419,7 +420,7 @@ GOLD = [("25 percent", 1, "exact", 1.0), ("25%", 1, "paraphrase", 0.0),
 
 
 def gold_items() -> list:
-    return [spell.GoldItem("By how much?", "25 percent", c, label, kind, rule)
+    return [evaluation.GoldItem("By how much?", "25 percent", c, label, kind, rule)
             for c, label, kind, rule in GOLD]
 
 
@@ -427,7 +428,7 @@ def held_out_metrics() -> dict:
     """What a step adds to its metrics when the held-out check ran (log.verify_every): the
     verifier right on 4 of the 6 GOLD items (YES to the negation, NO to the paraphrase), and the
     check's seconds."""
-    return {**spell.gold_metrics(gold_items(), GOLD_VOTES), "perf/verify_s": 2.0}
+    return {**evaluation.gold_metrics(gold_items(), GOLD_VOTES), "perf/verify_s": 2.0}
 
 
 # three votes on each GOLD item (None: no verdict tag), majorities YES, NO, NO, NO, NO, YES (Eq. 4);

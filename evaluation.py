@@ -18,8 +18,9 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -520,6 +521,134 @@ def eval_main(argv: Sequence[str]) -> None:
              gpu_memory_utilization=e.gpu_memory_utilization,
              tensor_parallel_size=cfg.rollout.tensor_parallel_size,
              rope_scaling=cfg.model.rope_scaling)
+
+
+# ==================================================================================================
+# The verifier on held-out labels during training (data.verify_set, log.verify_every)
+# ==================================================================================================
+# Eq. 5 rewards agreement with the verifier's own majority, and §4.3 keeps the groups that agree
+# with the rule; neither says whether the majority is right where the rule cannot tell.
+# Hand-labelled items do, as metrics only: spell.main runs HeldOutCheck every log.verify_every
+# steps.
+
+class GoldItem(NamedTuple):
+    """One held-out verifier item (evals/README.md): a candidate answer, and whether it means the
+    reference (label 1 = YES, 0 = NO); `rule` is R_rule of the candidate stated as an answer."""
+    question: str
+    reference: str
+    candidate: str
+    label: int
+    kind: str
+    rule: float
+
+
+def gold_prompts(tok, cfg: spell.Config, items: list[GoldItem]) -> list[list[int]]:
+    """Each item as the verifier meets an answer in training (run_verifier): the candidate as
+    Answer 1, the reference as Answer 2."""
+    return [spell.verifier_ids(tok, cfg, {"question": it.question}, it.candidate, it.reference)
+            for it in items]
+
+
+def verify_held_out(llm, cfg: spell.Config, items: list[GoldItem], prompts: list[list[int]],
+                    step: int, group: int, groups: int, reports: bool) -> dict:
+    """The policy as verifier on the held-out items: engine `group` of `groups` judges every
+    groups-th item with G votes, sampled as in training (sample_votes, read_votes, Eq. 4's
+    majority); the majorities are gathered from each engine's first rank (`reports`) and scored
+    against the labels (gold_metrics), the same dict on every rank. A collective."""
+    mine = list(range(group, len(items), groups))
+    # one seed per item, whichever engine judges it: the check does not depend on the world size
+    seeds = spell.request_seeds(cfg.train.seed, step, "gold", count=len(items))
+    outs = spell.sample_votes(llm, cfg, [prompts[k] for k in mine], [seeds[k] for k in mine],
+                        desc="held-out verifier")
+    votes = {k: spell.read_votes(cs, cfg) for k, cs in zip(mine, outs)}
+    gathered = {}
+    for part in infra.all_gather_objects(votes if reports else {}):
+        gathered.update(part)
+    llm.reset_prefix_cache()  # the next rollouts meet the cache they would have met without it
+    return gold_metrics(items, [gathered[k] for k in range(len(items))])
+
+
+def gold_metrics(items: list[GoldItem], votes: Sequence[Sequence[int | None]]) -> dict:
+    """ver/gold_*: how often the verifier's majority of each item's votes (Eq. 4: no YES majority
+    is NO) matches the label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on
+    the right ones; the accuracy where R_rule disagrees with the label (what the verifier adds to
+    the rule), and per kind of candidate (paraphrase, hedge, negation, ...); and the share of votes
+    with a verdict tag, which tells a verifier that judges NO from one that abstains (both score
+    the same above). A share over no items is 0."""
+    # YES; NO, abstaining or no votes count as NO
+    said = [spell.majority_vote(v) == 1 for v in votes]
+    right = [int(v) == it.label for it, v in zip(items, said, strict=True)]
+    m = {"ver/gold_accuracy": spell.mean(right),
+         "ver/gold_yes_on_wrong": spell.mean([v for it, v in zip(items, said) if it.label == 0]),
+         "ver/gold_no_on_right": spell.mean([1 - v for it, v in zip(items, said) if it.label == 1]),
+         "ver/gold_beyond_rule": spell.mean([ok for it, ok in zip(items, right)
+                                       if it.rule != it.label]),
+         "ver/gold_tagged": spell.mean([v is not None for item_votes in votes for v in item_votes])}
+    for kind in sorted({it.kind for it in items}):
+        m[f"ver/gold_kind_{kind}"] = spell.mean([ok for it, ok in zip(items, right)
+                                                 if it.kind == kind])
+    return m
+
+
+class HeldOutCheck:
+    """The verifier on data.verify_set every log.verify_every steps and before the first update
+    (metrics only): the items whose verifier prompt fits rollout.max_prompt_tokens (a note names
+    how many were left out), judged by this rank's engine `group` of `groups` (verify_held_out).
+    Every rank holds the same items and decides alike when a check is due: a collective."""
+
+    def __init__(self, tok, cfg: spell.Config, items: list[GoldItem], group: int, groups: int,
+                 reports: bool):
+        self.cfg, self.engine, self.reports = cfg, (group, groups), reports
+        prompts = gold_prompts(tok, cfg, items)
+        kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
+        if len(kept) < len(items):
+            infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left "
+                         f"out, their verifier prompts longer than rollout.max_prompt_tokens")
+        self.items, self.prompts = [items[k] for k in kept], [prompts[k] for k in kept]
+
+    def run(self, llm, step: int, clock: infra.StepClock) -> dict:
+        """ver/gold_* when a check is due at this step (its time: the clock's "verify" stage);
+        {} otherwise."""
+        if not self.items or step % self.cfg.log.verify_every:
+            return {}
+        m = verify_held_out(llm, self.cfg, self.items, self.prompts, step, *self.engine,
+                            self.reports)
+        clock.stage("verify")
+        return m
+
+    def before_training(self, llm, log: infra.RunLog) -> None:
+        """Step 0's check, logged on its own line (log_held_out)."""
+        clock = infra.StepClock()
+        if m := self.run(llm, 0, clock):
+            log_held_out(log, self.cfg, 0, m, clock.stages["verify"])
+
+
+def log_held_out(log: infra.RunLog, cfg: spell.Config, step: int, m: dict, seconds: float) -> None:
+    """The held-out check of a step with no update (step 0, before the first): its metrics and
+    time (perf/verify_s), its line and the warning, if due."""
+    m = {**m, "perf/verify_s": seconds}
+    line = f"step {step}/{cfg.train.steps} {spell.gold_summary(m)}| verify {seconds:.0f}s"
+    log.write(step, m, line)
+    if warning := spell.gold_warning(step, m, cfg.log.verify_warn_yes_on_wrong):
+        infra.print0(warning)
+
+
+def load_verify_set(cfg: spell.Config) -> list[GoldItem]:
+    """data.verify_set for the held-out verifier check, [] when the check is off (data.verify_set
+    "" or log.verify_every 0); each line checked by infra.verify_set_records. A relative path not
+    found from the working directory is read beside spell.py (the shipped evals/ file)."""
+    if not cfg.data.verify_set or not cfg.log.verify_every:
+        return []
+    path = Path(cfg.data.verify_set)
+    if not path.is_absolute() and not path.exists():
+        path = spell.ROOT / path
+    records = infra.verify_set_records(path)
+    if 0 < cfg.log.verify_items < len(records):  # log.verify_items: the same subset every step
+        pick = np.random.default_rng(0).choice(len(records), cfg.log.verify_items, replace=False)
+        records = [records[k] for k in sorted(pick)]
+    # R_rule of the candidate stated as an answer, as evals/README.md counts it
+    return [GoldItem(*rec, rule=spell.rule_reward(f"The answer is {rec[2]}", rec[1], "doc_qa"))
+            for rec in records]
 
 
 # ==================================================================================================

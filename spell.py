@@ -2277,108 +2277,6 @@ def sample_table(rollouts: list, k: int = 2) -> str:
     return "\n".join(rows)
 
 
-# The verifier on held-out labels (data.verify_set, log.verify_every): Eq. 5 rewards agreement with
-# the verifier's own majority, and §4.3 keeps the groups that agree with the rule; neither says
-# whether the majority is right where the rule cannot tell. Hand-labelled items do, as metrics only.
-
-class GoldItem(NamedTuple):
-    """One held-out verifier item (evals/README.md): a candidate answer, and whether it means the
-    reference (label 1 = YES, 0 = NO); `rule` is R_rule of the candidate stated as an answer."""
-    question: str
-    reference: str
-    candidate: str
-    label: int
-    kind: str
-    rule: float
-
-
-def gold_prompts(tok, cfg: Config, items: list[GoldItem]) -> list[list[int]]:
-    """Each item as the verifier meets an answer in training (run_verifier): the candidate as
-    Answer 1, the reference as Answer 2."""
-    return [verifier_ids(tok, cfg, {"question": it.question}, it.candidate, it.reference)
-            for it in items]
-
-
-def verify_held_out(llm, cfg: Config, items: list[GoldItem], prompts: list[list[int]], step: int,
-                    group: int, groups: int, reports: bool) -> dict:
-    """The policy as verifier on the held-out items: engine `group` of `groups` judges every
-    groups-th item with G votes, sampled as in training (sample_votes, read_votes, Eq. 4's
-    majority); the majorities are gathered from each engine's first rank (`reports`) and scored
-    against the labels (gold_metrics), the same dict on every rank. A collective."""
-    mine = list(range(group, len(items), groups))
-    # one seed per item, whichever engine judges it: the check does not depend on the world size
-    seeds = request_seeds(cfg.train.seed, step, "gold", count=len(items))
-    outs = sample_votes(llm, cfg, [prompts[k] for k in mine], [seeds[k] for k in mine],
-                        desc="held-out verifier")
-    votes = {k: read_votes(cs, cfg) for k, cs in zip(mine, outs)}
-    gathered = {}
-    for part in infra.all_gather_objects(votes if reports else {}):
-        gathered.update(part)
-    llm.reset_prefix_cache()  # the next rollouts meet the cache they would have met without it
-    return gold_metrics(items, [gathered[k] for k in range(len(items))])
-
-
-def gold_metrics(items: list[GoldItem], votes: Sequence[Sequence[int | None]]) -> dict:
-    """ver/gold_*: how often the verifier's majority of each item's votes (Eq. 4: no YES majority
-    is NO) matches the label; YES on the wrong candidates (its YES would pay them, Eq. 6) and NO on
-    the right ones; the accuracy where R_rule disagrees with the label (what the verifier adds to
-    the rule), and per kind of candidate (paraphrase, hedge, negation, ...); and the share of votes
-    with a verdict tag, which tells a verifier that judges NO from one that abstains (both score
-    the same above). A share over no items is 0."""
-    said = [majority_vote(v) == 1 for v in votes]  # YES; NO, abstaining or no votes count as NO
-    right = [int(v) == it.label for it, v in zip(items, said, strict=True)]
-    m = {"ver/gold_accuracy": mean(right),
-         "ver/gold_yes_on_wrong": mean([v for it, v in zip(items, said) if it.label == 0]),
-         "ver/gold_no_on_right": mean([1 - v for it, v in zip(items, said) if it.label == 1]),
-         "ver/gold_beyond_rule": mean([ok for it, ok in zip(items, right)
-                                       if it.rule != it.label]),
-         "ver/gold_tagged": mean([v is not None for item_votes in votes for v in item_votes])}
-    for kind in sorted({it.kind for it in items}):
-        m[f"ver/gold_kind_{kind}"] = mean([ok for it, ok in zip(items, right) if it.kind == kind])
-    return m
-
-
-class HeldOutCheck:
-    """The verifier on data.verify_set every log.verify_every steps and before the first update
-    (metrics only): the items whose verifier prompt fits rollout.max_prompt_tokens (a note names
-    how many were left out), judged by this rank's engine `group` of `groups` (verify_held_out).
-    Every rank holds the same items and decides alike when a check is due: a collective."""
-
-    def __init__(self, tok, cfg: Config, items: list[GoldItem], group: int, groups: int,
-                 reports: bool):
-        self.cfg, self.engine, self.reports = cfg, (group, groups), reports
-        prompts = gold_prompts(tok, cfg, items)
-        kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
-        if len(kept) < len(items):
-            infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left "
-                         f"out, their verifier prompts longer than rollout.max_prompt_tokens")
-        self.items, self.prompts = [items[k] for k in kept], [prompts[k] for k in kept]
-
-    def run(self, llm, step: int, clock: infra.StepClock) -> dict:
-        """ver/gold_* when a check is due at this step (its time: the clock's "verify" stage);
-        {} otherwise."""
-        if not self.items or step % self.cfg.log.verify_every:
-            return {}
-        m = verify_held_out(llm, self.cfg, self.items, self.prompts, step, *self.engine,
-                            self.reports)
-        clock.stage("verify")
-        return m
-
-    def before_training(self, llm, log: infra.RunLog) -> None:
-        """Step 0's check, logged on its own line (log_held_out)."""
-        clock = infra.StepClock()
-        if m := self.run(llm, 0, clock):
-            log_held_out(log, self.cfg, 0, m, clock.stages["verify"])
-
-
-def log_held_out(log: infra.RunLog, cfg: Config, step: int, m: dict, seconds: float) -> None:
-    """The held-out check of a step with no update (step 0, before the first): its metrics and
-    time (perf/verify_s), its line and the warning, if due."""
-    m = {**m, "perf/verify_s": seconds}
-    log.write(step, m, f"step {step}/{cfg.train.steps} {gold_summary(m)}| verify {seconds:.0f}s")
-    if warning := gold_warning(step, m, cfg.log.verify_warn_yes_on_wrong):
-        infra.print0(warning)
-
 
 def gold_warning(step: int, m: dict, bound: float) -> str | None:
     """One console line when the verifier accepts more held-out wrong answers than
@@ -2409,6 +2307,8 @@ STOP = {"requested": False}
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Algorithm 1. Each line is a step of the paper or one named piece of the machine room."""
+    import evaluation  # eval, synth and the held-out verifier check (it imports this file)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):  # the launch lines, then every config key documented
         print(__doc__[__doc__.index("Launch:"):__doc__.index("Symbols")].rstrip())
@@ -2416,12 +2316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(infra.config_reference(Config()))
         return
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
-        import evaluation
         return evaluation.main(argv)
     paths, resume, overrides = infra.parse_args(argv)
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
-    gold = load_verify_set(cfg)  # held-out verifier items (log.verify_every); [] when off
+    gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed()
@@ -2441,7 +2340,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
                            aepo)
     reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
-    held_out = HeldOutCheck(tok, cfg, gold, group, groups, reports)  # the verifier, measured
+    # the verifier measured on held-out labels (log.verify_every; metrics only)
+    held_out = evaluation.HeldOutCheck(tok, cfg, gold, group, groups, reports)
     if step == 0:
         held_out.before_training(llm, log)
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
@@ -2938,23 +2838,6 @@ def load_data(cfg: Config) -> list[Cluster]:
         return load_qa_set(cfg.data.qa)
     return load_corpus(cfg.data.corpus)
 
-
-def load_verify_set(cfg: Config) -> list[GoldItem]:
-    """data.verify_set for the held-out verifier check, [] when the check is off (data.verify_set
-    "" or log.verify_every 0); each line checked by infra.verify_set_records. A relative path not
-    found from the working directory is read beside spell.py (the shipped evals/ file)."""
-    if not cfg.data.verify_set or not cfg.log.verify_every:
-        return []
-    path = Path(cfg.data.verify_set)
-    if not path.is_absolute() and not path.exists():
-        path = ROOT / path
-    records = infra.verify_set_records(path)
-    if 0 < cfg.log.verify_items < len(records):  # log.verify_items: the same subset every step
-        pick = np.random.default_rng(0).choice(len(records), cfg.log.verify_items, replace=False)
-        records = [records[k] for k in sorted(pick)]
-    # R_rule of the candidate stated as an answer, as evals/README.md counts it
-    return [GoldItem(*rec, rule=rule_reward(f"The answer is {rec[2]}", rec[1], "doc_qa"))
-            for rec in records]
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:

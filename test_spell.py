@@ -3432,7 +3432,7 @@ def test_gold_metrics_hand_worked():
     """conftest.GOLD: 2 right candidates, 4 wrong; the verifier says YES to the exact answer and
     the negation, NO to the rest: right on 4 of 6, YES to 1 of 4 wrong, NO to 1 of 2 right, and
     wrong on both items where the rule is (the paraphrase it rejects, the negation it accepts)."""
-    m = spell.gold_metrics(gold_items(), GOLD_VOTES)  # majorities YES, NO, NO, NO, NO, YES
+    m = evaluation.gold_metrics(gold_items(), GOLD_VOTES)  # majorities YES, NO, NO, NO, NO, YES
     assert m == {"ver/gold_accuracy": pytest.approx(4 / 6), "ver/gold_yes_on_wrong": 0.25,
                  "ver/gold_no_on_right": 0.5, "ver/gold_beyond_rule": 0.0,
                  "ver/gold_tagged": pytest.approx(12 / 18),
@@ -3441,15 +3441,15 @@ def test_gold_metrics_hand_worked():
                  "ver/gold_kind_other_question": 1.0, "ver/gold_kind_paraphrase": 0.0}
     # votes without a tag are not YES: an abstaining verifier scores as one that says NO to all
     # (Eq. 4), right on the wrong candidates; only gold_tagged tells them apart
-    none = spell.gold_metrics(gold_items(), [[None] * 3] * 6)
-    no = spell.gold_metrics(gold_items(), [[0] * 3] * 6)
+    none = evaluation.gold_metrics(gold_items(), [[None] * 3] * 6)
+    no = evaluation.gold_metrics(gold_items(), [[0] * 3] * 6)
     assert none["ver/gold_accuracy"] == no["ver/gold_accuracy"] == pytest.approx(4 / 6)
     assert none["ver/gold_no_on_right"] == no["ver/gold_no_on_right"] == 1
     assert (none["ver/gold_tagged"], no["ver/gold_tagged"]) == (0, 1)
     # no wrong candidate in the set: the share over no items is 0
-    assert spell.gold_metrics(gold_items()[:2], [[1], [1]])["ver/gold_yes_on_wrong"] == 0.0
+    assert evaluation.gold_metrics(gold_items()[:2], [[1], [1]])["ver/gold_yes_on_wrong"] == 0.0
     with pytest.raises(ValueError):  # votes for every item
-        spell.gold_metrics(gold_items(), [[1]])
+        evaluation.gold_metrics(gold_items(), [[1]])
 
 
 def test_gold_warning_above_the_bound_and_the_console_line():
@@ -3469,7 +3469,7 @@ def test_log_step_writes_the_held_out_metrics_and_warns(tmp_path, capsys):
     cfg = spell.Config()
     cfg.log.out_dir, cfg.log.sample_every, cfg.log.verify_warn_yes_on_wrong = str(tmp_path), 0, 0.1
     log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
-    spell.log_held_out(log, cfg, 0, spell.gold_metrics(gold_items(), GOLD_VOTES), 2.5)
+    evaluation.log_held_out(log, cfg, 0, evaluation.gold_metrics(gold_items(), GOLD_VOTES), 2.5)
     spell.log_step(log, cfg, 1, *logged_inputs(1), [], world=2, gold=held_out_metrics())
     spell.log_step(log, cfg, 2, *logged_inputs(2), [], world=2)
     out = capsys.readouterr().out
@@ -3499,8 +3499,8 @@ def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypa
     monkeypatch.setattr(infra, "all_gather_objects",
                         lambda mine: sent.append(mine) or [mine, {1: [0], 3: [0], 5: [0]}])
     llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
-    prompts = spell.gold_prompts(CharTokenizer(), cfg, items)
-    m = spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=True)
+    prompts = evaluation.gold_prompts(CharTokenizer(), cfg, items)
+    m = evaluation.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=True)
     [(texts, seeds, n)] = calls
     every = spell.request_seeds(cfg.train.seed, 7, "gold", count=6)
     assert n == 4 and seeds == [every[k] for k in (0, 2, 4)]
@@ -3509,13 +3509,13 @@ def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypa
     assert texts[1].index("35 percent") < texts[1].index("25 percent")
     assert all(t.endswith("<|assistant|>Decision: [[") for t in texts)
     assert sent == [{k: [1] * 4 for k in (0, 2, 4)}]  # "Decision: [[" + "YES]]": four YES votes
-    assert m == spell.gold_metrics(items, [[1] * 4, [0], [1] * 4, [0], [1] * 4, [0]])
+    assert m == evaluation.gold_metrics(items, [[1] * 4, [0], [1] * 4, [0], [1] * 4, [0]])
     # a rank that is not its engine's first sends nothing (its engine's first rank reports)
     sent.clear()
     # 3 ranks: engine 0's first, this one (engine 0's second), engine 1
     monkeypatch.setattr(infra, "all_gather_objects", lambda mine: sent.append(mine)
                         or [{k: [1] * 4 for k in (0, 2, 4)}, mine, {1: [0], 3: [0], 5: [0]}])
-    assert spell.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=False) == m
+    assert evaluation.verify_held_out(llm, cfg, items, prompts, 7, 0, 2, reports=False) == m
     assert sent == [{}]
 
 
@@ -3562,20 +3562,20 @@ def test_load_verify_set_reads_the_shipped_file_and_a_fixed_subset():
     unless log.verify_every > 0; log.verify_items takes the same subset every time, in file
     order."""
     cfg = spell.Config()
-    assert spell.load_verify_set(cfg) == []  # log.verify_every = 0: the check is off
+    assert evaluation.load_verify_set(cfg) == []  # log.verify_every = 0: the check is off
     cfg.log.verify_every = 10
-    items = spell.load_verify_set(cfg)
+    items = evaluation.load_verify_set(cfg)
     assert len(items) == 321 and sum(it.label for it in items) == 163
     assert all(it.rule == rule_reward(f"The answer is {it.candidate}", it.reference, "doc_qa")
                for it in items)
     assert all(it.rule == 1 for it in items if it.kind == "exact")
     cfg.log.verify_items = 40
-    subset = spell.load_verify_set(cfg)
-    assert len(subset) == 40 and subset == spell.load_verify_set(cfg)
+    subset = evaluation.load_verify_set(cfg)
+    assert len(subset) == 40 and subset == evaluation.load_verify_set(cfg)
     assert [items.index(it) for it in subset] == sorted(items.index(it) for it in subset)
     assert len({it.kind for it in subset}) == 6
     cfg.data.verify_set = ""
-    assert spell.load_verify_set(cfg) == []
+    assert evaluation.load_verify_set(cfg) == []
 
 
 @pytest.mark.parametrize("argv, message", [
