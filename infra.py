@@ -2117,19 +2117,21 @@ def enable_sequence_parallel(model, group, inner: str) -> None:
 
 
 def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
-                           forward=None, coef: torch.Tensor | None = None):
-    """spell.packed_logprobs under sequence parallelism: this rank's share of the row's targets.
+                           forward=None, coef: torch.Tensor | None = None,
+                           shard: dict | None = None):
+    """packed_logprobs under sequence parallelism: this rank's share of the row's targets.
     Returns log pi(target) and entropy (detached), (n,) fp32, `which`, (n,): the (N,) targets
     they belong to, and the LM head's loss sum_t coef_t log pi(y_t) when `coef` (n,) gives this
     rank's coefficients, in `which`'s order (else None). The group's ranks together cover every
     target once. Every rank of the group must call it (the all-to-alls are collectives), with the
     same packed row.
 
-    forward: the decoder-plus-LM-head function (spell.completion_logprobs' signature); by default
-    the FSDP2-registered model.completion_logprobs that spell.shard_policy installs.
+    forward: the decoder-plus-LM-head function (completion_logprobs' signature); by default the
+    FSDP2-registered model.completion_logprobs that spell.shard_policy installs. shard: this rank's
+    shard_row of the row, if the caller has it already.
     """
     group = model.sp_group
-    shard = shard_row(packed, group.size(), dist.get_rank(group))
+    shard = shard or shard_row(packed, group.size(), dist.get_rank(group))
     weight = model.lm_head.weight
     device = weight.device
     inner = model.config._attn_implementation.removeprefix(ULYSSES)
@@ -2145,6 +2147,160 @@ def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = 
                                  mask, shard["index"].to(device), shard["targets"].to(device),
                                  temperature, impl, bits)
     return lp, ent.detach(), shard["which"].to(device), head_loss
+
+
+# ==================================================================================================
+# The packed row as this rank trains it, and the LM head's log-probs (spell.micro_batch_loss)
+# ==================================================================================================
+# spell.micro_batch_loss reads: pack, log-probs, weights x correction, the policy loss, stats. What
+# it hands here: the row's Ulysses bookkeeping (RowShare: which of the row's N completion tokens
+# this rank computes, the per-sequence values spread to them, whole-row values gathered back) and
+# the LM head's two paths (RowShare.logprobs): two passes, the log-probs carrying the graph to the
+# loss, or one pass, kernels.fused_logprob_loss making the head's gradient in its forward from each
+# token's coefficient c_t = d loss / d log pi(y_t), known before the forward on the paper's
+# on-policy update (spell.fused_head). Both give the same gradient (test_fused_head_equals_...).
+
+
+def completion_logprobs(model, input_ids, position_ids, attention_mask, index, targets,
+                        temperature: float, impl: str = "torch", coef_bits=None):
+    """Decoder forward on a packed row, then the LM head only at the `index` positions: log-probs
+    and entropies, (N,), (N,) fp32, and the head's loss sum_t c_t log pi(y_t) when coefficients
+    are given (None otherwise). A method of the FSDP2 root after spell.shard_policy (so its
+    parameters, the LM head included, are gathered while it runs); callable on a plain HF model.
+
+    coef_bits: c_t, (N,) fp32 bit-cast to int32, for kernels.fused_logprob_loss. FSDP2 casts every
+    floating-point input of a forward method to the compute dtype (bf16 on GPU), which would
+    round c_t; integers pass untouched.
+    """
+    import kernels
+
+    # No KV cache. attention_mask None: HF finds the sequence boundaries in position_ids. A 4-D mask
+    # or a BlockMask (shared rows) is used as given, position_ids then only feed RoPE.
+    hidden = model.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = hidden[0].index_select(0, index)  # (N, H)
+    # the LM head: kernels.fused_logprob never materialises [N, V] logits ("triton"), its chunked
+    # torch twin bounds them ("torch"); test_kernels.py pins both to a float64 reference
+    weight = model.lm_head.weight
+    hidden = hidden.to(weight.dtype).contiguous()
+    if coef_bits is None:
+        return (*kernels.fused_logprob(hidden, weight, targets, temperature, backend=impl), None)
+    # one pass over the vocabulary: dX and dW of the head's loss are made here, logp and the
+    # entropy come back detached (spell.fused_head; test_spell.py pins it to the two-pass path)
+    loss, logp, entropy = kernels.fused_logprob_loss(hidden, weight, targets,
+                                                     coef_bits.view(torch.float32), temperature,
+                                                     backend=impl)
+    return logp, entropy, loss
+
+
+def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
+                    coef: torch.Tensor | None = None):
+    """log pi(target) and entropy of every completion token of a packed row, (N,), (N,) fp32, the
+    entropy detached, and with coef (N,) the head's loss (completion_logprobs), else None. Split per
+    completion with `packed["spans"]`. Works on a plain HF model and on one sharded by
+    spell.shard_policy (then every rank must call it, as any FSDP forward).
+    """
+    weight = model.lm_head.weight
+    device = weight.device
+    attention = model.config._attn_implementation
+    # in the compute dtype: bf16 on GPU, where FSDP2's weight here is the fp32 master
+    mask_dtype = torch.bfloat16 if device.type == "cuda" else weight.dtype
+    mask = tree_attention_mask(packed, attention, device, mask_dtype)
+    # the FSDP2-registered twin when sharded, the plain function otherwise
+    forward = (getattr(model, "completion_logprobs", None)
+               or types.MethodType(completion_logprobs, model))
+    bits = None if coef is None else coef.float().contiguous().view(torch.int32)
+    lp, ent, head_loss = forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
+                                 mask, packed["index"].to(device), packed["targets"].to(device),
+                                 temperature, impl, bits)
+    return lp, ent.detach(), head_loss
+
+
+def logprob_gradient(objective, logp: torch.Tensor, old_logp: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """d loss / d log pi(y_t) of `objective(logp, old_logp, weights) -> (loss, stats)` at the
+    log-probs `logp`, by autograd on (n,) tensors: no model, no vocabulary. All (n,)."""
+    with torch.enable_grad():
+        x = logp.detach().clone().requires_grad_()
+        loss, _ = objective(x, old_logp.detach(), weights)
+        (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return torch.zeros_like(x) if grad is None else grad
+
+
+class RowShare:
+    """A packed row (spell.pack_sequences) as this rank trains it: its N completion tokens, or
+    under Ulysses sequence parallelism (the model's sp_group) the n of them its shard of the row
+    predicts (shard_row's `which`); the group's ranks together cover each token once.
+
+    mine (n,): their places among the row's N targets. seq_ids (n,), row_ids (N,): the sequence of
+    each. reports: whether this rank counts the row's statistics (the first of its group).
+    encoded: the row tokens this rank runs through the decoder. lengths are the completions'.
+    """
+
+    def __init__(self, model, packed: dict, lengths: Sequence[int], device: torch.device):
+        self.model, self.packed, self.device = model, packed, device
+        self.group = getattr(model, "sp_group", None)
+        k = 1 if self.group is None else self.group.size()
+        self.shard = None if k == 1 else shard_row(packed, k, dist.get_rank(self.group))
+        which = torch.arange(len(packed["targets"])) if k == 1 else self.shard["which"]
+        self.mine = which.to(device)  # (n,)
+        self.lengths = torch.tensor(list(lengths))
+        self.row_ids = torch.arange(len(lengths), device=device).repeat_interleave(
+            self.lengths.to(device))  # (N,)
+        self.seq_ids = self.per_token(list(range(len(lengths)))).long()  # (n,)
+        self.reports = k == 1 or dist.get_rank(self.group) == 0
+        self.encoded = -(-packed["input_ids"].shape[1] // k)
+
+    def per_token(self, values: Sequence[float]) -> torch.Tensor:
+        """One value per sequence -> (n,) fp32, at this rank's tokens of each."""
+        per_seq = torch.tensor(values, dtype=torch.float32)
+        return per_seq.repeat_interleave(self.lengths).to(self.device)[self.mine]
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """The row's (N,) values from this rank's (n,): the values themselves, or under sequence
+        parallelism gathered from the group's ranks (no gradient), for what reads a whole
+        sequence (its mean ratio, its mean entropy)."""
+        if self.group is None:
+            return values
+        return sp_gather_row(values.detach(), self.mine, len(self.row_ids), self.group)
+
+    def logprobs(self, temperature: float, impl: str, weights: torch.Tensor, objective=None,
+                 name: str = ""):
+        """log pi(y_t) at `temperature` and the entropy (detached) of this rank's tokens, (n,) each,
+        and `finish(loss, logp, old, weights)`, which gives the loss to backpropagate.
+
+        objective None: two passes, the log-probs carry the graph, finish gives the loss as it is.
+        objective(logp, old, weights) -> (loss, stats), linear in log pi on-policy: one pass. Its
+        gradient at log pi = 0 under these `weights` (c_t) becomes the head's in the forward;
+        finish checks that c_t is the loss's gradient at the trained log-probs too, and gives the
+        loss's value with the head's gradient. name: the objective's, for that check's message.
+        """
+        coef = None
+        if objective is not None:
+            zero = torch.zeros_like(weights)
+            coef = logprob_gradient(objective, zero, zero, weights)  # (n,) c_t
+        if self.shard is None:
+            logp, entropy, head_loss = packed_logprobs(self.model, self.packed, temperature, impl,
+                                                       coef)
+        else:
+            logp, entropy, which, head_loss = sp_completion_logprobs(
+                self.model, self.packed, temperature, impl, coef=coef, shard=self.shard)
+            assert torch.equal(which, self.mine), "the LM head ran on other targets than mine"
+        if coef is None:
+            return logp, entropy, lambda loss, *_: loss
+
+        def finish(loss: torch.Tensor, logp: torch.Tensor, old: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+            actual = logprob_gradient(objective, logp, old, weights)
+            # equal for a linear loss up to a few roundings of its own (exactly, for those built in)
+            moved = (actual - coef).abs() > 4 * torch.finfo(torch.float32).eps * coef.abs()  # (n,)
+            assert not moved.any(), (
+                f"train.policy_loss {name!r} is not linear in log pi on-policy (its gradient moves "
+                f"with log pi at {int(moved.sum())} tokens): take it out of "
+                "spell.LINEAR_POLICY_LOSSES")
+            # the value as the two-pass path gives it, the gradient the kernel made (bracket: 0)
+            return loss.detach() + (head_loss - head_loss.detach())
+        return logp, entropy, finish
 
 
 # ==================================================================================================

@@ -136,10 +136,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Our Triton kernels. Imported before transformers on purpose: on a machine without CUDA the package
-# switches Triton to its interpreter, which only works if that happens before anything imports
-# triton.
-import kernels
+# Our Triton kernels (the LM head's log-probs and loss, run by infra.completion_logprobs), imported
+# first on purpose: on a machine without CUDA the package switches Triton to its interpreter, which
+# only works if that happens before anything imports triton.
+import kernels  # noqa: F401
 import infra
 import recipes
 import tasks
@@ -1619,20 +1619,6 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
 LINEAR_POLICY_LOSSES = {"grpo"} | recipes.LINEAR_POLICY_LOSSES
 
 
-def logprob_gradient(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor,
-                     advantages: torch.Tensor, weights: torch.Tensor,
-                     seq_ids: torch.Tensor) -> torch.Tensor:
-    """d loss / d log pi(y_t) of POLICY_LOSSES[train.policy_loss] at the log-probs `logp`, by
-    autograd on (T,) tensors: no model, no vocabulary. All (T,)."""
-    t = cfg.train
-    with torch.enable_grad():
-        x = logp.detach().clone().requires_grad_()
-        loss, _ = POLICY_LOSSES[t.policy_loss](x, old_logp.detach(), advantages, weights, seq_ids,
-                                               t.clip_low, t.clip_high)
-        (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
-    return torch.zeros_like(x) if grad is None else grad
-
-
 # The rollout correction: a factor on each token's weight for the gap between the policy vLLM
 # sampled with (bf16 on GPU, its own kernels) and the one trained (fp32 masters), from the
 # log-ratio log rho_t = log pi_train(y_t) - log pi_vLLM(y_t), both before the update, and the
@@ -1821,76 +1807,61 @@ def fused_head(cfg: Config) -> bool:
 
 def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg: Config,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Packed forward of a few sequences and their weighted loss (POLICY_LOSSES), with the rollout
-    correction, over this rank's completion tokens: all of them, or under sequence parallelism
-    the ones its shard of the row predicts (rank_targets). old_logp: those tokens' log-probs
-    before the update, past its first optimiser step (None: on-policy). Returns (loss, the
-    tokens' log-probs, detached, stats). With fused_head the LM head's gradient is made in its
-    forward from c_t; the loss and stats are the two-pass path's, from the same log-probs."""
+    """Eq. 12 on a packed micro-batch: this rank's completion tokens (all of them, or under
+    sequence parallelism those its shard of the row predicts: infra.RowShare), their log-probs,
+    their weights times the rollout correction, POLICY_LOSSES[train.policy_loss]. old_logp: those
+    tokens' log-probs before the update, past its first optimiser step (None: on-policy). Returns
+    (loss, the log-probs detached, stats). With fused_head the LM head's gradient is made in its
+    forward; the loss and the stats are the same."""
     t = cfg.train
     packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
-    mine = rank_targets(policy, packed).to(device)  # (n,) places among the row's N targets
-    lengths = [len(s.completion) for s in seqs]
+    row = infra.RowShare(policy, packed, [len(s.completion) for s in seqs], device)
+    advantages = row.per_token([s.advantage for s in seqs])  # (n,) A_i at every token of i
+    weights = row.per_token([s.weight for s in seqs])  # (n,) 1 / the normaliser (loss_weights)
 
-    def per_token(values: list[float]) -> torch.Tensor:  # one value per sequence -> (n,)
-        per_seq = torch.tensor(values, dtype=torch.float32)
-        return per_seq.repeat_interleave(torch.tensor(lengths)).to(device)[mine]
+    def objective(logp, old, weights):  # Eq. 2 (on-policy, Eq. 12), or another paper's loss
+        return POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, row.seq_ids,
+                                            t.clip_low, t.clip_high)
 
-    advantages = per_token([s.advantage for s in seqs])
-    weights = per_token([s.weight for s in seqs])
-    seq_ids = per_token(list(range(len(seqs)))).long()
-    coef = None  # (n,) c_t, on the fused path: the gradient at log pi = 0, the same everywhere
-    if fused_head(cfg) and old_logp is None:
-        zero = torch.zeros_like(advantages)
-        coef = logprob_gradient(cfg, zero, zero, advantages, weights, seq_ids)
-    # (n,) each; head_loss = sum_t c_t log pi(y_t), carrying the head's gradient (None: two-pass)
-    logp, entropy, which, head_loss = rank_logprobs(policy, packed, cfg.rollout.temperature,
-                                                    t.logprob_impl, coef)
-    # the head ran on rank_targets' targets (pinned by test_rank_targets_are_the_heads_targets)
-    assert which.shape == mine.shape, "the LM head ran on other targets than rank_targets named"
-    # on-policy (one update per batch), old = current detached: rho = 1 exactly, as in Eq. 12
-    old = logp.detach() if old_logp is None else old_logp
-    # (N,) vLLM's log-probs of the row's tokens; a sequence without them (a dummy) counts as
-    # sampled by `old`
-    behaviour = torch.cat([torch.tensor(s.rollout_logprobs if s.rollout_logprobs is not None
-                                        else [0.0] * len(s.completion)) for s in seqs])
-    recorded = per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
-    sampled = torch.where(recorded, behaviour.to(device)[mine], old)
-    # what is per sequence (a sequence-level mask, Eq. 11's entropy) reads the whole row: under
-    # sequence parallelism each rank holds a share of its tokens (whole_row gathers them)
-    row = functools.partial(whole_row, policy, mine, sum(lengths))
-    row_ids = torch.arange(len(seqs), device=device).repeat_interleave(
-        torch.tensor(lengths, device=device))  # (N,)
-    log_rho = row((old - sampled).detach())  # (N,)
+    one_pass = fused_head(cfg) and old_logp is None  # the LM head's gradient made in its forward
+    # (n,) log pi(y_t) at the rollout temperature, and the entropy
+    logp, entropy, finish = row.logprobs(cfg.rollout.temperature, t.logprob_impl, weights,
+                                         objective if one_pass else None, t.policy_loss)
+    old = logp.detach() if old_logp is None else old_logp  # on-policy: rho = 1 exactly (Eq. 12)
+    sampled, recorded = behaviour_logprobs(seqs, row, old)  # (n,) log pi_vLLM(y_t)
+    log_rho = row.whole((old - sampled).detach())  # (N,): sequence-level masks read whole rows
     weights = weights * ROLLOUT_CORRECTIONS[t.rollout_correction](
-        log_rho, row_ids, t.rollout_correction_cap)[mine]
-    loss, stats = POLICY_LOSSES[t.policy_loss](logp, old, advantages, weights, seq_ids,
-                                               t.clip_low, t.clip_high)
-    if head_loss is not None:
-        # c_t was taken at log pi = 0: the loss's gradient at the trained log-probs must be it
-        actual = logprob_gradient(cfg, logp, old, advantages, weights, seq_ids)
-        # equal for a linear loss up to a few roundings of its own (exactly, for the three built in)
-        moved = (actual - coef).abs() > 4 * torch.finfo(torch.float32).eps * coef.abs()  # (n,)
-        assert not moved.any(), (
-            f"train.policy_loss {t.policy_loss!r} is not linear in log pi on-policy (its gradient "
-            f"moves with log pi at {int(moved.sum())} tokens): take it out of LINEAR_POLICY_LOSSES")
-        # the value as the two-pass path logs it; the gradient the kernel made (the bracket is 0)
-        loss = loss.detach() + (head_loss - head_loss.detach())
-    # the row's statistics, counted once: by the first rank of a sequence-parallel group
-    reports = getattr(policy, "sp_group", None) is None or dist.get_rank(policy.sp_group) == 0
-    whole = {"recorded": row(recorded.float()) > 0, "entropy": row(entropy.float())}
-    gap = rollout_gap_stats(log_rho, whole["recorded"], row_ids, t.rollout_correction_cap)
-    if not reports:
-        gap = dict.fromkeys(gap, 0)
-    stats.update(entropy_sum=float(entropy.sum()),
-                 # Eq. 11 (AEPO)
-                 seq_entropy_sum=(recipes.batch_entropy_sum(whole["entropy"], row_ids) if reports
-                                  else 0.0),
-                 seqs=len(seqs) if reports else 0,
-                 tokens=len(logp),  # trained
-                 row_tokens=row_share(packed, policy),  # encoded
-                 **gap)
-    return loss, logp.detach(), stats
+        log_rho, row.row_ids, t.rollout_correction_cap)[row.mine]
+    loss, stats = objective(logp, old, weights)
+    stats.update(micro_batch_stats(row, entropy, recorded, log_rho, len(seqs),
+                                   t.rollout_correction_cap))
+    return finish(loss, logp, old, weights), logp.detach(), stats
+
+
+def behaviour_logprobs(seqs: list[Seq], row: infra.RowShare,
+                       old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi_vLLM(y_t) of this rank's tokens as vLLM recorded them, and where it did, (n,) each;
+    a sequence without them (a dummy, or one vLLM gave a NaN) counts as sampled by `old`."""
+    behaviour = torch.cat([torch.tensor(s.rollout_logprobs if s.rollout_logprobs is not None
+                                        else [0.0] * len(s.completion)) for s in seqs])  # (N,)
+    recorded = row.per_token([float(s.rollout_logprobs is not None) for s in seqs]) > 0
+    return torch.where(recorded, behaviour.to(row.device)[row.mine], old), recorded
+
+
+def micro_batch_stats(row: infra.RowShare, entropy: torch.Tensor, recorded: torch.Tensor,
+                      log_rho: torch.Tensor, seqs: int, cap: float) -> dict:
+    """What update_policy adds up of a micro-batch (TOKEN_SUMS): the entropy, per token and per
+    sequence (Eq. 11 of QwenLong-L1.5, AEPO's), the tokens trained and encoded, and the gap to
+    vLLM's log-probs (rollout_gap_stats). A row's per-sequence sums are counted once, by the first
+    rank of a sequence-parallel group; every rank gathers the row (a collective)."""
+    whole_recorded, whole_entropy = row.whole(recorded.float()) > 0, row.whole(entropy.float())
+    gap = rollout_gap_stats(log_rho, whole_recorded, row.row_ids, cap)
+    stats = {"entropy_sum": float(entropy.sum()), "tokens": len(entropy),
+             "row_tokens": row.encoded}
+    if not row.reports:
+        return {**stats, "seq_entropy_sum": 0.0, "seqs": 0, **dict.fromkeys(gap, 0)}
+    return {**stats, "seq_entropy_sum": recipes.batch_entropy_sum(whole_entropy, row.row_ids),
+            "seqs": seqs, **gap}
 
 
 # what update_policy sums over the ranks: per pass, and once per batch (the first pass's tokens)
@@ -2590,10 +2561,10 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # packed_logprobs runs the decoder and the LM head as two calls (so a fused kernel can replace
-    # the head) instead of model(...). FSDP2 gathers the root's parameters only around forward(), so
-    # make that two-call function a registered forward method of the root.
-    model.completion_logprobs = types.MethodType(completion_logprobs, model)
+    # infra.packed_logprobs runs the decoder and the LM head as two calls (so a fused kernel can
+    # replace the head) instead of model(...). FSDP2 gathers the root's parameters only around
+    # forward(), so make that two-call function a registered forward method of the root.
+    model.completion_logprobs = types.MethodType(infra.completion_logprobs, model)
     register_fsdp_forward_method(model, "completion_logprobs")
     return model
 
@@ -2733,99 +2704,6 @@ def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False
             "group_ids": tensor(group_ids), "segment_ids": tensor(segment_ids),
             "index": tensor(index), "targets": tensor([t for _, c in seqs for t in c]),
             "spans": spans, "shared": False}
-
-
-def completion_logprobs(model, input_ids, position_ids, attention_mask, index, targets,
-                        temperature: float, impl: str = "torch", coef_bits=None):
-    """Decoder forward on a packed row, then the LM head only at the `index` positions: log-probs
-    and entropies, (N,), (N,) fp32, and the head's loss sum_t c_t log pi(y_t) when coefficients
-    are given (None otherwise). A method of the FSDP2 root after shard_policy (so its parameters,
-    the LM head included, are gathered while it runs); callable on a plain HF model.
-
-    coef_bits: c_t, (N,) fp32 bit-cast to int32, for kernels.fused_logprob_loss. FSDP2 casts every
-    floating-point input of a forward method to the compute dtype (bf16 on GPU), which would
-    round c_t; integers pass untouched.
-    """
-    # No KV cache. attention_mask None: HF finds the sequence boundaries in position_ids. A 4-D mask
-    # or a BlockMask (shared rows) is used as given, position_ids then only feed RoPE.
-    hidden = model.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=attention_mask, use_cache=False).last_hidden_state
-    hidden = hidden[0].index_select(0, index)  # (N, H)
-    # the LM head: kernels.fused_logprob never materialises [N, V] logits ("triton"), its chunked
-    # torch twin bounds them ("torch"); test_kernels.py pins both to a float64 reference
-    weight = model.lm_head.weight
-    hidden = hidden.to(weight.dtype).contiguous()
-    if coef_bits is None:
-        return (*kernels.fused_logprob(hidden, weight, targets, temperature, backend=impl), None)
-    # one pass over the vocabulary: dX and dW of the head's loss are made here, logp and the
-    # entropy come back detached (fused_head; test_spell.py pins it to the two-pass path)
-    loss, logp, entropy = kernels.fused_logprob_loss(hidden, weight, targets,
-                                                     coef_bits.view(torch.float32), temperature,
-                                                     backend=impl)
-    return logp, entropy, loss
-
-
-def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
-                    coef: torch.Tensor | None = None):
-    """log pi(target) and entropy of every completion token of a packed row, (N,), (N,) fp32, the
-    entropy detached, and with coef (N,) the head's loss (completion_logprobs), else None. Split per
-    completion with `packed["spans"]`. Works on a plain HF model and on one sharded by shard_policy
-    (then every rank must call it, as any FSDP forward).
-    """
-    weight = model.lm_head.weight
-    device = weight.device
-    attention = model.config._attn_implementation
-    # in the compute dtype: bf16 on GPU, where FSDP2's weight here is the fp32 master
-    mask_dtype = compute_dtype(device) if device.type == "cuda" else weight.dtype
-    mask = infra.tree_attention_mask(packed, attention, device, mask_dtype)
-    # the FSDP2-registered twin when sharded, the plain function otherwise
-    forward = (getattr(model, "completion_logprobs", None)
-               or types.MethodType(completion_logprobs, model))
-    bits = None if coef is None else coef.float().contiguous().view(torch.int32)
-    lp, ent, head_loss = forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
-                                 mask, packed["index"].to(device), packed["targets"].to(device),
-                                 temperature, impl, bits)
-    return lp, ent.detach(), head_loss
-
-
-def rank_targets(model, packed: dict) -> torch.Tensor:
-    """The places among a packed row's N targets of those this rank computes, (n,): all of them,
-    or under sequence parallelism (model.sp_group) those its shard of the row predicts
-    (infra.shard_row's `which`, the one sp_completion_logprobs computes)."""
-    group = getattr(model, "sp_group", None)
-    if group is None:
-        return torch.arange(len(packed["targets"]))
-    return infra.shard_row(packed, group.size(), dist.get_rank(group))["which"]
-
-
-def rank_logprobs(model, packed: dict, temperature: float, impl: str = "torch",
-                  coef: torch.Tensor | None = None):
-    """This rank's share of a packed row's completion tokens: log pi, entropy (detached) and their
-    places among the row's N targets, (n,) each, and with coef (n,) for those tokens (in
-    rank_targets' order) the head's loss, else None. All N of them, or under sequence parallelism
-    (train.sequence_parallel: model.sp_group) those its shard of the row predicts
-    (infra.sp_completion_logprobs; the group's ranks together cover each once)."""
-    if getattr(model, "sp_group", None) is None:
-        logp, entropy, head_loss = packed_logprobs(model, packed, temperature, impl, coef)
-        return logp, entropy, torch.arange(len(logp), device=logp.device), head_loss
-    return infra.sp_completion_logprobs(model, packed, temperature, impl, coef=coef)
-
-
-def whole_row(model, mine: torch.Tensor, total: int, values: torch.Tensor) -> torch.Tensor:
-    """A packed row's (N,) per-token values from this rank's (n,) at `mine`: the values themselves
-    without sequence parallelism, else gathered from the group's ranks (no gradient)."""
-    group = getattr(model, "sp_group", None)
-    if group is None:
-        return values
-    return infra.sp_gather_row(values.detach(), mine, total, group)
-
-
-def row_share(packed: dict, model) -> int:
-    """The tokens of a packed row this rank encodes: all, or its shard under sequence
-    parallelism (the row padded to a multiple of the group)."""
-    group = getattr(model, "sp_group", None)
-    k = 1 if group is None else group.size()
-    return -(-packed["input_ids"].shape[1] // k)
 
 
 # ---- data: the corpus of clusters, or RLVR's QA set

@@ -1787,7 +1787,7 @@ def gradient_check(grads: dict, ref: dict) -> tuple[float, str]:
 def sp_reference(arch: str, rows: list[dict], weights: list[torch.Tensor]):
     """The 1-rank forward: log-probs of every row and the gradients of sum(w * logp)."""
     model = sp_tiny_model(arch)
-    logps = [spell.packed_logprobs(model, row, TEMPERATURE)[0] for row in rows]  # (N,) each
+    logps = [infra.packed_logprobs(model, row, TEMPERATURE)[0] for row in rows]  # (N,) each
     sum((w * lp).sum() for w, lp in zip(weights, logps)).backward()
     return [lp.detach() for lp in logps], {n: p.grad for n, p in model.named_parameters()}
 
@@ -2031,7 +2031,7 @@ def worker_sp_parity(out_file: str) -> None:
         ref_logps, ref_grads = sp_reference(arch, rows, weights)
         model = sp_tiny_model(arch)
         infra.enable_sequence_parallel(model, group, "sdpa")
-        forward = spell.completion_logprobs
+        forward = infra.completion_logprobs
         loss, checks, which_all = 0.0, [], []
         for row, w, ref in zip(rows, weights, ref_logps):
             lp, _, which, _ = infra.sp_completion_logprobs(model, row, TEMPERATURE,
@@ -2112,8 +2112,8 @@ def worker_sp_flex(out_file: str) -> None:
         with torch.no_grad():
             for row in sp_rows():
                 lp, _, which, _ = infra.sp_completion_logprobs(model, row, TEMPERATURE,
-                                                            forward=spell.completion_logprobs)
-                checks.append(logp_check(lp, which, spell.packed_logprobs(ref, row,
+                                                            forward=infra.completion_logprobs)
+                checks.append(logp_check(lp, which, infra.packed_logprobs(ref, row,
                                                                           TEMPERATURE)[0]))
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, checks)
@@ -2180,7 +2180,7 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
         for p, cs in zip(prompts, outs):  # one row a prompt: a dense SDPA mask of 3.5K^2 at most
             packed = spell.pack_sequences([(p, c.token_ids) for c in cs], shared=True)
             with torch.no_grad():
-                lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+                lp = infra.packed_logprobs(model, packed, TEMPERATURE)[0]
             diffs += [(lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
                       for c, (s, e) in zip(cs, packed["spans"])]
         return max(diffs)

@@ -2761,7 +2761,7 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
     b = spell.Seq(list(range(20, 26)), [31, 32, 33, 34, 35], advantage=-0.25, weight=0.1)
     model = tiny_llama()
     with torch.no_grad():
-        exact = [spell.packed_logprobs(model, spell.pack_sequences([(s.prompt, s.completion)]),
+        exact = [infra.packed_logprobs(model, spell.pack_sequences([(s.prompt, s.completion)]),
                                        cfg.rollout.temperature) for s in (a, b)]
     sampled_a, sampled_b = exact[0][0].clone(), exact[1][0] + 1.0
     sampled_a[2] += 1.0
@@ -3147,7 +3147,13 @@ def test_linear_policy_losses_have_one_gradient_on_policy(name):
     g = torch.Generator().manual_seed(1)
     points = [torch.zeros(40), -12 * torch.rand(40, generator=g),
               -0.01 * torch.rand(40, generator=g)]
-    grads = [spell.logprob_gradient(cfg, x, x, advantages, weights, seq_ids) for x in points]
+    t = cfg.train
+
+    def objective(logp, old, weights):  # as micro_batch_loss binds it
+        return spell.POLICY_LOSSES[name](logp, old, advantages, weights, seq_ids, t.clip_low,
+                                         t.clip_high)
+
+    grads = [infra.logprob_gradient(objective, x, x, weights) for x in points]
     assert all(torch.equal(grads[0], other) for other in grads[1:])
     if name in ("grpo", "gspo", "cispo"):
         # fp32: -w A rounds once (PPO's min passes half to each branch, and A / 2 + A / 2 is
@@ -3202,17 +3208,21 @@ HEAD_PATH_CASES = [
 ]
 
 
-def test_rank_targets_are_the_heads_targets():
-    """micro_batch_loss reads its per-token values at rank_targets' places before the LM head runs;
-    the head must run on exactly those (under sequence parallelism both read infra.shard_row's
-    `which`; the update parity test runs that path)."""
+def test_row_share_runs_the_head_on_its_own_targets():
+    """micro_batch_loss reads its per-token values at infra.RowShare's places (mine) before the LM
+    head runs; the head must run on exactly those: without sequence parallelism all N of them, in
+    order (under it both read infra.shard_row's `which`, and RowShare.logprobs checks they agree;
+    the update parity test runs that path)."""
     model = tiny_llama()
     packed = spell.pack_sequences([([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([7], [8, 9, 10])],
                                   shared=True)
+    row = infra.RowShare(model, packed, [2, 1, 3], torch.device("cpu"))
     with torch.no_grad():
-        _, _, which, head_loss = spell.rank_logprobs(model, packed, 0.7)
-    assert torch.equal(which, spell.rank_targets(model, packed)) and head_loss is None
-    assert which.tolist() == list(range(6))
+        logp, _, finish = row.logprobs(0.7, "torch", row.per_token([1.0, 1.0, 1.0]))
+    assert row.mine.tolist() == list(range(6)) and len(logp) == 6
+    assert row.seq_ids.tolist() == [0, 0, 1, 2, 2, 2] and row.row_ids.tolist() == [0, 0, 1, 2, 2, 2]
+    loss = torch.tensor(2.5)
+    assert finish(loss, logp, logp, logp) is loss  # two passes: the loss as it is
 
 
 @pytest.mark.parametrize("case", range(len(HEAD_PATH_CASES)))
@@ -4335,7 +4345,7 @@ def test_packed_logprobs_match_unpacked():
             for p, c in [(7, 5), (3, 11), (12, 2)]]
     packed = spell.pack_sequences(seqs)
     with torch.no_grad():
-        lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+        lp = infra.packed_logprobs(model, packed, TEMPERATURE)[0]
         assert lp.shape == (sum(len(c) for _, c in seqs),) and lp.dtype == torch.float32
         for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
             # reference: the sequence alone through the ordinary HF forward
@@ -4356,7 +4366,7 @@ def test_packed_logprobs_gradient_matches_unpacked():
     model = tiny_llama()
     seqs = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
     packed = spell.pack_sequences(seqs)
-    spell.packed_logprobs(model, packed, 1.0)[0].sum().backward()
+    infra.packed_logprobs(model, packed, 1.0)[0].sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     for prompt, completion in seqs:
@@ -4463,13 +4473,13 @@ def test_packed_attention_matches_sdpa(impl):
     sdpa, other = tiny_llama(attn="sdpa").to(device), tiny_llama(attn=impl).to(device)
     assert other.config._attn_implementation == impl
     with torch.no_grad():  # FlexAttention has a CPU forward but no CPU backward in torch 2.13
-        ref = spell.packed_logprobs(sdpa, packed, TEMPERATURE)[0]  # (N,)
-        lp = spell.packed_logprobs(other, packed, TEMPERATURE)[0]  # (N,)
+        ref = infra.packed_logprobs(sdpa, packed, TEMPERATURE)[0]  # (N,)
+        lp = infra.packed_logprobs(other, packed, TEMPERATURE)[0]  # (N,)
         torch.testing.assert_close(lp, ref, atol=PACKED_ATTENTION_ATOL, rtol=0)
         for (prompt, completion), (s, e) in zip(seqs, packed["spans"]):
             # the sequence alone: a row with nothing else in it to attend to
             # (SDPA, plain causal mask)
-            alone = spell.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]),
+            alone = infra.packed_logprobs(sdpa, spell.pack_sequences([(prompt, completion)]),
                                           TEMPERATURE)[0]
             torch.testing.assert_close(lp[s:e], alone, atol=PACKED_ATTENTION_ATOL, rtol=0)
 
@@ -4488,7 +4498,7 @@ def test_packed_attention_gradient_matches_sdpa(impl):
     grads = []
     for attn in ("sdpa", impl):
         model = tiny_llama(attn=attn).to(device)
-        (weights * spell.packed_logprobs(model, packed, TEMPERATURE)[0]).sum().backward()
+        (weights * infra.packed_logprobs(model, packed, TEMPERATURE)[0]).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     # fp32: as in test_packed_logprobs_gradient_matches_unpacked, the longest sums are the LM head's
     # V = 1000 terms: sqrt(V) u32 = 1.9e-6 of the tensor's scale (at most ~3, the tied
@@ -4537,7 +4547,7 @@ def flat_pairs(groups) -> list[tuple[list[int], list[int]]]:
 
 
 def row_logprobs(model, packed) -> torch.Tensor:
-    return spell.packed_logprobs(model, packed, TEMPERATURE)[0]  # (N,)
+    return infra.packed_logprobs(model, packed, TEMPERATURE)[0]  # (N,)
 
 
 def alone_logprobs(model, pairs) -> torch.Tensor:
@@ -5035,7 +5045,7 @@ def worker_parity(tiny_dir: str, dtype: str = "float32") -> None:
         # the n = 2 answers to a prompt share it in the row (train.shared_prefix)
         packed = spell.pack_sequences([(p, c.token_ids) for p, c in pairs], shared=True)
         with torch.no_grad():
-            lp = spell.packed_logprobs(model, packed, TEMPERATURE)[0]
+            lp = infra.packed_logprobs(model, packed, TEMPERATURE)[0]
         return max((lp[s:e] - torch.tensor(c.logprobs)).abs().max().item()
                    for (_, c), (s, e) in zip(pairs, packed["spans"]))
 
@@ -5055,8 +5065,8 @@ def worker_parity(tiny_dir: str, dtype: str = "float32") -> None:
                                   for p, c in [(6, 9), (13, 4)]])
     n_tok = len(batch["targets"])
     model.train()
-    (-spell.packed_logprobs(model, batch, 1.0)[0].sum() / n_tok).backward()
-    (-spell.packed_logprobs(reference, batch, 1.0)[0].sum() / n_tok).backward()
+    (-infra.packed_logprobs(model, batch, 1.0)[0].sum() / n_tok).backward()
+    (-infra.packed_logprobs(reference, batch, 1.0)[0].sum() / n_tok).backward()
     ref_params = dict(reference.named_parameters())
     assert all(p.grad.abs().max() > 0 for p in ref_params.values()), \
         "the dummy loss must reach every weight"

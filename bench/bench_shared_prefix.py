@@ -7,7 +7,7 @@ paper's 7B recipe at long prompts, with and without sharing.
     python bench/bench_shared_prefix.py --memory             # the 7B recipe's memory estimate
 
 One group: a prompt of P random tokens and G answers of 128..256 tokens (seeded). Both sides
-compute the answers' log-probs with spell.packed_logprobs and backpropagate a weighted sum of them
+compute the answers' log-probs with infra.packed_logprobs and backpropagate a weighted sum of them
 through a random Llama:
   unshared  each (prompt, y_i) as its own sequence, one row per sequence (plain causal SDPA, which
             skips the masked half: the cheapest exact way on CPU, and the attention work
@@ -90,7 +90,7 @@ def unshared_step(m, prompt, answers, weights):
     m.zero_grad(set_to_none=True)
     values = []
     for y in answers:
-        values.append(spell.packed_logprobs(m, spell.pack_sequences([(prompt, y)]), 1.0)[0])
+        values.append(infra.packed_logprobs(m, spell.pack_sequences([(prompt, y)]), 1.0)[0])
     values = torch.cat(values)  # (N,)
     (weights * values).sum().backward()
     return values.detach()
@@ -100,7 +100,7 @@ def shared_step(m, prompt, answers, weights):
     """The shared row with the dense tree mask."""
     m.zero_grad(set_to_none=True)
     packed = spell.pack_sequences([(prompt, y) for y in answers], shared=True)
-    values = spell.packed_logprobs(m, packed, 1.0)[0]  # (N,), answers in order
+    values = infra.packed_logprobs(m, packed, 1.0)[0]  # (N,), answers in order
     (weights * values).sum().backward()
     return values.detach()
 

@@ -93,7 +93,7 @@ def make_policy(checkpointing: bool, sharding: str, world: int):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     infra.train_mode_without_dropout(model)
-    model.completion_logprobs = types.MethodType(spell.completion_logprobs, model)
+    model.completion_logprobs = types.MethodType(infra.completion_logprobs, model)
     return model
 
 

@@ -147,7 +147,7 @@ def replica(cfg, world: int):
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     infra.train_mode_without_dropout(model)
-    model.completion_logprobs = types.MethodType(spell.completion_logprobs, model)
+    model.completion_logprobs = types.MethodType(infra.completion_logprobs, model)
     params = list(model.parameters())  # the tied embedding once
     model.grad_bucket = torch.zeros(sum(p.numel() for p in params))  # (P,)
     for p, view in zip(params, model.grad_bucket.split([p.numel() for p in params])):

@@ -4,7 +4,7 @@ on a Qwen2.5-7B-shaped policy (H 3584, V 152064, 28 layers), one packed row of T
     python bench/head_flops.py                      # T = 16K, 32K, 64K, 128K (about a minute)
     python bench/head_flops.py --tokens 4096 --layers 2
 
-What is counted, and how. The decoder runs the project's own code (spell.packed_logprobs on a
+What is counted, and how. The decoder runs the project's own code (infra.packed_logprobs on a
 packed row, then the backward of a weighted sum of the log-probs, gradient checkpointing on as in
 spell.shard_policy) under fake tensors (shapes only: no memory, no values) and
 torch.utils.flop_counter.FlopCounterMode. The LM head in that run is the chunked torch twin, whose
@@ -76,7 +76,7 @@ def micro_batch_flops(tokens: int, layers: int) -> dict:
         weights = torch.full((n,), 1.0 / n)
 
         def step():
-            logp = spell.packed_logprobs(model, packed, 0.7, "torch")[0]  # (N,)
+            logp = infra.packed_logprobs(model, packed, 0.7, "torch")[0]  # (N,)
             (-(weights * logp).sum()).backward()
 
         total = counted(step)
