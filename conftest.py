@@ -254,7 +254,7 @@ def speaker_examples(tok, clusters: list[dict]) -> list[tuple[list[int], list[in
     q = SPEAKER_QUESTION
     # the demo preset starts the verifier's reply itself (bootstrap.verifier_reply_prefix): the
     # speaker learns to continue it, as SmolLM2 continues it in the quickstart
-    prefix = spell.load_config(str(REPO / "demo.toml")).bootstrap.verifier_reply_prefix
+    prefix = spell.load_config(str(REPO / "presets" / "demo.toml")).bootstrap.verifier_reply_prefix
     pairs = []  # (prompt text, reply prefix, completions)
     for c in clusters:
         docs = c["documents"]
@@ -337,17 +337,17 @@ def speaker(embedded_dir, tmp_path_factory):
 def demo_args(speaker: str, corpus: Path, out_dir: Path, *extra: str) -> list[str]:
     """The demo preset (demo.toml) on the speaker and the protocol corpus: 2 steps, a checkpoint
     after each, short prompts and generations (48 tokens, every role), and the Triton log-prob
-    kernel (its interpreter, on CPU) in the update; vLLM in fp32, eager (the speaker is a tiny random
-    model: a minute of bf16 compile per engine would buy nothing; test_export_runs_in_vllm starts
-    the quickstart's bf16 engine on SmolLM2). 16 questions per step: about 70 % of the
+    kernel (its interpreter, on CPU) in the update; vLLM in fp32, eager (the speaker is a tiny
+    random model: a minute of bf16 compile per engine would buy nothing; test_export_runs_in_vllm
+    starts the quickstart's bf16 engine on SmolLM2). 16 questions per step: about 70 % of the
     speaker's questions fail the format or the grounding check, and a step must still keep every
     role with room to spare."""
-    return ["spell.py", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
+    return ["spell.py", "--config", str(REPO / "presets" / "demo.toml"), f"--model.path={speaker}",
             f"--data.corpus={corpus}", f"--log.out_dir={out_dir}", "--train.steps=2",
-            "--rollout.cpu_bf16=false",
+            "--engine.cpu_bf16=false",
             "--log.save_every=1", "--rollout.clusters_per_round=16",
             "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
-            "--rollout.role_max_new_tokens=que:0,res:0,ver:0", "--train.logprob_impl=triton",
+            "--rollout.role_max_new_tokens=que:0,res:0,ver:0", "--engine.logprob_impl=triton",
             *extra]
 
 
@@ -437,8 +437,8 @@ GOLD_VOTES = [[1, 1, 0], [0, 0, 0], [None, 0, 0], [0, 1, None], [None, None, Non
 
 
 def worker_mesh(shard_size: str, world: int):
-    """The policy's mesh as main() builds it for train.fsdp_shard_size = shard_size
+    """The policy's mesh as main() builds it for engine.fsdp_shard_size = shard_size
     (a command-line string)."""
     cfg = spell.Config()
-    cfg.train.fsdp_shard_size = int(shard_size)
+    cfg.engine.fsdp_shard_size = int(shard_size)
     return infra.policy_mesh(cfg, "cpu", world)

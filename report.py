@@ -160,7 +160,7 @@ FIGURES = {
         ("clip fraction", ["train/clipfrac"]),
         ("sequences / micro-batches / groups split over micro-batches",
          ["train/sequences", "train/micro_batches", "train/split_groups"]),
-        ("tokens trained / encoded (prompts once per group with train.shared_prefix)",
+        ("tokens trained / encoded (prompts once per group with engine.shared_prefix)",
          ["train/tokens", "train/row_tokens"]),
         ("mean |log-prob trainer - vLLM| per token", ["train/rollout_logp_gap"]),
         ("rollout correction: mean min(ratio, C) / share outside [1/C, C] / sequences rejected",

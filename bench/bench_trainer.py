@@ -17,7 +17,7 @@ local port, nccl on GPU, gloo on CPU), a Qwen2ForCausalLM with fp32 master weigh
 --layers of its 28), spell.shard_policy (FSDP2, bf16 compute, fp32 gradient reduction, gradient
 checkpointing), AdamW with the recipe's lr and weight decay, and
 spell.update_policy(policy, optimizer, seqs, cfg, 1, device) with cfg = spell.Config() but for
-train.micro_batch_tokens, train.logprob_impl and model.attn_implementation (resolved by
+engine.micro_batch_tokens, engine.logprob_impl and engine.attn_implementation (resolved by
 infra.attention_implementation, as main() does). seqs are what spell.training_sequences returns,
 (prompt ids, completion ids, advantage, weight): random tokens, sequences of irregular lengths
 that fill --micro-batches micro-batches of exactly T tokens, ~90 % prompt (long context, short
@@ -94,7 +94,7 @@ def build_policy(config: Qwen2Config, cfg: spell.Config, mesh, param_dtype: torc
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn,
                                                  dtype=torch.float32)
     return spell.shard_policy(model, mesh, param_dtype=param_dtype,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+                              gradient_checkpointing=cfg.engine.gradient_checkpointing)
 
 
 def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed: int,
@@ -164,7 +164,8 @@ def layers_that_fit(T: int, device_gib: float) -> tuple[int, float]:
     85 % of the device less 2 GiB (CUDA context, allocator slack)
     and SDPA's dense (T, T) bool mask."""
     cfg = spell.Config()
-    cfg.train.micro_batch_tokens, cfg.train.logprob_impl = T, "triton"  # the larger LM-head scratch
+    # the larger LM-head scratch
+    cfg.engine.micro_batch_tokens, cfg.engine.logprob_impl = T, "triton"
     budget = 0.85 * device_gib - 2 - T * T / GiB
     for layers in range(FULL_LAYERS, 0, -1):
         est = infra.memory_estimate(cfg, model_config(QWEN25_7B, layers, T), world=1,
@@ -247,7 +248,7 @@ def bench(args) -> None:
     mesh = init_device_mesh(device.type, (world,))
     for attn in attns:
         cfg = spell.Config()
-        cfg.model.attn_implementation = attn
+        cfg.engine.attn_implementation = attn
         policy = build_policy(config, cfg, mesh, param_dtype, init_on=device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
@@ -255,7 +256,7 @@ def bench(args) -> None:
             seqs = update_batch(T, args.micro_batches, config.vocab_size, cfg, seed=T)
             n_tokens, flops = sum(len(p) + len(c) for p, c, *_ in seqs), model_flops(config, seqs)
             for impl in impls:
-                cfg.train.micro_batch_tokens, cfg.train.logprob_impl = T, impl
+                cfg.engine.micro_batch_tokens, cfg.engine.logprob_impl = T, impl
                 try:
                     sec, mem, stats = time_updates(policy, optimizer, seqs, cfg, device,
                                                    args.repeats)
@@ -312,9 +313,9 @@ def check(args) -> None:
     config = model_config(SMALL, layers, T)
     cfg = spell.Config()
     # unclipped: the step is the gradient
-    cfg.train.micro_batch_tokens, cfg.train.grad_clip = T, math.inf
+    cfg.engine.micro_batch_tokens, cfg.train.grad_clip = T, math.inf
     seqs = update_batch(T, micro_batches, config.vocab_size, cfg, seed=1)
-    cfg.model.attn_implementation, cfg.train.logprob_impl = "sdpa", "torch"
+    cfg.engine.attn_implementation, cfg.engine.logprob_impl = "sdpa", "torch"
     ref = sgd_step(config, cfg, seqs, torch.device("cpu"), torch.float32,
                    init_device_mesh("cpu", (1,)))
     ref_max = max(g.abs().max().item() for g in ref.values())
@@ -348,7 +349,7 @@ def check(args) -> None:
     failed = False
     for attn, impl in cases:
         case = copy.deepcopy(cfg)
-        case.model.attn_implementation, case.train.logprob_impl = attn, impl
+        case.engine.attn_implementation, case.engine.logprob_impl = attn, impl
         step = sgd_step(config, case, seqs, device, torch.bfloat16,
                         init_device_mesh(device.type, (1,)))
         rel = max((step[n] - g).abs().max().item() for n, g in ref.items()) / ref_max
@@ -375,7 +376,7 @@ def main() -> None:
                     help="micro-batch sizes T (default 16384 32768)")
     ap.add_argument("--micro-batches", type=int, default=2, help="full micro-batches per update")
     ap.add_argument("--attn", nargs="+", choices=["sdpa", "flex_attention", "flash_attention_2"])
-    ap.add_argument("--impl", nargs="+", choices=["torch", "triton"], help="train.logprob_impl")
+    ap.add_argument("--impl", nargs="+", choices=["torch", "triton"], help="engine.logprob_impl")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed updates per case (after one warm-up)")
     args = ap.parse_args()

@@ -10,16 +10,16 @@ Two ranks, the same micro-batches, the same starting weights, one full optimiser
 (forward and backward over the rank's micro-batches, the gradient's reduction over the ranks,
 the clip at train.grad_clip, AdamW at train.lr), in four layouts:
   fsdp             spell.shard_policy as main() runs it (spell.load_policy): fully_shard per decoder
-                   layer and the root over the mesh infra.policy_mesh makes at train.fsdp_shard_size
-                   = 0, one step of spell.update_policy. Per micro-batch every layer's weights are
-                   all-gathered for the forward and again for the backward, and its gradient
-                   reduce-scattered.
+                   layer and the root over the mesh infra.policy_mesh makes at
+                   engine.fsdp_shard_size = 0, one step of spell.update_policy. Per micro-batch
+                   every layer's weights are all-gathered for the forward and again for the
+                   backward, and its gradient reduce-scattered.
   fsdp_no_reshard  the same, then FSDPModule.set_reshard_after_forward(False) on the root and every
                    layer (shard_policy has no switch for it; the runtime setter is equivalent to
                    fully_shard(..., reshard_after_forward=False)): the weights gathered for the
                    forward stay gathered for the backward, one all-gather a layer per micro-batch
                    fewer, and a rank holds the whole model while its micro-batch runs.
-  hsdp1            train.fsdp_shard_size = 1 through shard_policy: the mesh (2, 1), shard groups of
+  hsdp1            engine.fsdp_shard_size = 1 through shard_policy: the mesh (2, 1), shard groups of
                    one rank, so each rank holds a full replica (nothing to all-gather), and
                    update_policy has FSDP2 all-reduce every layer's gradient across the replicas
                    once a step, in the last micro-batch's backward (set_requires_all_reduce).
@@ -35,9 +35,9 @@ the clip at train.grad_clip, AdamW at train.lr), in four layouts:
                    (sum / world, FSDP's mean), then clips and steps as update_policy does.
 
 Micro-batches as the CPU quickstart (demo.toml) makes them: SmolLM2-135M-Instruct's real weights
-from .cache/ in fp32, SDPA, model.gradient_checkpointing, train.micro_batch_tokens, lr and clip
+from .cache/ in fp32, SDPA, engine.gradient_checkpointing, engine.micro_batch_tokens, lr and clip
 from demo.toml; responder groups of one prompt and rollout.group_size answers, shared-prefix packed
-(train.shared_prefix), prompts of 1,200-1,500 tokens and answers of 60-190 (drawn until a group
+(engine.shared_prefix), prompts of 1,200-1,500 tokens and answers of 60-190 (drawn until a group
 fits one micro-batch), both cut from the demo corpus's documents tokenised (real text, not model
 samples), the advantages standardised random numbers per group, the weights train.loss_norm's.
 The --groups groups are dealt to the ranks in turn (2 each by default: 2 micro-batches a rank).
@@ -117,10 +117,10 @@ def load_model(cfg):
 
 
 def sharded(cfg, world: int):
-    """spell.shard_policy over infra.policy_mesh: FSDP2, or HSDP with train.fsdp_shard_size."""
+    """spell.shard_policy over infra.policy_mesh: FSDP2, or HSDP with engine.fsdp_shard_size."""
     return spell.shard_policy(load_model(cfg), infra.policy_mesh(cfg, "cpu", world),
                               param_dtype=spell.compute_dtype(CPU),
-                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+                              gradient_checkpointing=cfg.engine.gradient_checkpointing)
 
 
 def sharded_no_reshard(cfg, world: int):
@@ -144,7 +144,7 @@ def replica(cfg, world: int):
     flat bucket, (P,) fp32, each parameter's .grad a view of it (DDP's gradient_as_bucket_view):
     the backward accumulates into it in place, and the bucket is what is all-reduced."""
     model = load_model(cfg)
-    if cfg.model.gradient_checkpointing:
+    if cfg.engine.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     infra.train_mode_without_dropout(model)
     model.completion_logprobs = types.MethodType(infra.completion_logprobs, model)
@@ -178,7 +178,7 @@ def replica_step(policy, optimizer, seqs: list[spell.Seq], cfg, world: int,
     return {"grad_norm": float(grad_norm)}
 
 
-# name -> (train.fsdp_shard_size, how the policy is built, its update step)
+# name -> (engine.fsdp_shard_size, how the policy is built, its update step)
 LAYOUTS = {
     "fsdp": (0, sharded, spell.update_policy),
     "fsdp_no_reshard": (0, sharded_no_reshard, spell.update_policy),
@@ -245,7 +245,7 @@ def make_groups(args, cfg) -> list[list[spell.Seq]]:
     shared-prefix packed, cut in turn from the corpus, with train.loss_norm's weights."""
     g = torch.Generator().manual_seed(0)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
-    G, budget = cfg.rollout.group_size, cfg.train.micro_batch_tokens
+    G, budget = cfg.rollout.group_size, cfg.engine.micro_batch_tokens
     assert args.prompt_tokens[0] + G * args.answer_tokens[0] <= budget, "no group would fit"
     shapes = []
     for _ in range(args.groups):
@@ -295,17 +295,18 @@ def header(args, cfg, world: int, groups) -> str:
             f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable) | torch "
             f"{torch.__version__}, transformers {transformers.__version__} | load averages at "
             f"start {load} | {world} ranks x {torch.get_num_threads()} threads\n"
-            f"# model: SmolLM2-135M-Instruct (real weights), fp32, {cfg.model.attn_implementation}"
+            f"# model: SmolLM2-135M-Instruct (real weights), fp32, {cfg.engine.attn_implementation}"
             f" -> {infra.attention_implementation(cfg, False)}, checkpointing "
-            f"{cfg.model.gradient_checkpointing}; micro_batch_tokens "
-            f"{cfg.train.micro_batch_tokens}, lr {cfg.train.lr}, grad_clip {cfg.train.grad_clip}, "
+            f"{cfg.engine.gradient_checkpointing}; micro_batch_tokens "
+            f"{cfg.engine.micro_batch_tokens}, lr {cfg.train.lr}, grad_clip {cfg.train.grad_clip}, "
             f"loss_norm {cfg.train.loss_norm}; {args.repeats} repeats\n"
             f"# groups (prompt + answers, tokens), dealt to ranks in turn: {shapes}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "demo.toml"), help="the quickstart's settings")
+    ap.add_argument("--config", default=str(ROOT / "presets" / "demo.toml"),
+                    help="the quickstart's settings")
     ap.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS),
                     help="the first is the gradient's reference")
     ap.add_argument("--groups", type=int, default=4, help="groups (micro-batches) a step")
@@ -313,14 +314,14 @@ def main() -> None:
                     metavar=("LO", "HI"))
     ap.add_argument("--answer-tokens", type=int, nargs=2, default=(60, 190),
                     metavar=("LO", "HI"))
-    ap.add_argument("--micro-batch-tokens", type=int, help="override train.micro_batch_tokens")
+    ap.add_argument("--micro-batch-tokens", type=int, help="override engine.micro_batch_tokens")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per layout")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "run under torchrun --nproc_per_node=2"
     assert args.groups % world == 0, "--groups must divide among the ranks"
-    extra = ([f"--train.micro_batch_tokens={args.micro_batch_tokens}"]
+    extra = ([f"--engine.micro_batch_tokens={args.micro_batch_tokens}"]
              if args.micro_batch_tokens else [])
     cfg = spell.load_config(args.config, extra)
     groups = make_groups(args, cfg)  # the same on every rank (seeded); each takes its share
@@ -330,7 +331,7 @@ def main() -> None:
     setups = {}
     for name in args.layouts:
         shard_size, build, step = LAYOUTS[name]
-        lcfg = spell.load_config(args.config, extra + [f"--train.fsdp_shard_size={shard_size}"])
+        lcfg = spell.load_config(args.config, extra + [f"--engine.fsdp_shard_size={shard_size}"])
         policy = build(lcfg, world)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=lcfg.train.lr,
                                       weight_decay=lcfg.train.weight_decay)  # as load_policy

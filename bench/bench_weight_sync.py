@@ -1,5 +1,5 @@
 """Weight sync (trainer -> vLLM) of the embedded SmolLM2-135M on 2 CPU ranks,
-per rollout.sync_bucket_mb.
+per engine.sync_bucket_mb.
 
     .venv/bin/python bench/bench_weight_sync.py                  # 2 ranks, 3 repeats (about 5 min)
     .venv/bin/python bench/bench_weight_sync.py --buckets 0,8,64 --repeats 5
@@ -121,7 +121,7 @@ def worker(buckets: list[int], repeats: int) -> None:
         print(f"Device: {cpu[1] if cpu else platform.processor()}, {os.cpu_count()} cores, "
               f"{world} ranks (gloo), vLLM weights in {rollout_dtype}; "
               f"date {datetime.date.today()}; median of {repeats}.\n")
-        print("| rollout.sync_bucket_mb | ahead | gather s | gather s/GB "
+        print("| engine.sync_bucket_mb | ahead | gather s | gather s/GB "
               "| gather peak extra RSS GiB | sync s | sync s/GB | sync peak extra RSS GiB |")
         print("|---|---|---|---|---|---|---|---|")
         for mb, ahead, ((gs, gm), (ss, sm)) in rows:

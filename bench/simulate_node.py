@@ -14,9 +14,9 @@ bf16 compute, gradient checkpointing) and spell.update_policy (shared-prefix pac
 forward with the chunked torch LM head, the GRPO loss, backward, gradient clipping, AdamW) on a
 Qwen2ForCausalLM built on the meta device. One case is one responder group: a prompt of P tokens
 and G answers of A tokens, packed as one row of P + G A tokens, one micro-batch per data-parallel
-group. With sequence parallelism of degree k (train.sequence_parallel; spell.load_policy's
+group. With sequence parallelism of degree k (engine.sequence_parallel; spell.load_policy's
 infra.enable_sequence_parallel over infra.sp_group, groups of k consecutive ranks) the k ranks of
-a group share that row, each 1/k of its tokens (train.micro_batch_tokens is set so that
+a group share that row, each 1/k of its tokens (engine.micro_batch_tokens is set so that
 spell.row_budget, k times it, holds the row). This process plays the group's last rank
 (simulated_rank): it holds the completions, hence the most LM-head work. The tracker
 (torch.distributed._tools.mem_tracker.MemTracker) watches the second step, after the first has
@@ -69,7 +69,7 @@ gpu_paths install them, and restore everything on exit):
 transformers 5.19 builds a dense (1, 1, T, T) mask from packed position_ids for SDPA; with a
 BlockMask it passes the mask on as it is: FakeRun records the largest tensor of the step to show it.
 
-Not simulated: the Triton LM head (train.logprob_impl = "triton", config.toml's choice): a Triton
+Not simulated: the Triton LM head (engine.logprob_impl = "triton", config.toml's choice): a Triton
 launch has no fake rule (the interpreter reads the data) and FlopCounterMode sees no aten op in it,
 so the rows use the torch twin (its fp32 dW and 256 MiB scratch), and memory_estimate is asked
 about the same twin. The kernel's GEMMs are the twin's (8 n H V FLOPs for n targets: the logits,
@@ -133,17 +133,17 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
         row = prompt + group * answer
         cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
             f"--rollout.max_prompt_tokens={prompt}", f"--rollout.max_new_tokens={answer}",
-            f"--rollout.group_size={group}", f"--train.sequence_parallel={sp}",
-            f"--train.micro_batch_tokens={-(-row // sp)}",
-            "--train.logprob_impl=torch", f"--model.attn_implementation={attention}"])
+            f"--rollout.group_size={group}", f"--engine.sequence_parallel={sp}",
+            f"--engine.micro_batch_tokens={-(-row // sp)}",
+            "--engine.logprob_impl=torch", f"--engine.attn_implementation={attention}"])
         assert spell.row_budget(cfg) >= row, "the responder group must fit one row"
         return cfg
 
     def shard(model, mesh, cfg, dtype):
         """spell.load_policy's steps after loading: FSDP2, then Ulysses (collective: new_group)."""
         policy = spell.shard_policy(model, mesh, param_dtype=dtype,
-                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
-        if (k := cfg.train.sequence_parallel) > 1:
+                                    gradient_checkpointing=cfg.engine.gradient_checkpointing)
+        if (k := cfg.engine.sequence_parallel) > 1:
             attention = infra.attention_implementation(cfg, on_gpu=True)
             infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
         return policy
@@ -163,7 +163,7 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
             prompt, completion, advantage, weight),
         update=lambda policy, optimizer, seqs, cfg: spell.update_policy(
             policy, optimizer, seqs, cfg, world, torch.device("cpu")),
-        # the update phase: the trainer while vLLM sleeps (config.toml's rollout.sleep_level 1)
+        # the update phase: the trainer while vLLM sleeps (config.toml's engine.sleep_level 1)
         estimate=lambda cfg, mc: infra.memory_estimate(
             cfg, mc, world, device_gib, spell.longest_sequence(cfg)),
     )
