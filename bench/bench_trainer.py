@@ -67,7 +67,7 @@ import spell  # noqa: E402
 
 GiB = 1 << 30
 FULL_LAYERS = 28  # Qwen2.5-7B
-# Qwen2.5-7B-Instruct's config.json (what test_spell.py's QWEN25_7B holds), less the depth
+# Qwen2.5-7B-Instruct's config.json (what tests/test_infra.py's QWEN25_7B holds), less the depth
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
                  rms_norm_eps=1e-6, rope_theta=1e6)

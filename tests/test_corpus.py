@@ -1,5 +1,5 @@
 """Tests for build_corpus.py (the Appendix C.1 corpus pipeline). Fast: run with
-    HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q test_corpus.py
+    HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_corpus.py
 The end-to-end and embedding tests use the real all-MiniLM-L6-v2 and skip without its package."""
 
 import importlib.util

@@ -13,7 +13,7 @@ import pytest
 import spell
 import tasks
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 VERIFY = REPO / "evals" / "sotu_verify_set.jsonl"
 HELDOUT = REPO / "evals" / "sotu_heldout_qa.jsonl"
 FIELDS = ["id", "question_id", "question", "reference", "candidate", "label", "kind"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import simulate_node as sn  # noqa: E402
 
 import infra  # noqa: E402

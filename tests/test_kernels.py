@@ -4,7 +4,7 @@ CPU: the Triton kernels run under TRITON_INTERPRET=1 on small irregular shapes (
 in all on 2 cores, measured 2026-11-21). GPU-only tests (bf16 tensor-core dots, bigger shapes) skip
 without CUDA.
 
-    .venv/bin/python -m pytest -q test_kernels.py
+    .venv/bin/python -m pytest -q tests/test_kernels.py
 
 Accuracy is always measured against a float64 evaluation of the textbook formula on the same
 (dtype-rounded) inputs. Tolerances, per dtype, are TOL[dtype] plus 4x the error of the plain fp32

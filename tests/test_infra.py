@@ -23,9 +23,9 @@ import torch
 import infra
 import spell
 import tasks
-from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
-                      deadline, held_out_metrics, logged_metrics, metrics, mutated_fixture, run_worker,
-                      snapshot, torchrun, worker_mesh)
+from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE,
+                      all_fixture_items, deadline, held_out_metrics, logged_metrics, metrics,
+                      mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,14 +189,17 @@ def test_infer_benchmark_from_filename(filename, expected):
 def test_infer_benchmark_from_fields_when_name_says_nothing(tmp_path):
     # LongBench-V2's native file is data.json: the first record's fields tell
     shutil.copy(FIXTURES / "longbench_v2.json", tmp_path / "data.json")
-    assert {it.benchmark for it in infra.load_benchmark(str(tmp_path / "data.json"))} == {"longbench_v2"}
+    assert ({it.benchmark for it in infra.load_benchmark(str(tmp_path / "data.json"))}
+            == {"longbench_v2"})
     shutil.copy(FIXTURES / "musique.jsonl", tmp_path / "test.jsonl")
-    assert {it.benchmark for it in infra.load_benchmark(str(tmp_path / "test.jsonl"))} == {"musique"}
+    assert ({it.benchmark for it in infra.load_benchmark(str(tmp_path / "test.jsonl"))}
+            == {"musique"})
     shutil.copy(FIXTURES / "simpshort_testmini.json", tmp_path / "x.json")
     assert infra.load_benchmark(str(tmp_path / "x.json"))[0].benchmark == "docmath"
     # ambiguous name, fields decide
     shutil.copy(FIXTURES / "frames.jsonl", tmp_path / "hotpotqa_vs_musique.jsonl")
-    assert infra.load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark == "frames"
+    assert (infra.load_benchmark(str(tmp_path / "hotpotqa_vs_musique.jsonl"))[0].benchmark
+            == "frames")
     (tmp_path / "mystery.jsonl").write_text('{"q": 1}\n')
     with pytest.raises(infra.EvalDataError,
                        match=r"mystery\.jsonl: cannot tell which benchmark.*BENCHMARK:PATH"):
@@ -562,7 +565,9 @@ def test_check_memory_refusals():
         cfg = spell.load_config(str(spell.ROOT / "config.toml"),
                                 [f"--{k.replace('__', '.')}={v}" for k, v in keys.items()])
         with pytest.raises(infra.ConfigError) as e:
-            infra.check_memory(cfg, infra.memory_estimate(cfg, mc, world, 80.0, longest=spell.longest_sequence(cfg)), 80.0, world)
+            infra.check_memory(cfg, infra.memory_estimate(cfg, mc, world, 80.0,
+                                                          longest=spell.longest_sequence(cfg)),
+                               80.0, world)
         return str(e.value)
 
     # vLLM's 0.15 x 80 = 12 GiB holds less than the 14.2 GiB of bf16 weights
@@ -575,7 +580,8 @@ def test_check_memory_refusals():
     # 262144 tokens a micro-batch: 49.0 GiB of checkpoints (28 x 2 x 262144 x 3584 bytes) and
     # 76.7 for the recomputed layer (262144 x 314080 bytes): 125.7 GiB of activations
     msg = refusal(engine__micro_batch_tokens=262144)
-    assert "during the update" in msg and "engine.micro_batch_tokens (activations: 125.7 GiB)" in msg
+    assert ("during the update" in msg
+            and "engine.micro_batch_tokens (activations: 125.7 GiB)" in msg)
     assert "raise engine.sequence_parallel (now 1:" in msg
     assert "sleep_level" not in msg and "gradient_checkpointing" not in msg  # both already right
     msg = refusal(engine__sleep_level=0, engine__gradient_checkpointing="false",
@@ -601,20 +607,25 @@ def test_memory_estimate_with_tensor_parallel_rollouts():
     # 16 > 8 KV heads: one a rank, replicated
     for k, kv_width in [(1, 8 * 128), (2, 4 * 128), (16, 1 * 128)]:
         cfg = spell.load_config(paths, [f"--engine.tensor_parallel_size={k}"])
-        est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0, longest=spell.longest_sequence(cfg))
+        est = infra.memory_estimate(cfg, mc, world=16, device_gib=80.0,
+                                    longest=spell.longest_sequence(cfg))
         assert est["vllm_minimum"] == pytest.approx(
             (2 * P / k + 2 * 2 * L * kv_width * tokens) / GiB, rel=1e-12), k
     one, two = (spell.load_config(paths, [f"--engine.tensor_parallel_size={k}"]) for k in (1, 2))
     with pytest.raises(infra.ConfigError, match="engine.tensor_parallel_size") as e:
-        infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0, longest=spell.longest_sequence(one)), 80.0, 16)
+        infra.check_memory(one, infra.memory_estimate(one, mc, 16, 80.0,
+                                                      longest=spell.longest_sequence(one)),
+                           80.0, 16)
     assert "1/1" in str(e.value) and "66.0 GiB" in str(e.value)  # 61.0 of weights + 5.0 of KV cache
     # 30.5 + 2.5 GiB: fits
-    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0, longest=spell.longest_sequence(two)), 80.0, 16)
+    infra.check_memory(two, infra.memory_estimate(two, mc, 16, 80.0,
+                                                  longest=spell.longest_sequence(two)), 80.0, 16)
     # this launch with vLLM at half the GPU (the figure docs/gpu.md and the preset quote); the
     # update's activations are those of one 20480-token sequence, above the 16384-token budget
     half = spell.load_config(paths, ["--engine.tensor_parallel_size=2",
                                      "--engine.gpu_memory_utilization=0.5"])
-    assert infra.memory_line(infra.memory_estimate(half, mc, 16, 80.0, longest=spell.longest_sequence(half)), 80.0).startswith(
+    estimate = infra.memory_estimate(half, mc, 16, 80.0, longest=spell.longest_sequence(half))
+    assert infra.memory_line(estimate, 80.0).startswith(
         "memory: estimate 62.9 of 80.0 GiB per GPU (rollouts 62.9, update 53.1")
 
 
@@ -633,8 +644,8 @@ def test_hsdp_mesh_and_memory():
             "engine.fsdp_shard_size = 3 must divide the number of ranks, 16")):
         infra.mesh_shape(cfg(3), 16)
     mc = Qwen2Config(**QWEN25_7B)
-    fsdp, hsdp = (infra.memory_estimate(cfg(0), mc, 16, 80.0, longest=spell.longest_sequence(cfg(0))),
-                  infra.memory_estimate(cfg(8), mc, 16, 80.0, longest=spell.longest_sequence(cfg(8))))
+    fsdp, hsdp = (infra.memory_estimate(c, mc, 16, 80.0, longest=spell.longest_sequence(c))
+                  for c in (cfg(0), cfg(8)))
     for key in ("weights", "grads", "adamw"):  # sharded over 8, not 16
         assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=1e-12), key
     assert all(hsdp[k] == fsdp[k]
@@ -642,7 +653,9 @@ def test_hsdp_mesh_and_memory():
     small = cfg(1)  # every rank holds everything: 16 B x 7.6 B parameters = 113 GiB
     with pytest.raises(infra.ConfigError,
                        match=re.escape("113.5 GiB a GPU on 1, engine.fsdp_shard_size)")):
-        infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0, longest=spell.longest_sequence(small)), 80.0, 16)
+        infra.check_memory(small, infra.memory_estimate(small, mc, 16, 80.0,
+                                                        longest=spell.longest_sequence(small)),
+                           80.0, 16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2174,7 +2187,8 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
     sharp.save_pretrained(tiny_dir)  # and the sharper weights over the tiny model's
     cfg = spell.load_config(None, [f"--model.path={tiny_dir}", "--model.rope_scaling=yarn:4",
                                    "--rollout.max_prompt_tokens=7680",
-                                   "--rollout.max_new_tokens=512", "--engine.rollout_dtype=float32"])
+                                   "--rollout.max_new_tokens=512",
+                                   "--engine.rollout_dtype=float32"])
     model_dir, tok, llm = spell.start_engine(cfg, 0, 1, cpu, 0, training=True)
     policy, _ = spell.load_policy(cfg, model_dir, cpu, 1)
     infra.check_same_rope(llm, policy)  # as main() does

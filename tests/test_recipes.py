@@ -1,0 +1,57 @@
+"""Tests of recipes.py that call a variant directly, in recipes.py's order: DAPO's soft overlong
+penalty, AEPO's hysteresis and the batch entropy it reads. Hand-worked values, all in the fast tier.
+
+Every entry of the dicts spell.py merges (QUESTIONER_MAPPINGS, ADVANTAGES, LOSS_NORMS,
+POLICY_LOSSES, ROLLOUT_CORRECTIONS) is tested in test_spell.py, at spell.py's switch sites: the
+checks a correct new entry must pass, and the worked values keyed by name.
+"""
+
+import torch
+
+import recipes
+import spell
+
+
+# ------------------------------------------------------------------------------------------------
+# DAPO's soft overlong penalty (reward.overlong_buffer)
+# ------------------------------------------------------------------------------------------------
+
+def test_overlong_penalty_worked_values():
+    """DAPO's soft overlong punishment with max 100 tokens and a buffer of 20."""
+    assert ([recipes.overlong_penalty(n, 100, 20) for n in (10, 80, 85, 90, 100)]
+            == [0.0, 0.0, -0.25, -0.5, -1.0])
+    assert recipes.overlong_penalty(100, 100, 0) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# AEPO: QwenLong-L1.5's entropy hysteresis (train.aepo)
+# ------------------------------------------------------------------------------------------------
+
+# AEPO (QwenLong-L1.5 §4.4) on a worked run of batch entropies, bounds [0.5, 1.0]: the state after
+# each update. 1.0 is not above high and 0.5 not below low, so neither switches; the paper's first
+# code (mask while low < H < high, no memory) would mask at 0.8, 0.9, 0.6 and 0.7 instead.
+AEPO_ENTROPIES = [0.8, 1.0, 1.2, 0.9, 0.6, 0.5, 0.4, 0.7, 1.1]
+AEPO_MASKING = [False, False, True, True, True, True, False, False, True]
+
+
+def test_aepo_hysteresis_on_a_worked_entropy_run():
+    """Masking starts once an update's entropy exceeds the upper bound and lasts until one falls
+    below the lower bound; at [0, 0] it never starts."""
+    aepo, off = recipes.AEPO(0.5, 1.0), recipes.AEPO(0.0, 0.0)
+    states = []
+    for h in AEPO_ENTROPIES:
+        aepo.observe(h)
+        off.observe(h * 100)
+        states.append(aepo.masking)
+        assert not off.masking
+    assert states == AEPO_MASKING
+
+
+def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
+    """QwenLong-L1.5 Eq. 11 before / |B|: token entropies 1, 1, 1, 3 (mean 1.5) and 2 (mean 2), and
+    a token outside every sequence, sum 3.5; so H = 1.75, where the token mean is 8 / 5 = 1.6."""
+    entropy = torch.tensor([1.0, 1.0, 1.0, 3.0, 2.0, 9.0])
+    assert recipes.batch_entropy_sum(entropy, torch.tensor([0, 0, 0, 0, 1, -1])) == 3.5
+    m = spell.train_metrics({"entropy_sum": 8.0, "tokens": 5, "seq_entropy_sum": 3.5, "seqs": 2}, 2)
+    assert m["train/batch_entropy"] == 1.75 and m["train/entropy"] == 1.6
+    assert "train/seq_entropy_sum" not in m and "train/seqs" not in m
