@@ -81,6 +81,7 @@ numbers are in docs/reference.md, "Departures":
  13. For fin_math and doc_mc, r_i is the rule alone (tasks.Task.rule_decides).
  14. §4.3's selection reads Eq. 6's accuracy; DAPO's length shaping enters the advantage only.
  15. A doc_qa reference the rule can never match is a format error (Eq. 7).
+ 16. R_rule is read three ways: Eq. 6's reward, §4.3's label (right, wrong or none), §4.1's check.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class RewardConfig:
     judge: Literal["verifier", "rule", "frozen"] = "verifier"
     # a response whose G votes have no strict majority (neither YES nor NO from more than G/2 of
     # them: a tie, or too many abstentions): keep (Eq. 4: it counts as NO) or mask (CuMa: no
-    # verifier-derived reward, r_i = R_rule, and its votes do not train; strict_majority)
+    # verifier-derived reward, r_i = R_rule, its votes do not train, and unless the rule passes it
+    # it leaves the responder's group; strict_majority)
     no_majority: Literal["keep", "mask"] = "keep"
     # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
@@ -634,10 +636,38 @@ def parse_question(text: str, task: str, correct_letter: str | None = None,
     return None
 
 
+# R_rule has three uses, and each reads it its own way (departure 16, docs/reference.md). As Eq. 6's
+# reward (rule_reward) it pays the gold in its own form only: it may miss a right answer, the
+# verifier then decides; it never pays a hedge. As §4.3's label for the verifier's consistency
+# filter (rule_label) it must never call a right answer wrong: the gold itself is right, an answer
+# without the gold is wrong (the paper's CEM 0), and one that holds the gold inside other words (a
+# sentence, a hedge: no rule tells them apart) labels nothing. As §4.1's grounding check
+# (gold_in_answer) it reads the gold anywhere, so an ungrounded question cannot hide in a sentence.
+
 def rule_reward(response: str, answer: str, task: str) -> float:
     """R_rule(y, a) of Eq. 6: 1.0 if the extracted answer passes the task's rule check, else 0.0."""
     predicted = tasks.extract_answer(response, task)
     return 0.0 if predicted is None else float(tasks.TASKS[task].rule(predicted, answer))
+
+
+def rule_label(response: str, answer: str, task: str) -> int | None:
+    """R_rule as §4.3's label of a response for the verifier's consistency filter: 1 when the rule
+    pays (rule_reward), 0 when the answer holds the gold nowhere (tasks.Task.holds: the paper's
+    CEM 0), None (undecided, no label) when it holds the gold inside other words."""
+    body = tasks.strip_reasoning(response)
+    if body is None:
+        return 0
+    task_type = tasks.TASKS[task]
+    predicted = task_type.extract(body)
+    if predicted is not None and task_type.rule(predicted, answer):
+        return 1
+    return None if task_type.holds(body, answer) else 0
+
+
+def gold_in_answer(response: str, answer: str, task: str) -> bool:
+    """§4.1's grounding check reads a response as answered when it holds the gold anywhere: right
+    or undecided under rule_label (the authors' check is CEM)."""
+    return rule_label(response, answer, task) != 0
 
 
 _YES, _NO = "[[YES]]", "[[NO]]"
@@ -857,7 +887,8 @@ class Rollout:
     status: str = "format"  # format | ungrounded | skipped (prompt too long) | ok
     res_prompt: list[int] = field(default_factory=list)
     responses: list = field(default_factory=list)  # G Completions
-    rules: list[float] = field(default_factory=list)  # R_rule per response
+    rules: list[float] = field(default_factory=list)  # R_rule per response (Eq. 6's reward)
+    labels: list = field(default_factory=list)  # per response: rule_label, 1, 0 or None (§4.3)
     ver_prompts: list = field(default_factory=list)  # per response: verifier prompt ids, or None
     # per response: G Completions (empty if not verified)
     verdicts: list = field(default_factory=list)
@@ -871,6 +902,9 @@ class Rollout:
     agreements: list = field(default_factory=list)
     ver_rewards: list = field(default_factory=list)  # per response: G rewards r_ij (Eq. 5), or None
     res_rewards: list[float] | None = None  # r_i (Eq. 6)
+    # per response: left out of the responder's batch (reward.no_majority = "mask": no strict
+    # majority, and the rule does not pass it)
+    masked: list = field(default_factory=list)
     que_reward: float = 0.0  # r_que (Eq. 7)
     evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
 
@@ -968,7 +1002,7 @@ def run_grounding(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
     outs = generate(llm, prompts, n=1, seeds=seeds[:len(todo)], **sampling(cfg, "res"),
                     desc="grounding")
     for r, (c,) in zip(todo, outs):
-        if finished(c, cfg) and rule_reward(c.text, r.question["answer"], r.task) == 1.0:
+        if finished(c, cfg) and gold_in_answer(c.text, r.question["answer"], r.task):
             r.status = "ungrounded"
 
 
@@ -990,6 +1024,8 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
         r.responses = cs
         r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0
                    for c in cs]
+        r.labels = [rule_label(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0
+                    for c in cs]
         # filled by run_verifier, if it runs
         r.ver_prompts, r.verdicts = [None] * len(cs), [[] for _ in cs]
 
@@ -1041,10 +1077,14 @@ def score_votes(r: Rollout, cfg: Config) -> None:
     verifier's rewards and their agreement. With reward.judge = "rule" no verifier ran: no votes,
     no majority. With reward.no_majority = "mask" (CuMa), votes without a strict majority leave
     their response unverified (majority None): r_i = R_rule (Eq. 6), no Eq. 5 reward, so the
-    votes never enter the batch (select_verifier)."""
+    votes never enter the batch (select_verifier); and a response so left that the rule does not
+    pass leaves the responder's batch too (r.masked), its reward unknown rather than 0."""
     r.votes = [read_votes(vs, cfg) for vs in r.verdicts]
     r.majorities = [majority_vote(votes) for votes in r.votes]  # Eq. 4
+    r.masked = [False] * len(r.votes)
     if cfg.reward.no_majority == "mask":
+        r.masked = [bool(v) and not strict_majority(v) and rule == 0
+                    for v, rule in zip(r.votes, r.rules)]
         r.majorities = [m if strict_majority(v) else None for m, v in zip(r.majorities, r.votes)]
     r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
     r.agreements = [vote_agreement(rewards) for rewards in r.ver_rewards]
@@ -1156,6 +1196,8 @@ class Summary:
     ver_cut: list[list[bool]]
     nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
     no_majority: int = 0  # responses whose votes have no strict majority (strict_majority)
+    labels: list = field(default_factory=list)  # per response: rule_label, 1, 0 or None
+    masked: list = field(default_factory=list)  # per response: out of the responder's batch
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1179,7 +1221,8 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
                                                                 *(v for vs in r.verdicts
                                                                   for v in vs)]),
-        no_majority=sum(bool(votes) and not strict_majority(votes) for votes in r.votes))
+        no_majority=sum(bool(votes) and not strict_majority(votes) for votes in r.votes),
+        labels=r.labels, masked=r.masked)
 
 
 @dataclass(frozen=True)
@@ -1241,12 +1284,13 @@ def questioner_floor_samples(rewards: Sequence[float], task_names: Sequence[str]
     return sorted(extra)
 
 
-def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[float],
+def verifier_groups_to_keep(majorities: Sequence[int | None], labels: Sequence[int | None],
                             agreements: Sequence[float], max_groups: int, rng: np.random.Generator,
                             agreement_range: tuple[float, float] = (0.51, 0.99),
                             abstentions: Sequence[int] | None = None,
                             consistent: bool = True) -> list[int]:
-    """Verifier groups whose majority matches the rule check and is not unanimous, capped (§4.3).
+    """Verifier groups whose majority matches the rule's label (1, 0; None: undecided, no group)
+    and is not unanimous, capped (§4.3).
 
     abstentions[i], given under bootstrap.verifier_format_penalty, counts group i's
     votes without a tag: a group with abstentions and at least one vote agreeing with the majority
@@ -1256,8 +1300,8 @@ def verifier_groups_to_keep(majorities: Sequence[int | None], rules: Sequence[fl
     lo, hi = agreement_range
     abstentions = abstentions if abstentions is not None else [0] * len(majorities)
     eligible = []
-    for i, (v, r, a, n) in enumerate(zip(majorities, rules, agreements, abstentions)):
-        consistent_with_rule = v == int(r) or not consistent
+    for i, (v, label, a, n) in enumerate(zip(majorities, labels, agreements, abstentions)):
+        consistent_with_rule = v == label or not consistent
         trainable = lo <= a <= hi or (n > 0 and a > 0)
         if v is not None and consistent_with_rule and trainable:
             eligible.append(i)
@@ -1290,20 +1334,28 @@ def select_responder(summaries: list[Summary], cfg: Config,
     generator: taking them in (rank, idx) order would cut the last ranks' groups first, and each
     rank samples a fixed shard of the corpus."""
     ok = [k for k, s in enumerate(summaries) if s.status == "ok"]
-    eligible = [ok[i] for i in responder_groups_to_keep([summaries[k].selection for k in ok])]
+    judged = {k: judged_responses(summaries[k]) for k in ok}  # all, but reward.no_majority's
+    eligible = [ok[i] for i in responder_groups_to_keep(
+        [[summaries[k].selection[i] for i in judged[k]] for k in ok])]
     if not eligible:
         return []
     kept = sorted(rng.permutation(eligible)[:cfg.train.batch_groups].tolist())
-    advantages = role_advantages([summaries[k].res_rewards for k in kept],
+    advantages = role_advantages([[summaries[k].res_rewards[i] for i in judged[k]] for k in kept],
                                  [summaries[k].task for k in kept], cfg.train.advantage)
     items = []
     for k, group in zip(kept, advantages):
         s = summaries[k]
-        for i, a in enumerate(group):  # Eq. 8 within the question's group of G responses
+        for i, a in zip(judged[k], group):  # Eq. 8 within the question's group of G responses
             items.append(TrainItem(rank=s.rank, idx=s.idx, role="res", i=i, advantage=a,
                                    group=("res", s.rank, s.idx), length=s.res_lens[i],
                                    cut=s.res_cut[i]))
     return items
+
+
+def judged_responses(r: Rollout | Summary) -> list[int]:
+    """The responses that enter the responder's group: all of them, but those reward.no_majority =
+    "mask" leaves out (Rollout.masked)."""
+    return [i for i in range(len(r.selection)) if not (r.masked and r.masked[i])]
 
 
 def select_questioner(summaries: list[Summary], solved: set[tuple[int, int]], cfg: Config,
@@ -1346,8 +1398,9 @@ def select_questioner(summaries: list[Summary], solved: set[tuple[int, int]], cf
 def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
                     rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
     """§4.3 for the verifier: one group per (question, response) whose majority agrees with the
-    rule check, capped at reward.verifier_share of the responder trajectories [code]; each vote
-    with its Eq. 8 advantage within its group. Returns the items and their counts for the log."""
+    rule's label (rule_label: a response it cannot decide labels nothing), capped at
+    reward.verifier_share of the responder trajectories [code]; each vote with its Eq. 8
+    advantage within its group. Returns the items and their counts for the log."""
     candidates = [(s, i) for s in summaries if s.status == "ok"
                   for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
     votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
@@ -1356,7 +1409,7 @@ def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
     if cfg.bootstrap.verifier_format_penalty:
         abstained = [s.abstained[i] for s, i in candidates]
     keep = verifier_groups_to_keep([s.majorities[i] for s, i in candidates],
-                                   [s.rules[i] for s, i in candidates],
+                                   [s.labels[i] for s, i in candidates],
                                    [s.agreements[i] for s, i in candidates],
                                    max_groups, rng, cfg.reward.verifier_agreement, abstained,
                                    cfg.reward.consistency_filter)
@@ -1410,7 +1463,8 @@ def batch_is_full(rollouts: list[Rollout], cfg: Config, reports: bool,
                   device: torch.device) -> bool:
     """Algorithm 1, line 6: |B_res| >= N, counted over every engine (each engine's first rank
     reports; the others share its rollouts under tensor parallelism)."""
-    kept = len(responder_groups_to_keep([r.selection for r in rollouts if r.status == "ok"]))
+    kept = len(responder_groups_to_keep([[r.selection[i] for i in judged_responses(r)]
+                                         for r in rollouts if r.status == "ok"]))
     return infra.all_reduce_sum(kept if reports else 0, device) >= cfg.train.batch_groups
 
 

@@ -39,12 +39,15 @@ from typing import Any, Callable, NamedTuple, Sequence
 class Task(NamedTuple):
     """One task type (§5.1): how its reference answer is checked (None = a format error, Eq. 7),
     how a response's final answer is read from the text after its reasoning, R_rule of Eq. 6 on the
-    two answers, whether it is multiple choice (the questioner is then told which letter must be
-    correct, and the prompts show the options), and whether the rule alone decides r_i (Eq. 6
-    without the verifier's max, departure 13)."""
+    two answers, whether the text after the reasoning holds the gold anywhere (alone, in a sentence
+    or among other candidates: what the rule cannot tell apart, so the verifier's filter takes no
+    label from it and §4.1's grounding check counts it as answered), whether it is multiple choice
+    (the questioner is then told which letter must be correct, and the prompts show the options),
+    and whether the rule alone decides r_i (Eq. 6 without the verifier's max, departure 13)."""
     check: Callable[[str, str, dict, str | None, int], dict | None]
     extract: Callable[[str], str | None]
     rule: Callable[[str, str], bool]
+    holds: Callable[[str, str], bool]
     multiple_choice: bool = False
     rule_decides: bool = False
 
@@ -501,6 +504,14 @@ def rule_doc_qa(prediction: str, gold: str) -> bool:
     return sum(words[k:k + n] == gold_words for k in range(len(words) - n + 1)) == 1
 
 
+def text_holds_gold(body: str, gold: str) -> bool:
+    """Whether a free-form answer names the gold anywhere: the paper's cover exact match (§4.2) of
+    the answer statement, on word boundaries ("It was 25 percent." and "25 or 35 percent" for
+    "25 percent"; not "35 percent")."""
+    predicted = extract_text_answer(body)
+    return predicted is not None and cover_exact_match(predicted, gold)
+
+
 
 # ---- fin_math: one number, with its currency, sign, scale and percent, and a few harmless words
 
@@ -616,6 +627,20 @@ def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
     return p is not None and g is not None and values_match(p, g, rel_tol)
 
 
+def numbers_hold_gold(body: str, gold: str) -> bool:
+    """Whether any number of the answer statement, with its sign, is the gold's (values_match):
+    "5 or 6" and "about $5 million, up from 4" hold a gold of 5; "6" does not."""
+    predicted, g = extract_text_answer(body), answer_value(gold)
+    if predicted is None or g is None:
+        return False
+    s = predicted.replace("\u2212", "-").replace(",", "")
+    for m in NUMBER.finditer(s):
+        value = float(m[0])
+        if math.isfinite(value) and values_match(-value if number_is_negative(s, m) else value, g):
+            return True
+    return False
+
+
 
 # ---- doc_mc: the last answer statement is one letter and nothing else
 
@@ -666,6 +691,20 @@ def extract_letter_answer(body: str) -> str | None:
         last = max(last, (line, line))
     at, start = last
     return None if at < 0 else _letter_of(rest_of_line(body, start))
+
+
+def letters_hold_gold(body: str, gold: str) -> bool:
+    """Whether the gold's letter is among the letters the last answer statement names ("A or B",
+    "either (A) or (C)", "\\boxed{A} or \\boxed{B}"): the line after the last 'answer is' or
+    'Answer:' (from its first visible character on), else the last line."""
+    marks = [m for m in (last_match(_MARKER, body), last_match(_ANSWER_LABEL, body)) if m]
+    if marks:
+        start = _OPEN_EDGE.match(body, max(m.end() for m in marks)).end()
+    else:
+        start = body.rstrip().rfind("\n") + 1
+    region = _BOXED.sub(r" \1 ", rest_of_line(body, start))
+    named = {(m[1] or m[2]).upper() for m in _LETTER.finditer(region)}
+    return gold.strip().strip("()").upper() in named
 
 
 # ==================================================================================================
@@ -727,11 +766,12 @@ def rule_doc_mc(predicted: str, gold: str) -> bool:
 
 # §5.1's three task types; data.task_weights draws among them in this order
 TASKS: dict[str, Task] = {
-    "doc_qa": Task(check=check_doc_qa, extract=extract_text_answer, rule=rule_doc_qa),
+    "doc_qa": Task(check=check_doc_qa, extract=extract_text_answer, rule=rule_doc_qa,
+                   holds=text_holds_gold),
     "fin_math": Task(check=check_fin_math, extract=extract_number_answer, rule=rule_fin_math,
-                     rule_decides=True),
+                     holds=numbers_hold_gold, rule_decides=True),
     "doc_mc": Task(check=check_doc_mc, extract=extract_letter_answer, rule=rule_doc_mc,
-                   multiple_choice=True, rule_decides=True),
+                   holds=letters_hold_gold, multiple_choice=True, rule_decides=True),
 }
 
 

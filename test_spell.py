@@ -615,6 +615,60 @@ def test_parse_question_huge_integer_answer():
 
 
 # ------------------------------------------------------------------------------------------------
+# 2. R_rule's three readings: Eq. 6's reward, §4.3's label, §4.1's grounding check
+# ------------------------------------------------------------------------------------------------
+
+# (what follows "The correct answer is ", the gold, the task, R_rule (Eq. 6), rule_label (§4.3))
+RULE_READINGS = [
+    ("blue", "blue", "doc_qa", 1.0, 1),  # the gold itself: right
+    ("red", "blue", "doc_qa", 0.0, 0),  # no gold anywhere: wrong (the paper's CEM 0)
+    ("It was blue.", "blue", "doc_qa", 0.0, None),  # a sentence: right, the rule cannot tell
+    ("blue, according to the report.", "blue", "doc_qa", 0.0, None),
+    ("blue or red", "blue", "doc_qa", 0.0, None),  # a hedge: wrong, the rule cannot tell either
+    ("the speech says 25 percent", "25 percent", "doc_qa", 0.0, None),
+    ("35 percent", "25 percent", "doc_qa", 0.0, 0),
+    ("1995", "5", "doc_qa", 0.0, 0),  # word boundaries: "5" is not in "1995"
+    ("5", "5", "fin_math", 1.0, 1),
+    ("$5 million", "5000000", "fin_math", 1.0, 1),  # one value, its scale
+    ("6", "5", "fin_math", 0.0, 0),
+    ("5 or 6", "5", "fin_math", 0.0, None),  # the gold among several values
+    ("about $5 million, up from 4", "5", "fin_math", 0.0, None),
+    ("-5", "5", "fin_math", 0.0, 0),  # sign matters
+    ("B", "B", "doc_mc", 1.0, 1),
+    ("A", "B", "doc_mc", 0.0, 0),
+    ("A or B", "B", "doc_mc", 0.0, None),  # the gold among several letters
+    ("either (A) or (C)", "B", "doc_mc", 0.0, 0),
+]
+
+
+@pytest.mark.parametrize("answer, gold, task, reward, label", RULE_READINGS)
+def test_the_rule_read_three_ways(answer, gold, task, reward, label):
+    """Eq. 6's reward pays the gold in its own form only; §4.3's label never calls a right answer
+    wrong (a sentence or a hedge holding the gold labels nothing); §4.1's grounding check counts the
+    gold anywhere as answered."""
+    response = f"The correct answer is {answer}"
+    assert spell.rule_reward(response, gold, task) == reward
+    assert spell.rule_label(response, gold, task) == label
+    assert spell.gold_in_answer(response, gold, task) == (label != 0)
+
+
+def test_the_label_is_never_wrong_on_a_right_answer_of_the_verify_set():
+    """On the hand-labelled verify set (evals/sotu_verify_set.jsonl, each candidate stated as an
+    answer): no candidate labelled YES whose text holds the reference gets label 0, and no
+    candidate labelled NO gets label 1 (the label errs only by abstaining)."""
+    items = [json.loads(line) for line in
+             (spell.ROOT / "evals" / "sotu_verify_set.jsonl").read_text().splitlines()]
+    wrong = []
+    for it in items:
+        response = f"The answer is {it['candidate']}"
+        label = spell.rule_label(response, it["reference"], "doc_qa")
+        holds = tasks.cover_exact_match(it["candidate"], it["reference"])
+        if (it["label"] == "YES" and holds and label == 0) or (it["label"] == "NO" and label == 1):
+            wrong.append((it["candidate"], it["reference"], it["label"], label))
+    assert len(items) == 321 and wrong == []
+
+
+# ------------------------------------------------------------------------------------------------
 # 2. Parsing hostile model output: hedges, negations, the answer's number, options, unclosed
 # braces, golds the rule cannot match
 # ------------------------------------------------------------------------------------------------
@@ -1214,6 +1268,45 @@ def test_rollout_round_plays_the_four_phases_and_scores_them(monkeypatch):
     assert r.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3))  # Eq. 7
 
 
+@pytest.mark.parametrize("grounding_answer, ungrounded", [
+    ("The correct answer is blue.", True),
+    ("The correct answer is: it was painted blue, as the report says.", True),  # a sentence
+    ("The correct answer is red or blue.", True),  # the gold among others
+    ("The correct answer is red.", False),
+    ("I cannot tell without the text.", False),
+])
+def test_grounding_reads_the_gold_anywhere(monkeypatch, grounding_answer, ungrounded):
+    """§4.1: a question answered without the documents is ungrounded, whether the no-document
+    answer states the gold alone, in a sentence or among other candidates (before, only the gold
+    alone counted, so a question answered in a sentence stayed in play)."""
+    cfg = spell.Config()
+    cfg.rollout.group_size = 4
+    script = {**SELF_PLAY_SCRIPT, "grounding": [(grounding_answer, "stop")]}
+    r, _ = scripted_round(monkeypatch, cfg, script)
+    assert r.status == ("ungrounded" if ungrounded else "ok")
+
+
+def test_the_filter_takes_no_label_from_a_sentence(monkeypatch):
+    """§4.3's consistency filter: a verifier group voting NO (3 of 4) on a right answer written as
+    a sentence was kept before, its majority matching R_rule's 0, and taught NO on a right answer;
+    now the sentence labels nothing, and only the groups of the wrong answers ("red", label 0)
+    train."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 4.0
+    script = {**SELF_PLAY_SCRIPT,
+              "responder": [("The correct answer is: it was painted blue.", "stop"),
+                            ("The correct answer is red.", "stop"),
+                            ("The correct answer is blue.", "stop"),
+                            ("The correct answer is red.", "stop")],
+              "verifier": [("Decision: [[NO]]", "stop")] * 3 + [("Decision: [[YES]]", "stop")]}
+    r, _ = scripted_round(monkeypatch, cfg, script)
+    assert r.rules == [0.0, 0.0, 1.0, 0.0] and r.labels == [None, 0, 1, 0]
+    assert r.majorities == [0] * 4  # the right "blue" too: its NO majority disagrees with label 1
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    assert counts["ver_candidates"] == 4 and counts["ver_groups"] == 2
+    assert {it.i for it in items if it.role == "ver"} == {1, 3}
+
+
 def test_grounding_filter_off_skips_the_no_document_check(monkeypatch):
     """Table 2 "w/o grounding filter": the question the no-document check would reject
     goes on to the responder."""
@@ -1282,7 +1375,8 @@ NO_MAJORITY_SCRIPT = {**SELF_PLAY_SCRIPT, "verifier": [
 def test_no_majority_mask_leaves_the_response_unverified_and_its_votes_untrained(monkeypatch):
     """reward.no_majority = "mask" (CuMa): votes without a strict majority give no verifier-derived
     reward (r_i = R_rule, even where the single first vote says YES), no Eq. 5 reward, and their
-    group never enters the batch; under "keep" the abstaining groups train the verdict format
+    group never enters the batch; a response so left that the rule does not pass leaves the
+    responder's group too. Under "keep" the abstaining groups train the verdict format
     (bootstrap.verifier_format_penalty admits them) on a NO majority nobody voted for."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
@@ -1299,10 +1393,12 @@ def test_no_majority_mask_leaves_the_response_unverified_and_its_votes_untrained
     assert mask.votes == keep.votes == [[1, 0, None, None]] * 4
     assert mask.majorities == [None] * 4 and mask.ver_rewards == [None] * 4
     assert mask.res_rewards == mask.solved == mask.rules == [1.0, 0.0, 0.0, 0.0]
+    # the three wrong answers leave the responder's group; the right one alone has no baseline
+    assert mask.masked == [False, True, True, True] and keep.masked == [False] * 4
     summary = spell.summarize(mask)
     items, counts = spell.select_batch([summary], cfg, np.random.default_rng(0))
-    assert counts["ver_groups"] == counts["ver_candidates"] == 0
-    assert {it.role for it in items} == {"res", "que"}
+    assert counts["ver_groups"] == counts["ver_candidates"] == 0 and counts["res_groups"] == 0
+    assert not [it for it in items if it.role in ("res", "ver")]
     m = spell.step_metrics([summary], batch_counts(), {}, {})
     assert m["ver/no_majority"] == 1.0 and m["ver/majority_rate"] == 0.0
     # the single first vote (YES) would pay every answer under keep; masked, the rule decides
@@ -1315,6 +1411,45 @@ def test_no_majority_mask_leaves_the_response_unverified_and_its_votes_untrained
     cfg.reward.verifier_decision, cfg.reward.no_majority = "majority", "mask"
     clear, _ = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
     assert clear.majorities == [1] * 4 and clear.res_rewards == [1.0] * 4
+
+
+def votes_of(*tags: int | None) -> list[spell.Completion]:
+    """A response's votes as the verifier writes them: 1 [[YES]], 0 [[NO]], None no tag."""
+    text = {1: "Decision: [[YES]]", 0: "Decision: [[NO]]", None: "I cannot tell."}
+    return [spell.Completion([7] * 4, text[t], None, "stop") for t in tags]
+
+
+def test_no_majority_mask_differs_from_keep_under_the_papers_recipe():
+    """config.toml (G = 8 votes, no bootstrap): Eq. 4 already scores a tie as NO, so a tied
+    response is never a verifier group and under "keep" it trains as a wrong answer. The worked
+    group: the rule passes response 0 only; response 1's votes tie 4-4, the rest say NO 7-1.
+    keep: eight responses, rewards 1, 0 x 7, A = (r - 1/8) / (unbiased std sqrt(1/8) + eps);
+    mask: response 1 leaves the group, seven responses, A = (r - 1/7) / (sqrt(1/7) + eps), and
+    response 1 gets no advantage at all. Before the fix both modes gave the first batch."""
+    keep_cfg = spell.load_config(str(spell.ROOT / "config.toml"))
+    mask_cfg = spell.load_config(str(spell.ROOT / "config.toml"), ["--reward.no_majority=mask"])
+    yes, no = [1] * 7 + [0], [0] * 7 + [1]
+    votes = [yes, [1, 0] * 4] + [no] * 6
+
+    def scored(cfg):
+        r = spell.Rollout(GATE, "doc_qa", [0], [1], question={"question": "Q?", "answer": "blue"},
+                          status="ok", rules=[1.0] + [0.0] * 7, labels=[1] + [0] * 7,
+                          responses=[spell.Completion([5] * 3, "y", None, "stop")] * 8,
+                          ver_prompts=[[1]] * 8, verdicts=[votes_of(*v) for v in votes])
+        spell.score_rollouts(cfg, [r], spell.HistoryMemory(3))
+        items, _ = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+        return r, {it.i: it.advantage for it in items if it.role == "res"}
+
+    keep, keep_adv = scored(keep_cfg)
+    mask, mask_adv = scored(mask_cfg)
+    assert keep.res_rewards == mask.res_rewards == [1.0] + [0.0] * 7  # Eq. 4: the tie is NO
+    assert keep.masked == [False] * 8 and mask.masked == [False, True] + [False] * 6
+    # fp32, a mean, a std and a division of O(1) values: ~10 roundings, 6e-7 < rel 1e-5
+    for adv, n in ((keep_adv, 8), (mask_adv, 7)):
+        std = math.sqrt(1 / n)  # unbiased std of one 1 and n - 1 zeros: sqrt(n / (n (n - 1)))
+        want = {i: ((1.0 if i == 0 else 0.0) - 1 / n) / (std + 1e-6) for i in adv}
+        assert adv == pytest.approx(want, rel=1e-5)
+    assert set(keep_adv) == set(range(8)) and set(mask_adv) == {0, *range(2, 8)}
 
 
 def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
@@ -1812,7 +1947,8 @@ def summary(res: list[float], G: int = 4, task: str = "doc_qa", r_que: float = 0
                                      for v, m in zip(votes, maj)],
                          ver_rewards=[verifier_rewards(v, m) for v, m in zip(votes, maj)],
                          res_lens=[20] * G, res_cut=[False] * G, abstained=[0] * len(res),
-                         ver_lens=[[5] * 4 for _ in res], ver_cut=[[False] * 4 for _ in res])
+                         ver_lens=[[5] * 4 for _ in res], ver_cut=[[False] * 4 for _ in res],
+                         labels=[int(r) for r in res])  # each answer the gold itself or absent
 
 
 def spread(per_rank: list[list[spell.Summary]]) -> list[spell.Summary]:
