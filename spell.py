@@ -926,9 +926,19 @@ def longest_sequence(cfg: Config) -> int:
 
 
 def sampling(cfg: Config, role: str) -> dict:
-    """A role's rollout sampling settings (§5.1): one temperature and top-p, its own budget."""
+    """A role's rollout sampling settings (§5.1): one temperature and top-p, its own budget; and
+    for the verifier, where its vote stops (vote_stop)."""
     r = cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": max_new_tokens(cfg, role)}
+    return {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": max_new_tokens(cfg, role),
+            "stop": vote_stop(cfg) if role == "ver" else ()}
+
+
+def vote_stop(cfg: Config) -> tuple[str, ...]:
+    """Where a vote ends: at its first "]]" when bootstrap.verifier_reply_prefix opens the verdict
+    tag ("Decision: [["), so the vote is the tag's word; else where the model ends it. Without the
+    stop, SmolLM2-135M went on to copy the prompt's format line "[[YES]] or [[NO]]" after the
+    prefix in 31 of 32 votes, which parse_verdict rightly reads as no verdict (docs/cpu-runs.md)."""
+    return ("]]",) if cfg.bootstrap.verifier_reply_prefix.endswith("[[") else ()
 
 
 def finished(c: Completion, cfg: Config) -> bool:
@@ -2554,13 +2564,14 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
 
 def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
              max_tokens: int, seeds: list[int] | None = None, logprobs: bool = False,
-             desc: str = "generate") -> list[list[Completion]]:
+             stop: Sequence[str] = (), desc: str = "generate") -> list[list[Completion]]:
     """Sample `n` completions for each token-id prompt; result[i][j] is the j-th completion of
     prompts[i].
 
     Prompts are token ids (tokenised by the trainer) so that training sees exactly the ids vLLM
     conditioned on. `seeds` gives each request its own sampling seed, which makes rollouts
     reproducible across a resume. With `logprobs`, each completion carries its tokens' log-probs.
+    A completion ends at the first of `stop` too, the stop string kept in its text.
     """
     from vllm import SamplingParams
 
@@ -2570,7 +2581,8 @@ def generate(llm, prompts: list[list[int]], *, n: int, temperature: float, top_p
     assert len(seeds) >= len(prompts), "one seed per request"
     # logprobs=0: only the sampled token's log-prob
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                             seed=s, logprobs=0 if logprobs else None)
+                             seed=s, logprobs=0 if logprobs else None, stop=list(stop) or None,
+                             include_stop_str_in_output=True)
               for s in seeds[:len(prompts)]]
     show = not dist.is_initialized() or dist.get_rank() == 0
     outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params,

@@ -1217,7 +1217,7 @@ def scripted_round(monkeypatch, cfg, script: dict, drawn=None) -> tuple[spell.Ro
     calls = []
 
     def generate(llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False,
-                 desc=""):
+                 stop=(), desc=""):
         calls.append((desc, ["".join(map(chr, p)) for p in prompts]))
         outs = script[desc]
         return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
@@ -1550,7 +1550,7 @@ class ScriptedRollouts:
         self.script, self.calls = script, []
 
     def __call__(self, llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None,
-                 logprobs=False, desc=""):
+                 logprobs=False, stop=(), desc=""):
         self.calls.append((desc, len(prompts), n))
         outs = self.script[desc]
         return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
@@ -1679,11 +1679,11 @@ class BudgetRecorder(ScriptedRollouts):
 
     def __init__(self, script):
         super().__init__(script)
-        self.budgets = {}
+        self.budgets, self.stops = {}, {}
 
-    def __call__(self, llm, prompts, *, max_tokens, desc="", **kw):
-        self.budgets[desc] = max_tokens
-        return super().__call__(llm, prompts, max_tokens=max_tokens, desc=desc, **kw)
+    def __call__(self, llm, prompts, *, max_tokens, stop=(), desc="", **kw):
+        self.budgets[desc], self.stops[desc] = max_tokens, tuple(stop)
+        return super().__call__(llm, prompts, max_tokens=max_tokens, stop=stop, desc=desc, **kw)
 
 
 @pytest.mark.parametrize("roles, expected", [
@@ -1701,6 +1701,23 @@ def test_each_phase_samples_with_its_roles_budget(monkeypatch, roles, expected):
     assert r.status == "ok" and r.verdicts[0]  # every phase ran
     assert engine.budgets == dict(zip(("questioner", "grounding", "responder", "verifier"),
                                       expected))
+
+
+@pytest.mark.parametrize("prefix, stop", [("", ()), ("Decision: [[", ("]]",)),
+                                          ("Decision:", ())])
+def test_a_vote_ends_where_the_reply_prefix_s_tag_closes(monkeypatch, prefix, stop):
+    """With bootstrap.verifier_reply_prefix opening the verdict tag, each vote stops at its first
+    "]]": the vote is the tag's word, read by parse_verdict (SmolLM2-135M copied the prompt's format
+    line "[[YES]] or [[NO]]" after the prefix otherwise, docs/cpu-runs.md). No other phase stops
+    early, and without such a prefix the verifier does not either."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4",
+                                   f"--bootstrap.verifier_reply_prefix={prefix}"])
+    engine = BudgetRecorder(dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")]))
+    monkeypatch.setattr(spell, "generate", engine)
+    spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                        np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert engine.stops == {"questioner": (), "grounding": (), "responder": (), "verifier": stop}
+    assert spell.vote_stop(spell.load_config(str(spell.ROOT / "presets" / "demo.toml"))) == ("]]",)
 
 
 def test_overlong_shaping_counts_back_from_the_responders_budget(monkeypatch):
