@@ -50,9 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# a string no tokenizer can encode (a lone surrogate): one check for the data files read here and
-# the model outputs tasks.py reads (tasks.py imports nothing of this project)
-from tasks import is_utf8
+# a string no tokenizer can encode (a lone surrogate), and a template's placeholder left as data
+# ("<your answer>", "{correct_letter}"): one check each for the data files read here and the model
+# outputs tasks.py reads (tasks.py imports nothing of this project)
+from tasks import is_template_text as is_placeholder, is_utf8
 
 ROOT = Path(__file__).resolve().parent
 
@@ -111,11 +112,6 @@ def visible(s: str) -> bool:
     """Whether a text shows any character: "\u200b\u2060 " is not empty to str.strip(), yet
     holds nothing to read. Stops at the first visible character, so a real document costs O(1)."""
     return any(unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in s)
-
-
-def is_placeholder(s: str) -> bool:
-    """A template's placeholder left as data, "<your answer>": one <...> and nothing else."""
-    return bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
 
 
 def repeated_gold_option(options: Sequence[str], gold: int) -> int | None:
@@ -1220,10 +1216,12 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
                               without it every layer keeps its own: c = S a, a' = 4I + 2H
       lm_head      6VH + w    the head's backward: an fp32 dW, its bf16 cast, and the scratch w
                               (the torch twin's chunk budget, or the Triton kernel's workspace)
-      tree_mask    2 (k S)^2  engine.shared_prefix under SDPA: the dense bf16 (T, T) tree mask of
-                              the whole row (tree_attention_mask; k = engine.sequence_parallel),
-                              alive through the micro-batch's forward and backward; 0 under
-                              FlexAttention (a BlockMask) and without sharing
+      tree_mask    2 (k S)^2  the dense bf16 (T, T) mask of the whole row under SDPA, with
+                              engine.shared_prefix (tree_attention_mask) or under sequence
+                              parallelism, which gives every row one (full_row_mask; k =
+                              engine.sequence_parallel), alive through the micro-batch's forward
+                              and backward; 0 under FlexAttention (a BlockMask), and for a plain
+                              unsplit row (no mask: HF reads the boundaries from position_ids)
 
     A layer saves per token: its two RMSNorms' fp32 inputs and bf16 outputs (12H); q after RoPE,
     k and v repeated to the query heads, the attention output and o_proj's contiguous copy of it
@@ -1285,7 +1283,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
         "reduce": 2 * V * H + 6 * layer,
         "activations": L * c + a_peak,
         "lm_head": 6 * V * H + head_scratch,
-        "tree_mask": (2 * (S * sp) ** 2 if cfg.engine.shared_prefix
+        "tree_mask": (2 * (S * sp) ** 2 if (cfg.engine.shared_prefix or sp > 1)
                       and attention_implementation(cfg, on_gpu=True) == "sdpa" else 0),
         # vLLM cannot start without its bf16 weights (its 1/tp of them) and the KV cache (K and V,
         # every layer, bf16, its share of the KV heads) of one sequence of the longest
@@ -2167,7 +2165,7 @@ def sp_completion_logprobs(model, packed: dict, temperature: float, impl: str = 
     weight = model.lm_head.weight
     device = weight.device
     inner = model.config._attn_implementation.removeprefix(ULYSSES)
-    mask = full_row_mask(shard, inner, device, weight.dtype)
+    mask = full_row_mask(shard, inner, device, mask_dtype(device, weight.dtype))
     forward = forward or model.completion_logprobs
     if isinstance(forward, types.FunctionType):  # a plain function: bind it to the model
         forward = types.MethodType(forward, model)
@@ -2235,9 +2233,7 @@ def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch"
     weight = model.lm_head.weight
     device = weight.device
     attention = model.config._attn_implementation
-    # in the compute dtype: bf16 on GPU, where FSDP2's weight here is the fp32 master
-    mask_dtype = torch.bfloat16 if device.type == "cuda" else weight.dtype
-    mask = tree_attention_mask(packed, attention, device, mask_dtype)
+    mask = tree_attention_mask(packed, attention, device, mask_dtype(device, weight.dtype))
     # the FSDP2-registered twin when sharded, the plain function otherwise
     forward = (getattr(model, "completion_logprobs", None)
                or types.MethodType(completion_logprobs, model))
@@ -2246,6 +2242,14 @@ def packed_logprobs(model, packed: dict, temperature: float, impl: str = "torch"
                                  mask, packed["index"].to(device), packed["targets"].to(device),
                                  temperature, impl, bits)
     return lp, ent.detach(), head_loss
+
+
+def mask_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dense attention mask is built in: the compute dtype, bf16 on GPU, where the
+    weight the caller sees outside FSDP2's forward is the fp32 master (an fp32 (T, T) mask takes
+    twice the memory, and CUDA's memory-efficient SDPA refuses an fp32 bias beside bf16 queries);
+    the weight's own dtype on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else weight_dtype
 
 
 def logprob_gradient(objective, logp: torch.Tensor, old_logp: torch.Tensor,
@@ -2755,7 +2759,8 @@ def trim_metrics(path: Path, step: int) -> int:
             s = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             return math.inf  # torn by a crash mid-write, or not ours: not a step to keep
-        return s if isinstance(s, int) else math.inf
+        # an int, not a bool (True is an int equal to 1, and would survive as step 1)
+        return s if type(s) is int else math.inf
 
     keep = [line for line in lines if logged_step(line) <= step]
     if len(keep) < len(lines):

@@ -214,8 +214,8 @@ class RewardConfig:
     questioner_pool: Literal["spell", "all"] = "spell"
     # who judges a response in Eq. 6: verifier (the policy's G votes), rule (nobody: r_i is the
     # rule check; Table 2 "w/o verifier", RLVR) or frozen (G votes of the initial weights, SCOPE's
-    # frozen judge: the verifier role plays but never trains, as in Table 2 "w/o verifier update";
-    # FrozenJudge). Hybrid = verifier + train.frozen_roles = "ver"
+    # frozen judge, FrozenJudge; the verifier role never trains). Table 2's "w/o verifier update"
+    # is the current policy judging untrained: verifier + train.frozen_roles = "ver" (also hybrid)
     judge: Literal["verifier", "rule", "frozen"] = "verifier"
     # a response whose G votes have no strict majority (neither YES nor NO from more than G/2 of
     # them: a tie, or too many abstentions): keep (Eq. 4: it counts as NO) or mask (CuMa: no

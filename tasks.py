@@ -156,10 +156,13 @@ def _scalar_text(x: Any) -> str | None:
     return x if isinstance(x, str) and is_utf8(x) else None
 
 
-def _is_template_text(s: Any) -> bool:
-    """A field left as the prompt's example, e.g. "<your question>": the questioner copied the
-    template."""
-    return isinstance(s, str) and bool(re.fullmatch(r"\s*<[^<>]*>\s*", s))
+_TEMPLATE_TEXT = re.compile(r"\s*(?:<[^<>]*>|\{[A-Za-z_][A-Za-z0-9_]*\})\s*")
+
+
+def is_template_text(s: Any) -> bool:
+    """A field left as a template's text, one "<your question>" or "{correct_letter}" and nothing
+    else: the questioner copied its prompt, or a data file its template."""
+    return isinstance(s, str) and _TEMPLATE_TEXT.fullmatch(s) is not None
 
 
 def validate_question(obj: Any, task: str, correct_letter: str | None,
@@ -168,9 +171,9 @@ def validate_question(obj: Any, task: str, correct_letter: str | None,
     if not isinstance(obj, dict):
         return None
     q, a = obj.get("question"), _scalar_text(obj.get("answer"))
-    if not isinstance(q, str) or not q.strip() or not is_utf8(q) or _is_template_text(q):
+    if not isinstance(q, str) or not q.strip() or not is_utf8(q) or is_template_text(q):
         return None
-    if _is_template_text(a):
+    if is_template_text(a):
         return None
     # the gold written as "The correct answer is X." means X
     if a is not None and _MARKER.search(a):
@@ -741,7 +744,7 @@ def check_doc_mc(question: str, answer: str, obj: dict, letter, max_words: int) 
     if not isinstance(options, dict) or sorted(options) != list(LETTERS):
         return None
     texts = {k: _scalar_text(options[k]) for k in LETTERS}
-    if not all(t is not None and t.strip() and not _is_template_text(t) for t in texts.values()):
+    if not all(t is not None and t.strip() and not is_template_text(t) for t in texts.values()):
         return None
     given = answer.strip().strip("()").strip().upper()
     if given not in LETTERS or (letter is not None and given != letter):

@@ -4650,6 +4650,8 @@ def test_load_qa_set_errors_name_the_line(tmp_path, line, words):
     ({"answer": "<your answer>"}, "field 'answer' is '<your answer>', nothing a response can be "
                                   "checked against"),
     ({"question": " <the question> "}, "field 'question' is ' <the question> '"),
+    # a prompt's {placeholder} copied as data
+    ({"answer": "{correct_letter}"}, "field 'answer' is '{correct_letter}', nothing a response"),
     ({"answer": "\u200b\u2060"}, "field 'answer' is '\\u200b\\u2060'"),
     # four identical options: every letter is right, the letter rule rewards a guess
     ({"task": "doc_mc", "answer": "B", "options": dict.fromkeys("ABCD", "Same")},

@@ -508,7 +508,9 @@ def test_memory_estimate_counts_the_sdpa_tree_mask():
     """Shared prefixes under SDPA hold a dense bf16 (T, T) mask of the whole row for the
     micro-batch (infra.tree_attention_mask): 2 T^2 bytes, T = 135168 at a 128K prompt whatever the
     SP degree (each rank of a row builds the whole row's mask), 34.0 GiB; it adds to the update's
-    peak moment. FlexAttention (auto on GPU) and unshared rows hold none."""
+    peak moment. Under sequence parallelism every row has one, shared or not (full_row_mask).
+    FlexAttention (auto on GPU) and unshared unsplit rows hold none. The mask is built in the
+    compute dtype, bf16 on GPU, whatever the master weights' (infra.mask_dtype)."""
     from transformers import Qwen2Config
 
     mc = Qwen2Config(**QWEN25_7B)
@@ -524,8 +526,9 @@ def test_memory_estimate_counts_the_sdpa_tree_mask():
         sdpa = estimate(f"--engine.sequence_parallel={k}", "--engine.attn_implementation=sdpa")
         unshared = estimate(f"--engine.sequence_parallel={k}", "--engine.attn_implementation=sdpa",
                             "--engine.shared_prefix=false")
-        assert flex["tree_mask"] == unshared["tree_mask"] == 0
+        assert flex["tree_mask"] == 0
         assert sdpa["tree_mask"] == 2 * 135168**2 / 2**30  # 34.03 GiB
+        assert unshared["tree_mask"] == (sdpa["tree_mask"] if k > 1 else 0)
         assert sdpa["update_phase"] == pytest.approx(flex["update_phase"] + sdpa["tree_mask"],
                                                      rel=1e-12), k
     # the update at SP 4: 32.4 + 34.0 = 66.5 GiB; at SP 1: 80.8 + 34.0, refused, naming the fix
@@ -534,6 +537,8 @@ def test_memory_estimate_counts_the_sdpa_tree_mask():
         infra.check_memory(spell.load_config(str(spell.ROOT / "config.toml")), sdpa, 80.0, 8)
     assert "tree_mask 34.0" in infra.memory_line(sdpa, 80.0)
     assert "tree_mask" not in infra.memory_line(flex, 80.0)
+    assert infra.mask_dtype(torch.device("cuda", 0), torch.float32) == torch.bfloat16
+    assert infra.mask_dtype(torch.device("cpu"), torch.float32) == torch.float32
 
 
 def test_memory_estimate_counts_the_largest_role_budget():
@@ -1365,6 +1370,9 @@ def test_trim_metrics(tmp_path):
     assert infra.trim_metrics(path, 2) == 0 and infra.trim_metrics(tmp_path / "none.jsonl", 2) == 0
     # no temporary left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    # a step that is no whole number is no step of ours (JSON's true is Python's 1)
+    path.write_text('{"step": 1}\n{"step": true}\n{"step": 1.5}\n{"step": "1"}\n')
+    assert infra.trim_metrics(path, 2) == 3 and path.read_text() == '{"step": 1}\n'
 
 
 def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
