@@ -88,7 +88,7 @@ def judge_prompt(item: infra.EvalItem, prediction: str | None) -> str:
     shown = tasks.fence(prediction or "", tasks.answer_cap(reference))
     if not tasks.strip_verdict_tags(prediction or "").strip():  # a bare tag is no answer either
         shown = NO_ANSWER
-    return spell.render_prompt("judge", question=tasks.fence(item.question, one_line=False),
+    return spell.render_prompt("judge", question=tasks.fence(item.question),
                                prediction=shown,
                                reference=tasks.fence(reference, tasks.REFERENCE_CAP))
 
@@ -601,6 +601,11 @@ class HeldOutCheck:
         self.cfg, self.engine, self.reports = cfg, (group, groups), reports
         prompts = gold_prompts(tok, cfg, items)
         kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
+        if items and not kept:  # the check would be off without a word
+            raise infra.ConfigError(f"data.verify_set: none of its {len(items)} items fits "
+                                    f"rollout.max_prompt_tokens = {cfg.rollout.max_prompt_tokens} "
+                                    "as a verifier prompt (log.verify_every = 0 turns the check "
+                                    "off)")
         if len(kept) < len(items):
             infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left "
                          f"out, their verifier prompts longer than rollout.max_prompt_tokens")

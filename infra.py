@@ -2407,7 +2407,8 @@ RESUMABLE_KEYS = frozenset((
     # micro-batches and FSDP's sharding (DCP reshards on load); vLLM's dtype, e.g. on new hardware
     "engine.gpu_memory_utilization", "engine.kv_cache_gb", "engine.sync_bucket_mb",
     "engine.sleep_level", "engine.micro_batch_tokens", "engine.fsdp_shard_size",
-    "engine.rollout_dtype",
+    "engine.rollout_dtype", "engine.cpu_bf16",  # vLLM's precision, as rollout_dtype
+    "engine.sequence_parallel",  # how a row splits over ranks: the same gradient up to rounding
     "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
     "data.verify_set",  # held-out items the verifier is measured on; nothing trains on them
 ))

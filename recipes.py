@@ -301,7 +301,12 @@ class AEPO:
         return {"masking": self.masking}
 
     def load_state_dict(self, state: dict) -> None:
-        self.masking = bool(state["masking"])
+        """The state state_dict saved; ValueError, saying what it holds instead, for any other."""
+        masking = state.get("masking") if isinstance(state, dict) else None
+        if not isinstance(masking, bool):
+            raise ValueError(f"AEPO's state must be {{'masking': True or False}}, got "
+                             f"{repr(state)[:80]}")
+        self.masking = masking
 
 
 def aepo_batch(items: list, masking: bool) -> list:

@@ -449,9 +449,10 @@ def check_config(cfg: Config) -> None:
         ("rollout.grounding_filter", not r.grounding_filter
          or "documents" in template_fields(f"{r.responder_template}_{next(iter(tasks.TASKS))}"),
          "false when the responder answers without documents (the check would be the responder)"),
-        ("train.rollout_correction_cap", t.rollout_correction != "mask"
-         or t.rollout_correction_cap > 1, "> 1 with train.rollout_correction = \"mask\" (it "
-         "keeps the tokens with 1/C <= rho <= C: at C = 1 hardly any token trains)"),
+        ("train.rollout_correction_cap", t.rollout_correction not in MASKING_CORRECTIONS
+         or t.rollout_correction_cap > 1, f"> 1 with train.rollout_correction = "
+         f"\"{t.rollout_correction}\" (it keeps the tokens or sequences with 1/C <= rho <= C: at "
+         "C = 1 hardly any trains)"),
         ("train.policy_loss", t.policy_loss in POLICY_LOSSES, "|".join(POLICY_LOSSES)),
         # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
         # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
@@ -466,6 +467,9 @@ def check_config(cfg: Config) -> None:
         ("train.aepo", tuple(t.aepo) == (0, 0) or 0 < t.aepo[0] <= t.aepo[1],
          "[low, high] with 0 < low <= high (entropy bounds; a low of 0 would mask for good), "
          "or [0, 0] (off)"),
+        # the held-out check asked for, with nothing to check it on, would be off without a word
+        ("log.verify_every", cfg.log.verify_every == 0 or d.verify_set != "",
+         "0 with data.verify_set = \"\" (there is no item to check the verifier on)"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
          "\"\", \"que\", \"ver\" or \"que,ver\" (the responder always trains: §4.3's batch is "
          "its groups)"),
@@ -564,7 +568,7 @@ def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
     """Render the verifier template comparing an extracted answer with the reference (§4.1)."""
     # the policy writes all three fields: each is fenced, and none may carry a verdict (Eq. 4)
     return render_prompt("verifier",
-                         question=tasks.fence(format_question(question), one_line=False),
+                         question=tasks.fence(format_question(question)),
                          answer_1=tasks.fence(predicted, tasks.answer_cap(reference)),
                          answer_2=tasks.fence(reference, tasks.REFERENCE_CAP))
 
@@ -1690,6 +1694,9 @@ def no_correction(log_rho: torch.Tensor, seq_ids: torch.Tensor, cap: float) -> t
     """1: the paper's on-policy loss. (T,) -> (T,)."""
     return torch.ones_like(log_rho)
 
+
+# the corrections that drop what lies outside [1/C, C] (check_config wants C > 1 for them)
+MASKING_CORRECTIONS = ("mask", "seq_mask", "seq_mask_tis")
 
 # train.rollout_correction -> the factor on each token's weight: none (the paper's), or truncated
 # importance sampling and the token and sequence masks (recipes.py)
@@ -2885,7 +2892,10 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
         step = saved["step"]
         sampler.load_state_dict(saved["sampler"])
         history.load_state_dict(saved["history"])
-        aepo.load_state_dict(saved.get("aepo", {"masking": False}))  # absent: saved before AEPO
+        try:  # absent: saved before AEPO
+            aepo.load_state_dict(saved.get("aepo", {"masking": False}))
+        except ValueError as e:
+            raise infra.CheckpointError(f"{ckpt}: rank{rank}.pt: {e}") from None
         rng.bit_generator.state = saved["rng"]
         infra.set_rng_state(saved["rng_state"])
         sync_weights(llm, weights_to_sync(policy, compute_dtype(device),

@@ -91,6 +91,19 @@ def test_a_key_that_moved_to_engine_names_its_new_place(tmp_path, old):
             spell.load_config(paths, argv)
 
 
+def test_how_a_step_is_computed_may_change_on_resume_what_it_computes_may_not():
+    """The engine's keys that change how a step runs, not what the run is (vLLM's precision, the
+    split of a row over ranks), resume as engine.rollout_dtype and fsdp_shard_size do; the
+    algorithm's keys stay in the fingerprint."""
+    fingerprint = infra.run_fingerprint(spell.Config())
+    for key in ("engine.cpu_bf16", "engine.sequence_parallel", "engine.rollout_dtype",
+                "engine.fsdp_shard_size", "engine.micro_batch_tokens"):
+        assert key not in fingerprint, key
+    for key in ("rollout.group_size", "reward.no_majority", "train.lr",
+                "engine.tensor_parallel_size"):
+        assert key in fingerprint, key
+
+
 def test_a_checkpoint_saved_under_the_old_key_names_compares_them_under_the_new():
     """A run saved before the keys moved resumes: its fingerprint's old names are read as the new
     ones, so a real change still shows and a moved key alone does not."""

@@ -6,6 +6,7 @@ POLICY_LOSSES, ROLLOUT_CORRECTIONS) is tested in test_spell.py, at spell.py's sw
 checks a correct new entry must pass, and the worked values keyed by name.
 """
 
+import pytest
 import torch
 
 import recipes
@@ -55,3 +56,14 @@ def test_batch_entropy_is_the_mean_over_sequences_of_their_mean():
     m = spell.train_metrics({"entropy_sum": 8.0, "tokens": 5, "seq_entropy_sum": 3.5, "seqs": 2}, 2)
     assert m["train/batch_entropy"] == 1.75 and m["train/entropy"] == 1.6
     assert "train/seq_entropy_sum" not in m and "train/seqs" not in m
+
+
+@pytest.mark.parametrize("state", [{}, {"masking": "yes"}, {"masking": 1}, [True], None])
+def test_aepo_refuses_a_state_it_did_not_save(state):
+    """An edited checkpoint's AEPO entry is a ValueError naming what it holds (spell.start_or_resume
+    turns it into one line naming the file), not a KeyError deep in the resume."""
+    aepo = recipes.AEPO(0.5, 1.0)
+    with pytest.raises(ValueError, match="AEPO's state must be"):
+        aepo.load_state_dict(state)
+    aepo.load_state_dict({"masking": True})
+    assert aepo.masking is True and aepo.state_dict() == {"masking": True}
