@@ -505,15 +505,17 @@ def eval_main(argv: Sequence[str]) -> None:
     if not specs:
         raise infra.ConfigError("spell.py eval: give benchmark files with --data FILE "
                           "(or --eval.data=A,B)")
+    e = cfg.eval
+    out_dir = e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}")
+    # the samples are written once they are all made: a folder that cannot take them stops it now
+    infra.check_out_dir(Path(out_dir), int(os.environ.get("RANK", "0")), "eval.out_dir")
     rank, world, device = spell.init_distributed()
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.engine.kv_cache_gb)
-    e = cfg.eval
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
-    run_eval(model_dir, specs,
-             out_dir=e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}"),
+    run_eval(model_dir, specs, out_dir=out_dir,
              judge_model=e.judge_model, n=e.n, temperature=e.temperature, top_p=e.top_p,
              max_input_len=e.max_input_len, max_output_len=e.max_output_len, seed=cfg.train.seed,
              dtype=infra.rollout_dtype(cfg.engine.rollout_dtype, device.type == "cuda",

@@ -962,6 +962,15 @@ def resolve_model(cfg, rank: int) -> str:
     return out
 
 
+def local_model_dir(cfg) -> str | None:
+    """The model's HF folder when it is already on this machine (model.path a folder with its
+    config.json, or the embedded model's finished export), so that what its config.json decides can
+    be checked before any process starts; None for a hub name or an export still to be made."""
+    folder = (str(Path(cfg.model.cache_dir) / "SmolLM2-135M-Instruct")
+              if cfg.model.path == "embedded" else cfg.model.path)
+    return folder if (Path(folder) / "config.json").is_file() else None
+
+
 def export_is_complete(out_dir: str) -> bool:
     """True if `out_dir` holds a finished HF model folder (written atomically,
     so present = complete)."""
@@ -1409,27 +1418,28 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     return resume_checkpoint(cfg, resume, rank, world)
 
 
-def check_out_dir(out: Path, rank: int) -> None:
-    """log.out_dir, where the metrics, checkpoints and export go, must be a folder this rank can
-    create and write a file in: found out here by writing (and removing) a probe file, not when
-    the first metrics line is due, after vLLM and the model have started. Running as root, a
-    folder's permission bits do not stop a write: only the write itself tells."""
+def check_out_dir(out: Path, rank: int, key: str = "log.out_dir") -> None:
+    """log.out_dir, where the metrics, checkpoints and export go (or eval.out_dir, where the eval's
+    samples and table go: `key`), must be a folder this rank can create and write a file in: found
+    out here by writing (and removing) a probe file, not when the first metrics line (or sample) is
+    due, after vLLM and the model have started. Running as root, a folder's permission bits do not
+    stop a write: only the write itself tells."""
     probe = out / f".write-probe-rank{rank}"
     try:
         if out.exists() and not out.is_dir():
-            raise ConfigError(f"log.out_dir {out} is a file, not a folder")
+            raise ConfigError(f"{key} {out} is a file, not a folder")
         out.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(probe)  # left by a run killed between the two lines below
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
         try:
-            os.write(fd, b"spell.py checks that log.out_dir takes files\n")
+            os.write(fd, b"spell.py checks that its out_dir takes files\n")
             os.fsync(fd)
         finally:
             os.close(fd)
         os.unlink(probe)
     except OSError as e:  # a read-only or full disk, a name too long, a path through a file...
-        raise ConfigError(f"log.out_dir {shown(str(out))}: cannot write there "
+        raise ConfigError(f"{key} {shown(str(out))}: cannot write there "
                           f"({e.strerror or type(e).__name__})") from None
 
 

@@ -2364,6 +2364,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
     gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
+    if (folder := infra.local_model_dir(cfg)) is not None:  # its lengths, if its folder is here
+        check_lengths(cfg, folder)
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed()
@@ -2482,11 +2484,8 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     from transformers import AutoTokenizer
 
     model_dir = infra.resolve_model(cfg, rank)
-    r, e = cfg.rollout, cfg.engine
-    infra.check_context(model_dir, longest_sequence(cfg),  # vLLM's max_model_len, below
-                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
-                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
-                        f"{max_new_tokens(cfg)}", cfg.model.rope_scaling)
+    e = cfg.engine
+    check_lengths(cfg, model_dir)  # vLLM's max_model_len, below
     # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy)
     _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -2503,6 +2502,16 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
                      tensor_parallel_size=cfg.engine.tensor_parallel_size, hf_overrides=overrides)
     infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
     return model_dir, tok, llm
+
+
+def check_lengths(cfg: Config, model_dir: str) -> None:
+    """The longest sequence the run asks vLLM to hold, the longest prompt and the largest role's
+    budget, within the model's context (infra.check_context: one line naming the keys)."""
+    r = cfg.rollout
+    infra.check_context(model_dir, longest_sequence(cfg),
+                        f"rollout.max_prompt_tokens + the largest role budget (rollout."
+                        f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
+                        f"{max_new_tokens(cfg)}", cfg.model.rope_scaling)
 
 
 def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):

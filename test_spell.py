@@ -3878,6 +3878,25 @@ def test_bad_input_fails_before_writing_anything(tmp_path, lines, overrides, err
     assert not out_dir.exists()
 
 
+def test_a_role_budget_beyond_the_models_context_stops_before_anything_starts(tmp_path):
+    """A role's budget past the model's context (its config.json: 512 positions here) is refused
+    before any process group, engine or file exists, naming the keys (before, only start_engine
+    refused it, after the processes had started)."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "model"
+    LlamaConfig(max_position_embeddings=512).save_pretrained(model)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    out_dir = tmp_path / "run"
+    with pytest.raises(infra.ConfigError, match=r"role_max_new_tokens\): 256 \+ 1000000 = 1000256 "
+                                                "tokens, beyond the 512-token context"):
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--model.path={model}",
+                    f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
+                    "--rollout.max_prompt_tokens=256", "--rollout.role_max_new_tokens=que:1000000"])
+    assert not out_dir.exists() and not torch.distributed.is_initialized()
+
+
 def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
     """An out_dir with a `latest` checkpoint made of `files`; returns every file's
     bytes for comparison."""

@@ -590,8 +590,9 @@ def test_a_judge_that_would_fail_after_sampling_stops_before_it(tmp_path, monkey
                            tensor_parallel_size=2)
 
 
-def test_eval_command_line_passes_the_judge(monkeypatch):
+def test_eval_command_line_passes_the_judge(monkeypatch, tmp_path):
     seen: dict = {}
+    monkeypatch.chdir(tmp_path)  # the default eval.out_dir, runs/spell/eval-16384, goes here
     # eval_main sets it on CPU; restored afterwards
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setattr(spell, "init_distributed", lambda: (0, 1, torch.device("cpu")))
@@ -604,6 +605,19 @@ def test_eval_command_line_passes_the_judge(monkeypatch):
             == ("some/model", ["a.jsonl"], "judge/dir"))
     spell.main(["eval", "--model", "some/model", "--data", "a.jsonl"])
     assert seen["judge_model"] == ""  # the default: the evaluated model judges itself
+
+
+def test_eval_out_dir_that_takes_no_file_stops_before_anything_starts(monkeypatch, tmp_path):
+    """eval.out_dir is written once every sample is made: a file in its place (or a read-only
+    disk) stops the eval before the process group and the engine start, naming the key (before,
+    the samples were made and lost at the first write)."""
+    started = []
+    monkeypatch.setattr(spell, "init_distributed", lambda: started.append(1))
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(infra.ConfigError, match="eval.out_dir .*taken is a file, not a folder"):
+        spell.main(["eval", "--model", "some/model", "--data", "a.jsonl",
+                    f"--eval.out_dir={tmp_path / 'taken'}"])
+    assert not started
 
 
 @pytest.fixture(scope="session")
