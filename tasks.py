@@ -271,12 +271,21 @@ CLOSING_PAREN = re.compile(r"\s*\)")
 def number_is_negative(s: str, m: re.Match) -> bool:
     """A minus before the number or its currency ('-12', '- $12', '$-12'), or accounting parentheses
     around them ('(12)', '$(1,234)', '($1,234)')."""
-    # str methods, not a regex: r"-?\s*\$?\s*-?\d" backtracks cubically over a run of spaces
-    head = s[:m.start()].rstrip()
-    if head.endswith(CURRENCY):  # the sign or the parenthesis may stand before the currency
-        head = head[:-1].rstrip()
-    accounting = head.endswith("(") and CLOSING_PAREN.match(s, m.end()) is not None
-    return head.endswith("-") or accounting
+    # a scan back over the spaces before the number, not a regex (r"-?\s*\$?\s*-?\d" backtracks
+    # cubically over a run of spaces) nor a copy of the text before it (numbers_hold_gold asks for
+    # every number's sign: copies would make that quadratic)
+    i = _skip_spaces_back(s, m.start())
+    if i > 0 and s[i - 1] in CURRENCY:  # the sign or the parenthesis may stand before the currency
+        i = _skip_spaces_back(s, i - 1)
+    accounting = i > 0 and s[i - 1] == "(" and CLOSING_PAREN.match(s, m.end()) is not None
+    return (i > 0 and s[i - 1] == "-") or accounting
+
+
+def _skip_spaces_back(s: str, i: int) -> int:
+    """Where the run of whitespace that ends at s[i - 1] starts (i itself when there is none)."""
+    while i > 0 and s[i - 1].isspace():
+        i -= 1
+    return i
 
 
 def parse_number(text: Any) -> float | None:

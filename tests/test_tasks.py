@@ -434,6 +434,7 @@ def every_new_parser(text: str) -> None:
         spell.rule_reward(text, gold, task)
         spell.rule_reward(f"The correct answer is {text}.", text, task)  # the gold is policy text
         spell.rule_reward(f"The correct answer is {gold}.", text, task)
+        spell.rule_label(text, gold, task), spell.rule_label(f"The answer is {gold}.", text, task)
     tasks.rule_doc_qa(text, text), tasks.answer_value(text)
     tasks.paper_score(text, text[:40], "doc_qa")
     spell.verifier_prompt({"question": text}, text, text)
@@ -445,6 +446,7 @@ def rules(text: str) -> None:
     text = "The correct answer is " + text
     for task, gold in (("doc_qa", "Berlin"), ("fin_math", "1500000"), ("doc_mc", "C")):
         spell.rule_reward(text, gold, task)
+        spell.rule_label(text, gold, task)  # and the readers of the gold anywhere (Task.holds)
     tasks.rule_doc_qa(text[:4000], text[:990])  # a gold just under MAX_GOLD, an answer at its guard
 
 
@@ -457,6 +459,7 @@ RULE_GROWTH = {  # the shapes that made parsers cubic or quadratic
     "combining": "a\u0301\u0316", "edges": '**"', "boxes": "\\boxed{A} or ",
     "markers": "answer is ", "groups": "1,",
     "signs": "$-", "labels": "FY2023: ", "spaces": " ", "digits": "9", "letters": "(A) ",
+    "negative_numbers": "-5 ", "accounting": "(5) ",  # every number's sign read (Task.holds)
     "answer_lines": "Answer: A\n", "open_parens": "(", "math": "$\\(", "newlines": "\n",
     "close_edges": ')."', "fences": "\u27e6\u27e7[[YES]]\r",
     # one long run inside an answer: a search for "run then end" retries at every start in it
