@@ -334,6 +334,7 @@ def stop_vllm(llm) -> None:
     store with the group). Call on every rank at the same point, like spell.start_vllm.
     """
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    timeout = infra.group_timeout()  # engine.collective_timeout_min, kept by the new group
     host = os.environ["MASTER_ADDR"]
     # 0: a free port
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
@@ -344,7 +345,8 @@ def stop_vllm(llm) -> None:
     if rank != 0:
         store = dist.TCPStore(host, port[0], is_master=False)
     device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id,
+                            timeout=timeout)
     if rank == 0:
         print(f"stop_vllm: engine shut down and {world} rank(s) regrouped "
               f"in {time.perf_counter() - t0:.1f}s")
@@ -509,7 +511,7 @@ def eval_main(argv: Sequence[str]) -> None:
     out_dir = e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}")
     # the samples are written once they are all made: a folder that cannot take them stops it now
     infra.check_out_dir(Path(out_dir), int(os.environ.get("RANK", "0")), "eval.out_dir")
-    rank, world, device = spell.init_distributed()
+    rank, world, device = spell.init_distributed(cfg)
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cpu":
@@ -700,7 +702,7 @@ def synth_main(argv: Sequence[str]) -> None:
         raise infra.ConfigError("spell.py synth draws every cluster of data.corpus: "
                           "leave data.phases unset")
     corpus = spell.load_corpus(cfg.data.corpus)
-    rank, world, device = spell.init_distributed()
+    rank, world, device = spell.init_distributed(cfg)
     group, groups = infra.engine_groups(cfg, rank, world)
     reports = rank % cfg.engine.tensor_parallel_size == 0  # one rank speaks for its engine group
     _, tok, llm = spell.start_engine(cfg, rank, world, device, group, training=False)

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import csv
 import dataclasses
+import datetime
 import errno
 import functools
 import importlib.util
@@ -863,6 +864,30 @@ def train_mode_without_dropout(model) -> None:
             module.attention_dropout = 0.0
 
 
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimiser's state (AdamW: both moments, fp32, sharded like the weights) now, as
+    its first step would, and leave the run exactly as if it had not: one step at learning rate 0
+    on zero gradients (AdamW moves no weight then: step size and decay are both lr times
+    something), then every step counter back to 0 and the gradients gone.
+
+    Made lazily, the state's gigabytes would be carved out of the segments the first backward just
+    freed, and could pin memory that vLLM's wake-up needs on GPU (issue #36, item 5)."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+        for p in group["params"]:
+            if torch.is_tensor(step := optimizer.state[p].get("step")):
+                step.zero_()
+            elif "step" in optimizer.state[p]:
+                optimizer.state[p]["step"] = 0
+
+
 def print0(*args: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
@@ -871,6 +896,14 @@ def print0(*args: Any) -> None:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def group_timeout(group=None) -> "datetime.timedelta":
+    """How long a collective of `group` (default: the world) waits for its slowest rank. torch has
+    no public getter: the backend's options hold it."""
+    group = group or dist.group.WORLD
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
 
 
 def all_gather_objects(obj: Any, group=None) -> list[Any]:
@@ -2939,12 +2972,14 @@ class RunLog:
 
     def __init__(self, cfg, paths: Sequence[str], rank: int, world: int,
                  device: torch.device):
-        self.rank, self.board = rank, None
+        self.rank, self.board, self.wandb = rank, None, None
         self.out_dir, self.tensorboard = Path(cfg.log.out_dir), cfg.log.tensorboard
         self.metrics_file = self.out_dir / "metrics.jsonl"
         print0(f"spell: {world} rank(s) on {device.type}; config {' + '.join(paths)}, all of it in "
                f"{self.out_dir / 'config.json'}; keys set away from spell.py's defaults: "
                f"{' '.join(config_changes(cfg)) or 'none'}")
+        if cfg.log.wandb and rank == 0:
+            self.wandb = start_wandb(cfg, self.out_dir)
 
     def write(self, step: int, metrics: dict[str, float], line: str) -> None:
         """Print the step's line and append its metrics (rank 0 only)."""
@@ -2960,4 +2995,30 @@ class RunLog:
             for key, value in metrics.items():
                 self.board.add_scalar(key, value, step)
             self.board.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        """End the W&B run (its last records written) and the TensorBoard file."""
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+
+def start_wandb(cfg, out_dir: Path):
+    """log.wandb: a W&B run in log.wandb_project, named after out_dir, holding the whole config; its
+    id kept in <out_dir>/wandb/run_id, so that --resume logs its steps into the same run."""
+    import wandb  # the `wandb` package (requirements.txt)
+
+    folder = out_dir / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / "run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B picks one
+    run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, id=run_id,
+                     resume="allow", dir=str(out_dir), config=config_to_dict(cfg))
+    id_file.write_text(run.id + "\n")
+    return run
 

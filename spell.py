@@ -88,6 +88,7 @@ numbers are in docs/reference.md, "Departures":
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import math
 import os
@@ -305,6 +306,11 @@ class LogConfig:
                                   ok=lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR",
                                                              "CRITICAL"))
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
+    # also every metric to Weights & Biases (the `wandb` package; WANDB_MODE=offline keeps the run
+    # in <out_dir>/wandb for `wandb sync`), in project log.wandb_project, the run named after
+    # out_dir; --resume continues the same W&B run
+    wandb: bool = False
+    wandb_project: str = "spell"
     # the policy as verifier judges data.verify_set every N steps and before the first update
     # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
     # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
@@ -339,8 +345,9 @@ class EngineConfig:
     """How the run uses its machines: vLLM's memory and precision, the trainer's attention, kernels,
     micro-batches and sharding. None of these keys changes the algorithm: they change speed, memory
     and rounding, and rollout_dtype / cpu_bf16 the precision vLLM samples in."""
-    # vLLM's share of device memory (GPU)
-    gpu_memory_utilization: float = bounded(0.5, "in (0, 1]")
+    # vLLM's share of device memory (GPU) while it rolls out; it sleeps during the update, so the
+    # rollout phase alone bounds it (infra.memory_estimate: a 7B model on 80 GB fits 0.75)
+    gpu_memory_utilization: float = bounded(0.75, "in (0, 1]")
     kv_cache_gb: int = bounded(1, ">= 1")  # vLLM's KV cache in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
     # ranks per vLLM engine, consecutive (infra.engine_groups)
     tensor_parallel_size: int = bounded(1, ">= 1 (ranks an engine)")
@@ -349,8 +356,10 @@ class EngineConfig:
     # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
     # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
     cpu_bf16: bool = False
-    # GPU: vLLM sleeps during the update; 1 keeps its weights in host RAM, 2 drops them, 0 = off
-    sleep_level: Literal[0, 1, 2] = 1
+    # GPU: vLLM sleeps during the update; 2 drops its weights (the sync after the update writes
+    # them anew), 1 copies them to pinned host RAM and back each step (a 7B model: 14 GiB each
+    # way a rank), 0 = off
+    sleep_level: Literal[0, 1, 2] = 2
     # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
     sync_bucket_mb: int = bounded(512, ">= 0 (0: one all-gather per tensor)")
     # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
@@ -370,6 +379,11 @@ class EngineConfig:
     sequence_parallel: int = bounded(1, ">= 1 (1: off)")
     # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
     logprob_impl: Literal["torch", "triton"] = "torch"
+    # how long a rank waits in a collective for the slowest one before the run stops (the process
+    # group's timeout). NCCL's own default is 10 minutes, gloo's 30: a rank whose questions all
+    # failed the format reaches the end of a 128K round, an eval's gather or the export's barrier
+    # far sooner than the others, and must not be killed for it
+    collective_timeout_min: float = bounded(120.0, "> 0 (minutes)")
 
 
 @dataclass
@@ -1973,13 +1987,13 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
     hsdp = len(infra.mesh_shape(cfg, world)) == 2
     for epoch in range(t.ppo_epochs):
         for b, plan in enumerate(plans):
+            losses = 0.0  # this optimiser step's, on this rank
             for m, mb in enumerate(plan):
                 if hsdp:  # every rank has as many micro-batches (plan_update): the same calls
                     policy.set_requires_all_reduce(m == len(plan) - 1)
                 old_logp = None if old is None else old[b][m]
                 loss, _, s = micro_batch_loss(policy, mb or [dummy_sequence()], old_logp, cfg,
                                               device)
-                assert torch.isfinite(loss), f"non-finite loss {loss.item()} in micro-batch {m}"
                 # The weights already divide by the GLOBAL normaliser (loss_weights), so the loss
                 # of the batch is the sum of every rank's micro-batch losses (under sequence
                 # parallelism each rank's share of its group's tokens). FSDP averages gradients
@@ -1987,6 +2001,7 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
                 # so the gradient is the same for any micro-batch size and any number of ranks
                 # (departure 8).
                 (loss * world).backward()
+                losses += loss.item()
                 stats["loss"] += loss.item() / t.ppo_epochs
                 stats["clipped"] += s["clipped"]
                 real = bool(mb)  # a dummy's tokens count nowhere
@@ -1998,13 +2013,22 @@ def update_policy(policy, optimizer, seqs: list[Seq], cfg: Config, world: int,
                 grad_norm = grad_norm.full_tensor()
             # the mean over the optimiser steps (a mini-batch may be all dummies on every rank)
             stats["grad_norm"] += float(grad_norm) / (t.ppo_epochs * len(plans))
-            optimizer.step()
+            # A non-finite loss or norm (bf16 can overflow where fp32 does not) would make the
+            # clip's factor NaN and AdamW write NaN weights, to be synced and checkpointed. Every
+            # rank skips this optimiser step together, the weights as they were.
+            skip = infra.all_reduce_max(int(not math.isfinite(losses + float(grad_norm))), device)
+            stats["skipped_steps"] += skip
+            if not skip:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     stats = infra.all_reduce_stats(stats, STAT_SUMS, device)
     if stats["split_groups"]:
         infra.print0(f"{int(stats['split_groups'])} groups split over micro-batches, each part "
                      f"encoding its prompt again: raise engine.micro_batch_tokens "
                      f"({cfg.engine.micro_batch_tokens})")
+    if skipped := stats["skipped_steps"]:
+        infra.print0(f"{int(skipped)} of {t.ppo_epochs * len(plans)} optimiser steps skipped: "
+                     f"non-finite loss or gradient norm (train/skipped_steps); weights unchanged")
     stats["clipfrac"] = stats.pop("clipped") / max(stats.pop("active"), 1.0)
     stats["micro_batches"] = sum(map(len, plans))
     return stats
@@ -2372,7 +2396,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_lengths(cfg, folder)
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(cfg)
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     log = infra.RunLog(cfg, paths, rank, world, device)
     # one vLLM engine per tensor-parallel group of ranks
@@ -2437,6 +2461,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             infra.print0("SIGTERM: checkpoint saved, exiting")
             break
     infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank)
+    log.close()
 
 
 # ==================================================================================================
@@ -2448,22 +2473,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 # ---- processes and the launch
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun world (or make a world of one for `python spell.py`); returns rank, world,
-    device."""
+def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """Join the torchrun world (or make a world of one for `python spell.py`), its collectives
+    waiting engine.collective_timeout_min for the slowest rank; returns rank, world, device."""
     if "RANK" not in os.environ:  # plain `python spell.py`: a world of one on a free local port
         os.environ.update(infra.world_of_one_env())
     local_rank = int(os.environ["LOCAL_RANK"])
+    timeout = datetime.timedelta(minutes=cfg.engine.collective_timeout_min)
     if torch.cuda.is_available():
+        # the trainer's memory in segments that grow and shrink, so what the update frees goes back
+        # whole to vLLM's wake-up (vLLM turns them off inside its own pool); before any allocation
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         # ranks on one CPU machine share its cores; oversubscribed threads slow everyone down
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -2471,8 +2500,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
-    """What the policy computes in (its masters stay fp32), and the dtype of the weight sync."""
+    """What the policy computes in (its masters stay fp32)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def sync_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """What the weight sync sends: vLLM's own dtype (engine.rollout_dtype resolved), so an fp32
+    engine beside a bf16 trainer samples from fp32 weights, not bf16-rounded ones."""
+    e = cfg.engine
+    return getattr(torch, infra.rollout_dtype(e.rollout_dtype, device.type == "cuda", e.cpu_bf16))
 
 
 def sleep_level(cfg: Config, device: torch.device) -> int:
@@ -2501,7 +2537,10 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     infra.set_vllm_log_level(cfg.log.vllm_log_level)
     llm = start_vllm(model_dir, max_model_len=longest_sequence(cfg),
                      dtype=infra.rollout_dtype(e.rollout_dtype, device.type == "cuda", e.cpu_bf16),
-                     gpu_memory_utilization=e.gpu_memory_utilization, seed=cfg.train.seed + group,
+                     # without a trainer beside it (spell.py synth), eval's share
+                     gpu_memory_utilization=(e.gpu_memory_utilization if training else
+                                             cfg.eval.gpu_memory_utilization),
+                     seed=cfg.train.seed + group,
                      enable_sleep_mode=training and sleep_level(cfg, device) > 0,
                      tensor_parallel_size=cfg.engine.tensor_parallel_size, hf_overrides=overrides)
     infra.seed_everything(cfg.train.seed + group)  # vLLM reseeded the global RNGs while it started
@@ -2537,6 +2576,7 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
         infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
                                   weight_decay=cfg.train.weight_decay)
+    infra.create_optimizer_state(optimizer)  # now, not carved out of the first backward's memory
     return policy, optimizer
 
 
@@ -2674,7 +2714,7 @@ def wake_and_sync(llm, policy, cfg: Config, device: torch.device, updated: bool)
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     if updated or level == 2:
-        weights = weights_to_sync(policy, compute_dtype(device), cfg.engine.sync_bucket_mb)
+        weights = weights_to_sync(policy, sync_dtype(cfg, device), cfg.engine.sync_bucket_mb)
         sync_weights(llm, weights)
     if level:
         llm.wake_up()  # the KV cache and the scheduler
@@ -2695,8 +2735,12 @@ class FrozenJudge:
 
     def __init__(self, llm, policy, cfg: Config, device: torch.device):
         self.llm, self.policy, self.cfg, self.device = llm, policy, cfg, device
-        self.initial = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights_to_sync(
-            policy, compute_dtype(device), cfg.engine.sync_bucket_mb)]
+        # on GPU in page-locked memory: each swap copies them to the device at full speed
+        pin = device.type == "cuda"
+        self.initial = [(name, tensor.to("cpu", copy=True).pin_memory() if pin else
+                         tensor.to("cpu", copy=True))
+                        for name, tensor in weights_to_sync(policy, sync_dtype(cfg, device),
+                                                            cfg.engine.sync_bucket_mb)]
 
     def __enter__(self) -> "FrozenJudge":
         sync_weights(self.llm, self.initial)
@@ -2704,7 +2748,7 @@ class FrozenJudge:
 
     def __exit__(self, error_type, *_) -> None:
         if error_type is None:  # after an error, one rank alone would wait in the gather forever
-            sync_weights(self.llm, weights_to_sync(self.policy, compute_dtype(self.device),
+            sync_weights(self.llm, weights_to_sync(self.policy, sync_dtype(self.cfg, self.device),
                                                    self.cfg.engine.sync_bucket_mb))
 
 
@@ -2911,7 +2955,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
             raise infra.CheckpointError(f"{ckpt}: rank{rank}.pt: {e}") from None
         rng.bit_generator.state = saved["rng"]
         infra.set_rng_state(saved["rng_state"])
-        sync_weights(llm, weights_to_sync(policy, compute_dtype(device),
+        sync_weights(llm, weights_to_sync(policy, sync_dtype(cfg, device),
                                           cfg.engine.sync_bucket_mb))
         infra.print0(f"resumed from {ckpt} at step {step}")
     elif resume:

@@ -2607,12 +2607,19 @@ def test_nonfinite_vllm_logprob_counts_as_unrecorded_and_the_loss_stays_finite()
     seq = spell.Seq(list(range(3, 10)), c.token_ids, advantage=0.5, weight=0.1,
                     rollout_logprobs=c.logprobs)
     model = tiny_llama()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     stats = spell.update_policy(model, sgd, [seq], cfg, 1, torch.device("cpu"))
     assert math.isfinite(stats["loss"]) and stats["rollout_logp_tokens"] == 0
-    with pytest.raises(AssertionError, match="non-finite loss nan"):  # vLLM's values as given
-        spell.update_policy(model, sgd, [seq._replace(rollout_logprobs=[-0.5, math.nan, -1.0])],
-                            cfg, 1, torch.device("cpu"))
+    assert stats["skipped_steps"] == 0 and any(not torch.equal(p, before[n])
+                                               for n, p in model.named_parameters())
+    # vLLM's values as given: the loss is NaN, and the optimiser step is skipped, the weights as
+    # they were (test_a_nonfinite_gradient_skips_the_step_on_every_rank: on two ranks)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = spell.update_policy(model, sgd, [seq._replace(rollout_logprobs=[-0.5, math.nan, -1.0])],
+                                cfg, 1, torch.device("cpu"))
+    assert not math.isfinite(stats["loss"]) and stats["skipped_steps"] == 1
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     # counted in the rollout's summary and the step's metrics, whichever role sampled it
     r = spell.Rollout(GATE, "doc_qa", [0], [1], que_output=c, status="ok", responses=[c, fine],
                       verdicts=[[c, c], [fine, fine]])
@@ -2825,6 +2832,68 @@ def test_update_policy_on_two_ranks_equals_one_rank(tmp_path):
             for key, value in logged.items():
                 assert value == pytest.approx(results["1"]["logged"][name][key], rel=1e-5,
                                               abs=1e-9), (nproc, name, key)
+
+
+class RecordingEngine:
+    """Stands in for vLLM's sleep and wake calls, which need CUDA: it records them in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake", tags))
+
+
+@pytest.mark.parametrize("rollout_dtype, cpu_bf16, on_gpu, sent", [
+    ("auto", False, True, torch.bfloat16), ("float32", False, True, torch.float32),
+    ("auto", False, False, torch.float32), ("bfloat16", False, False, torch.bfloat16)])
+def test_the_sync_sends_vllms_dtype_and_a_level_2_sleep_wakes_the_weights_first(
+        monkeypatch, rollout_dtype, cpu_bf16, on_gpu, sent):
+    """The weight sync sends what vLLM computes in (engine.rollout_dtype resolved), not the
+    trainer's compute dtype: a float32 engine beside a bf16 trainer would otherwise sample from
+    bf16-rounded weights. On GPU, engine.sleep_level 2 (the default) drops vLLM's weights during
+    the update: the sync runs after every sleep, even a step without an update, between the
+    weights' wake-up and the KV cache's."""
+    cfg = spell.Config()
+    cfg.engine.rollout_dtype, cfg.engine.cpu_bf16 = rollout_dtype, cpu_bf16
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    assert cfg.engine.sleep_level == 2 and spell.sleep_level(cfg, device) == (2 if on_gpu else 0)
+    policy, engine, sent_dtypes = tiny_llama(), RecordingEngine(), []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def sync(llm, weights):
+        sent_dtypes.extend({t.dtype for _, t in weights})
+        llm.calls.append(("sync", None))
+
+    monkeypatch.setattr(spell, "sync_weights", sync)
+    spell.sleep_engine(engine, cfg, device)
+    spell.wake_and_sync(engine, policy, cfg, device, updated=False)
+    if on_gpu:
+        assert engine.calls == [("sleep", 2), ("wake", ["weights"]), ("sync", None),
+                                ("wake", None)]
+    else:  # no sleep on CPU, and nothing to sync without an update
+        assert engine.calls == []
+    spell.wake_and_sync(engine, policy, cfg, device, updated=True)
+    assert set(sent_dtypes) == {sent}
+
+
+@pytest.mark.stack
+def test_a_nonfinite_gradient_skips_the_step_on_every_rank(tmp_path):
+    """bf16 can overflow on one rank where fp32 never does: a NaN loss there makes the global
+    gradient norm NaN, the clip's factor NaN, and AdamW would write NaN weights on every rank, to
+    be synced into vLLM and saved. Both ranks skip that optimiser step and log it
+    (train/skipped_steps); the next, finite, step trains. Here rank 1's sequence carries a NaN
+    rollout log-prob under train.rollout_correction = "tis", rank 0's is finite."""
+    out = tmp_path / "nonfinite.pt"
+    torchrun(2, __file__, "nonfinite", str(out))
+    res = torch.load(out)
+    for rank in (0, 1):
+        bad, good = res[rank]
+        assert bad["skipped_steps"] == 1 and bad["unchanged"], (rank, bad)
+        assert good["skipped_steps"] == 0 and not good["unchanged"], (rank, good)
 
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
@@ -4165,7 +4234,9 @@ def model_config_dir(path: Path, context: int) -> str:
 
 def test_engine_makes_room_for_the_largest_role_budget(monkeypatch, tmp_path):
     """start_engine sizes vLLM's context for the longest prompt plus the largest role's budget (the
-    model, tokenizer and vLLM stubbed; only the arguments are read)."""
+    model, tokenizer and vLLM stubbed; only the arguments are read). And its share of device
+    memory: engine.gpu_memory_utilization beside a trainer, eval.gpu_memory_utilization without
+    one (spell.py synth)."""
     import transformers
 
     started = []
@@ -4173,15 +4244,18 @@ def test_engine_makes_room_for_the_largest_role_budget(monkeypatch, tmp_path):
     monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: model_dir)
     monkeypatch.setattr(infra, "engine_groups", lambda *a: (0, 1))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: CharTokenizer())
-    monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(kw["max_model_len"]))
+    monkeypatch.setattr(spell, "start_vllm", lambda path, **kw: started.append(
+        (kw["max_model_len"], kw["gpu_memory_utilization"])))
     monkeypatch.setattr(infra, "set_vllm_log_level", lambda level: None)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # start_engine sets it; restored after
     for roles, longest in [("", 192), ("que:384,ver:48", 384), ("ver:32", 192), ("res:200", 200)]:
         argv = ["--rollout.max_prompt_tokens=3072", "--rollout.max_new_tokens=192"]
         argv += [f"--rollout.role_max_new_tokens={roles}"] * bool(roles)
-        spell.start_engine(spell.load_config(None, argv), 0, 1, torch.device("cpu"), 0,
-                           training=False)
-        assert started.pop() == 3072 + longest, roles
+        argv += ["--engine.gpu_memory_utilization=0.6", "--eval.gpu_memory_utilization=0.85"]
+        for training, share in ((False, 0.85), (True, 0.6)):
+            spell.start_engine(spell.load_config(None, argv), 0, 1, torch.device("cpu"), 0,
+                               training=training)
+            assert started.pop() == (3072 + longest, share), (roles, training)
 
 
 def test_budgets_beyond_the_model_s_context_stop_before_vllm_starts(monkeypatch, tmp_path):
@@ -5007,6 +5081,38 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     dist.destroy_process_group()
 
 
+def worker_nonfinite(out_file: str) -> None:
+    """Each rank: AdamW on its FSDP2 shard, one update whose loss is NaN on rank 1 only, then one
+    finite update; every rank reports whether its weights moved. (The first step is Adam's, so a
+    taken step moves every weight by about lr.)"""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = spell.Config()
+    cfg.train.rollout_correction = "tis"
+    policy = spell.shard_policy(tiny_llama(), worker_mesh("0", world), param_dtype=torch.float32,
+                                gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    seq = spell.Seq(list(range(3, 10)), [11, 12, 13], advantage=0.5, weight=0.1,
+                    rollout_logprobs=[-0.5, -2.0, -1.0])
+    report = []
+    for recorded in ([-0.5, math.nan if rank == 1 else -2.0, -1.0], [-0.5, -2.0, -1.0]):
+        before = {n: p.full_tensor().detach().clone() for n, p in policy.named_parameters()}
+        stats = spell.update_policy(policy, optimizer, [seq._replace(rollout_logprobs=recorded)],
+                                    cfg, world, torch.device("cpu"))
+        unchanged = all(torch.equal(p.full_tensor(), before[n])
+                        for n, p in policy.named_parameters())
+        report.append({"skipped_steps": stats["skipped_steps"], "unchanged": unchanged})
+    reports = [None] * world
+    dist.all_gather_object(reports, report)
+    if rank == 0:
+        torch.save(reports, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     run_worker({"big-batch": worker_big_batch, "parity": worker_parity,
-                "export-vllm": worker_export_vllm, "update": worker_update})
+                "export-vllm": worker_export_vllm, "update": worker_update,
+                "nonfinite": worker_nonfinite})

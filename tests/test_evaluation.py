@@ -595,7 +595,7 @@ def test_eval_command_line_passes_the_judge(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the default eval.out_dir, runs/spell/eval-16384, goes here
     # eval_main sets it on CPU; restored afterwards
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setattr(spell, "init_distributed", lambda: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(evaluation, "run_eval",
                         lambda model_dir, specs, **kw: seen.update(model=model_dir, specs=specs,
                                                                    **kw))
@@ -612,7 +612,7 @@ def test_eval_out_dir_that_takes_no_file_stops_before_anything_starts(monkeypatc
     disk) stops the eval before the process group and the engine start, naming the key (before,
     the samples were made and lost at the first write)."""
     started = []
-    monkeypatch.setattr(spell, "init_distributed", lambda: started.append(1))
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: started.append(1))
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(infra.ConfigError, match="eval.out_dir .*taken is a file, not a folder"):
         spell.main(["eval", "--model", "some/model", "--data", "a.jsonl",
@@ -717,7 +717,7 @@ def test_synth_refuses_bad_arguments_before_vllm_starts(tmp_path, monkeypatch, a
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"id": "a", "documents": ["A report."]}) + "\n")
     (tmp_path / "a_file").write_text("not a folder")
-    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
     argv = ["synth", "--out", str(tmp_path / "qa.jsonl"), f"--data.corpus={corpus}",
             *(a.format(tmp=tmp_path) for a in args)]
     with pytest.raises(infra.ConfigError) as e:

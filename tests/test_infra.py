@@ -4,6 +4,7 @@ integrity. Tolerances follow from the arithmetic (see test_spell.py's docstring)
 """
 
 import copy
+import datetime
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import pickle
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 import types
@@ -439,7 +441,7 @@ def test_parameter_counts_match_the_hf_models():
 
 def test_memory_estimate_qwen25_7b():
     """The paper's recipe (config.toml: Qwen2.5-7B, 32768-token micro-batches,
-    vLLM at 0.5) on 8 GPUs of 80 GiB, against values worked out by hand from the config numbers."""
+    vLLM at 0.75) on 8 GPUs of 80 GiB, against values worked out by hand from the config numbers."""
     from transformers import Qwen2Config
 
     cfg = spell.load_config(str(spell.ROOT / "config.toml"))
@@ -467,24 +469,24 @@ def test_memory_estimate_qwen25_7b():
         "tree_mask": 0.0,  # FlexAttention's BlockMask: no (T, T) tensor
         # 14.185 + 1.094 of KV cache
         "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,
-        "vllm": 40.0,
+        "vllm": 60.0,
     }
-    # sleep_level 1: vLLM sleeps in the update, whose peak is a layer's backward: 21.03 above the
+    # sleep_level 2: vLLM sleeps in the update, whose peak is a layer's backward: 21.03 above the
     # weights and AdamW; the checkpoints outweigh the shards (c > g), so one shard is made so far
     layer_moment = hand["gathered"] + hand["reduce"] + hand["activations"] + g / GiB
     assert layer_moment > hand["grads"] + 6 * root / GiB  # the root's reduce-scatter: 9.64
-    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 40.0
+    hand["rollout_phase"] = hand["weights"] + hand["adamw"] + 60.0
     hand["update_phase"] = hand["weights"] + hand["adamw"] + layer_moment
     hand["peak"] = max(hand["rollout_phase"], hand["update_phase"])
     assert est.keys() == hand.keys()
     # the same few float64 operations in another order: 1e-12 relative is ~1e4 ulps
     for key in hand:
         assert est[key] == pytest.approx(hand[key], rel=1e-12), key
-    assert est["activations"] == 15.7099609375 and round(est["peak"], 2) == 50.64
+    assert est["activations"] == 15.7099609375 and round(est["peak"], 2) == 70.64
     infra.check_memory(cfg, est, 80.0, 8)  # fits: no error
     line = infra.memory_line(est, 80.0)
-    assert line.startswith("memory: estimate 50.6 of 80.0 GiB per GPU "
-                           "(rollouts 50.6, update 31.7") and "\n" not in line
+    assert line.startswith("memory: estimate 70.6 of 80.0 GiB per GPU "
+                           "(rollouts 70.6, update 31.7") and "\n" not in line
 
 
 def test_memory_estimate_divides_the_row_over_sequence_parallel_ranks():
@@ -1088,6 +1090,7 @@ def test_rope_scaling_reaches_vllm_and_the_trainer_alike(tiny_dir, tmp_path):
     # as test_spell.py's parity test: fp32 both sides, the log-sum-exp over V = 49152 dominates the
     # rounding, sqrt(V) u32 = 1.3e-5 typically; 1e-4 is 8x that
     assert r["trainer_vllm_max_diff"] < 1e-4
+    assert r["timeout_after_regroup"] == 7 * 60  # eval's new process group kept the run's timeout
     # the same prompts under the plain RoPE read differently (measured 1.1)
     assert r["plain_trainer_vllm_max_diff"] > 1e-2
     # the prefix cache reuses the prompt's KV blocks, computed by the same kernels: the tokens
@@ -1160,11 +1163,23 @@ def test_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, monkeypa
     damage(step)
     before = snapshot(out_dir)
     monkeypatch.setattr(spell, "init_distributed",
-                        lambda: pytest.fail("the run started on a damaged checkpoint"))
+                        lambda cfg: pytest.fail("the run started on a damaged checkpoint"))
     with pytest.raises(infra.CheckpointError, match=re.escape(f"{step}: {message}")):
         spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}", "--resume"])
     assert snapshot(out_dir) == before
+
+
+def test_the_collective_timeout_reaches_the_process_group():
+    """engine.collective_timeout_min is the process group's timeout (NCCL's default of 10 minutes
+    would kill a rank that waits for a slower one: issue #36). A world of one in its own process."""
+    code = ("import spell, infra; cfg = spell.Config(); cfg.engine.collective_timeout_min = 7.5; "
+            "spell.init_distributed(cfg); print(infra.group_timeout().total_seconds())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) == 7.5 * 60
 
 
 def test_each_rank_checksums_the_files_it_wrote(tmp_path):
@@ -1338,7 +1353,7 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
     saved = json.loads((step / "meta.json").read_text())["fingerprint"]["data.corpus"]
     corpus.write_text(json.dumps({**GOOD_CLUSTER, "id": "edited"}) + "\n")
     now = infra.data_fingerprint(str(corpus))
-    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
     with pytest.raises(infra.CheckpointError, match=re.escape(
             f"another data.corpus (saved {saved!r}, now {now!r}). Resume")):
         spell.main(["--config", demo, run, f"--data.corpus={corpus}", "--resume"])
@@ -1576,7 +1591,7 @@ def test_out_dir_that_cannot_take_files_is_refused_at_launch(tmp_path, monkeypat
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
     before = snapshot(tmp_path)
-    monkeypatch.setattr(spell, "init_distributed", lambda: pytest.fail("the run started"))
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
     with pytest.raises(infra.ConfigError) as e:
         spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
                     f"--log.out_dir={out_dir}"])
@@ -1631,6 +1646,62 @@ def test_run_log_writes_the_step_line_metrics_and_tensorboard(tmp_path, capsys):
     assert set(events.Tags()["scalars"]) == set(rows[0]) - {"step"}
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert loss == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]  # float32: rel 1e-6 default
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (<run>/run-<id>.wandb): after a 7-byte header,
+    LevelDB's log format (32 KiB blocks; a record is a 4-byte checksum, a 2-byte length, a type:
+    1 whole, 2 first, 3 middle, 4 last part) around W&B's protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, rows, pos, parts = run_file.read_bytes(), [], 7, b""
+    while pos + 7 <= len(data):
+        if (pos % 32768) + 7 > 32768:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zero padding at a block's end
+            pos += 32768 - pos % 32768
+            continue
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(parts)
+            parts = b""
+            if record.HasField("history"):
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                             for i in record.history.item})
+    return rows
+
+
+def test_run_log_writes_every_metric_to_wandb_offline(tmp_path, monkeypatch):
+    """log.wandb: every metric of every step reaches the W&B run (offline mode: no network, the
+    run's records in <out_dir>/wandb), with the whole config; --resume continues the same run
+    (its id kept in <out_dir>/wandb/run_id)."""
+    pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.sample_every, cfg.log.wandb = str(tmp_path / "demo"), 0, True
+    Path(cfg.log.out_dir).mkdir()
+    infra.RunLog(cfg, ["config.toml"], 1, 2, torch.device("cpu")).close()  # rank 1: no run
+    assert not (tmp_path / "demo" / "wandb").exists()
+    log = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
+    assert log.wandb.config["train"]["lr"] == cfg.train.lr and log.wandb.name == "demo"
+    run_id = log.wandb.id
+    logged = [logged_metrics(step) for step in (1, 2)]
+    for step, row in zip((1, 2), logged):
+        log.write(step, {k: v for k, v in row.items() if k != "step"}, f"step {step}")
+    log.close()
+    (run_file,) = (tmp_path / "demo" / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = [r for r in wandb_history(run_file) if "train/loss" in r]
+    assert [r["_step"] for r in rows] == [1, 2]
+    for row, want in zip(rows, logged):
+        assert {k: row[k] for k in want if k != "step"} == {k: v for k, v in want.items()
+                                                          if k != "step"}
+    resumed = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
+    assert resumed.wandb.id == run_id
+    resumed.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2207,7 +2278,8 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
 
     import evaluation
 
-    dist.init_process_group("gloo")
+    # a timeout other than gloo's default, which stop_vllm's new group must keep
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=7))
     cpu, r = torch.device("cpu"), {}
     # the tiny model's attention is near uniform (weights of scale 0.02), so positions hardly
     # matter; queries and keys 8x larger make it peaked, and a wrong RoPE visible
@@ -2265,6 +2337,7 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
     r["trainer_vllm_max_diff"] = max_diff_to(policy, first)
     r["plain_trainer_vllm_max_diff"] = max_diff_to(plain, first)
     evaluation.stop_vllm(llm)
+    r["timeout_after_regroup"] = infra.group_timeout().total_seconds()
     uncached = sample(spell.start_vllm(model_dir, max_model_len=8192, seed=0, dtype="float32",
                                        hf_overrides=infra.model_config(model_dir, "yarn:4")[1],
                                        enable_prefix_caching=False))
@@ -2313,3 +2386,29 @@ def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:
 if __name__ == "__main__":
     run_worker({"export-smoke": worker_export_smoke, "buckets": worker_buckets,
                 "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex, "rope": worker_rope})
+
+
+def test_optimizer_state_made_early_trains_exactly_as_made_late():
+    """infra.create_optimizer_state makes AdamW's moments before the first forward (on GPU, so
+    they do not pin memory the first backward freed, which vLLM's wake-up needs) and leaves the run
+    bit for bit as the lazy state would: three steps of the same gradients end in the same weights
+    and moments. The bias correction reads the step counter, so a counter left at 1 fails this."""
+    torch.manual_seed(0)
+    lazy_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    early_model = copy.deepcopy(lazy_model)
+    lazy, early = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+                   for m in (lazy_model, early_model))
+    infra.create_optimizer_state(early)
+    assert all(torch.equal(p, q) for p, q in zip(lazy_model.parameters(),
+                                                 early_model.parameters()))
+    assert len(early.state) == 4 and all(p.grad is None for p in early_model.parameters())
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in ((lazy_model, lazy), (early_model, early)):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for p, q in zip(lazy_model.parameters(), early_model.parameters()):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(lazy.state[p][key], early.state[q][key]), key
