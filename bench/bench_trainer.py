@@ -198,7 +198,7 @@ def time_updates(policy, optimizer, seqs, cfg, device,
 
 
 def bench(args) -> None:
-    _, world, device = spell.init_distributed()
+    _, world, device = spell.init_distributed(spell.Config())  # the default collective timeout
     assert world == 1, "one GPU: run with python, not torchrun"
     on_gpu = device.type == "cuda"
     if not on_gpu and not args.smoke:
