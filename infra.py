@@ -1926,12 +1926,61 @@ def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
     return (q_group == k_group) & (q_pos >= k_pos) & ((k_segment == 0) | (q_segment == k_segment))
 
 
-_compiled_block_mask = None  # torch.compile(create_block_mask), built once on GPU
+# FlexAttention is fused only where torch.compile traces it. Run eagerly it builds the (H, T, T)
+# scores (Qwen2.5-7B at 32K tokens: 28 x 32K^2 x 4 B = 112 GiB, an OOM), and create_block_mask
+# evaluates every one of the T^2 pairs. Every micro-batch brings a new row length T; compiled as
+# transformers does (a static graph first, a dynamic one at the second T), the variants multiply
+# with dynamo's other guards (grad on or off, one 128-token block or several, HF's packed mask or
+# the tree mask) and passed the limit of 8 in the trainer's own pattern (a no_grad pass, then the
+# update: tests/test_flex_lengths.py), where dynamo runs the dense eager path with one log line.
+# So the project compiles both functions itself: dynamic shapes from the first call (T symbolic),
+# one mask rule for every row (tree_attention_mask), and fullgraph=True, under which passing the
+# limit raises FailOnRecompileLimitHit instead of falling back. Variants per function: grad on or
+# off x one block or several (dynamo specialises a size of 1), 4 at most; the limit is set here so
+# that a global one (raised or lowered by another library in the process) does not move it.
+FLEX_RECOMPILE_LIMIT = 8
+
+
+@functools.cache
+def compiled_flex(fn):
+    """torch.compile of FlexAttention's flex_attention or create_block_mask, once per process:
+    dynamic shapes, one graph, an error (never the eager path) past FLEX_RECOMPILE_LIMIT."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT)
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           softcap=None, s_aux=None, position_bias=None, **kwargs):
+    """transformers' "flex_attention" as the project registers it (tree_attention_mask): torch's
+    FlexAttention through compiled_flex. q (1, Hq, T, D), k v (1, Hkv, T, D), the row's BlockMask
+    -> (1, T, Hq, D), None. What the project's models use and no more: dropout, soft-capping,
+    attention sinks or a position bias is an error, as is a dense mask."""
+    from torch.nn.attention import flex_attention as flex
+
+    if not isinstance(attention_mask, flex.BlockMask):
+        raise ValueError(f"flex_attention takes the row's BlockMask (tree_attention_mask), "
+                         f"not {type(attention_mask).__name__}")
+    if dropout or softcap is not None or s_aux is not None or position_bias is not None:
+        raise NotImplementedError("the project's flex_attention has no dropout, softcap, "
+                                  "attention sinks or position bias")
+    heads = query.shape[1]
+    # transformers' rule, kept (bench/simulate_node.py counts its memory): unless Hq is a power
+    # of 2, every query head gets its own copy of its KV head and flex runs without GQA
+    gqa = (heads & (heads - 1)) == 0
+    if not gqa:
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)  # (1, Hq, T, D)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    # torch's switch for an uncompiled flex (bench/simulate_node.py's fake tensors set it)
+    run = (flex.flex_attention if flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+           else compiled_flex(flex.flex_attention))
+    out = run(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # (1, T, Hq, D)
 
 
 def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: torch.dtype):
-    """The attention_mask that makes HF attention `impl` apply the tree rule to a shared row; None
-    for a row without shared prompts (HF then reads the boundaries from position_ids).
+    """The attention_mask that makes HF attention `impl` apply the tree rule to a shared row. sdpa
+    gets None for a row without shared prompts (HF then reads the boundaries from position_ids);
+    flex_attention a BlockMask for every row (on an unshared row the tree rule is causal within
+    each sequence), so that its compiled kernel meets one mask rule (compiled_flex).
 
     sdpa: a dense additive (1, 1, T, T) mask in the compute dtype, 0 where visible and -inf
     elsewhere; HF passes any 4-D mask on as is. Additive, not boolean: SDPA would turn a boolean
@@ -1941,8 +1990,7 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
     evaluates every pair at once). flash-attn's varlen kernel cannot express the rule (y_2's keys,
     x then y_2, are not contiguous): check_launch turns sharing off for it.
     """
-    global _compiled_block_mask
-    if not packed["shared"]:
+    if not packed["shared"] and impl != "flex_attention":
         return None
     group, segment = packed["group_ids"].to(device), packed["segment_ids"].to(device)
     pos = torch.arange(len(group), device=device)  # (T,)
@@ -1953,14 +2001,15 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
         return mask.masked_fill_(~visible, float("-inf"))[None, None]  # (1, 1, T, T)
     if impl == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
+        from transformers import AttentionInterface
+
+        # every flex forward of the project takes its mask from here: the name runs ours from now
+        AttentionInterface.register("flex_attention", flex_attention_forward)
 
         def mask_mod(b, h, q, k):
             return tree_visible(group[q], segment[q], q, group[k], segment[k], k)
 
-        build = create_block_mask
-        if device.type == "cuda":
-            _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
-            build = _compiled_block_mask
+        build = compiled_flex(create_block_mask) if device.type == "cuda" else create_block_mask
         return build(mask_mod, 1, None, len(group), len(group), device=device)
     raise ValueError(f"engine.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
 

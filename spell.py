@@ -77,7 +77,7 @@ numbers are in docs/reference.md, "Departures":
   8. The loss normaliser is global, made before backward; by default Eq. 12 per role, summed.
   9. No reference model: beta = 0, as in the paper's runs.
  10. A generation cut at its role's budget is scored as unfinished (reward.overlong).
- 11. [bootstrap]: four switches that let a model learn the roles' formats; off in config.toml.
+ 11. [bootstrap]: five switches that let a model learn the roles' formats; off in config.toml.
  12. CPU rollouts run in fp32, or compiled bf16 on an AMX CPU; the trainer keeps fp32 masters.
  13. For fin_math and doc_mc, r_i is the rule alone (tasks.Task.rule_decides).
  14. §4.3's selection reads Eq. 6's accuracy; DAPO's length shaping enters the advantage only.
@@ -240,7 +240,7 @@ class RewardConfig:
 
 @dataclass
 class BootstrapConfig:
-    """Not in the paper (departure 11): four switches that let a model which cannot yet write the
+    """Not in the paper (departure 11): five switches that let a model which cannot yet write the
     roles' formats learn them. All off in config.toml, on in the CPU presets; 0 or "" = off."""
     # a task's well-formed questions as positives, up to this many
     questioner_floor: int = bounded(0, ">= 0 (0: off)")
@@ -251,6 +251,12 @@ class BootstrapConfig:
     # the verifier's reply starts with this, as prompt: "Decision: [[" leaves it YES]] or NO]]
     # (SmolLM2-135M tagged 19 of 64 votes with it, 0 of 64 without)
     verifier_reply_prefix: str = ""
+    # the order the verifier's prompt lists the two verdicts in: "fixed", "[[YES]] or [[NO]]" as in
+    # App. F; "random", drawn for each vote. SmolLM2-135M votes the first one listed whatever the
+    # answers (P(YES) 0.995 on right and wrong answers alike, 0.016 with NO listed first): its G
+    # votes never disagree, and no verifier group is ever kept. Drawn per vote, they disagree, and
+    # the group whose majority matches the rule's label teaches the verdict against the order
+    verdict_order: Literal["fixed", "random"] = "fixed"
 
 
 @dataclass
@@ -307,10 +313,9 @@ class LogConfig:
                                                              "CRITICAL"))
     tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
     # also every metric to Weights & Biases (the `wandb` package; WANDB_MODE=offline keeps the run
-    # in <out_dir>/wandb for `wandb sync`), in project log.wandb_project, the run named after
-    # out_dir; --resume continues the same W&B run
+    # in <out_dir>/wandb for `wandb sync`), the run named after out_dir; --resume continues it
     wandb: bool = False
-    wandb_project: str = "spell"
+    wandb_project: str = "spell"  # the W&B project of log.wandb's runs
     # the policy as verifier judges data.verify_set every N steps and before the first update
     # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
     # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
@@ -579,13 +584,16 @@ def format_examples(entries: Sequence[HistoryEntry]) -> str:
 
 
 
-def verifier_prompt(question: dict, predicted: str, reference: str) -> str:
-    """Render the verifier template comparing an extracted answer with the reference (§4.1)."""
+def verifier_prompt(question: dict, predicted: str, reference: str, no_first: bool = False) -> str:
+    """Render the verifier template comparing an extracted answer with the reference (§4.1); its
+    reply-format line lists "[[YES]] or [[NO]]", or with `no_first` "[[NO]] or [[YES]]"
+    (bootstrap.verdict_order)."""
     # the policy writes all three fields: each is fenced, and none may carry a verdict (Eq. 4)
     return render_prompt("verifier",
                          question=tasks.fence(format_question(question)),
                          answer_1=tasks.fence(predicted, tasks.answer_cap(reference)),
-                         answer_2=tasks.fence(reference, tasks.REFERENCE_CAP))
+                         answer_2=tasks.fence(reference, tasks.REFERENCE_CAP),
+                         verdicts="[[NO]] or [[YES]]" if no_first else "[[YES]] or [[NO]]")
 
 
 def questioner_prompt(task: str, documents: Sequence[str], examples: Sequence[HistoryEntry],
@@ -690,8 +698,10 @@ def gold_in_answer(response: str, answer: str, task: str) -> bool:
 
 
 _YES, _NO = "[[YES]]", "[[NO]]"
-# '[[YES]] or [[NO]]' (also quoted) names the choices, as the prompts do: copied, it decides nothing
-_VERDICT_CHOICES = re.compile(r'\[\[YES\]\]"?\s*or\s*"?\[\[NO\]\]')
+# '[[YES]] or [[NO]]' (also quoted, either way round) names the choices, as the prompts do: copied,
+# it decides nothing
+_VERDICT_CHOICES = re.compile(r'\[\[YES\]\]"?\s*or\s*"?\[\[NO\]\]'
+                              r'|\[\[NO\]\]"?\s*or\s*"?\[\[YES\]\]')
 
 
 def parse_verdict(text: str) -> int | None:
@@ -908,7 +918,8 @@ class Rollout:
     responses: list = field(default_factory=list)  # G Completions
     rules: list[float] = field(default_factory=list)  # R_rule per response (Eq. 6's reward)
     labels: list = field(default_factory=list)  # per response: rule_label, 1, 0 or None (§4.3)
-    ver_prompts: list = field(default_factory=list)  # per response: verifier prompt ids, or None
+    # per response: per vote, the verifier prompt ids it saw (run_verifier); None if not verified
+    ver_prompts: list = field(default_factory=list)
     # per response: G Completions (empty if not verified)
     verdicts: list = field(default_factory=list)
     votes: list = field(default_factory=list)  # per response: G votes in {0, 1, None}
@@ -1059,22 +1070,35 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
         r.ver_prompts, r.verdicts = [None] * len(cs), [[] for _ in cs]
 
 
-def verifier_ids(tok, cfg: Config, question: dict, predicted: str, reference: str) -> list[int]:
+def verifier_ids(tok, cfg: Config, question: dict, predicted: str, reference: str,
+                 no_first: bool = False) -> list[int]:
     """The verifier's prompt ids for one answer (§4.1): the chat-templated verifier_prompt, then
     bootstrap.verifier_reply_prefix, the reply's first words, as prompt."""
     prefix = cfg.bootstrap.verifier_reply_prefix
     prefix_ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
-    return chat_ids(tok, verifier_prompt(question, predicted, reference)) + prefix_ids
+    return chat_ids(tok, verifier_prompt(question, predicted, reference, no_first)) + prefix_ids
+
+
+def votes_per_response(cfg: Config) -> int:
+    """G of Eq. 4: rollout.votes_per_response, 0 = rollout.group_size."""
+    return cfg.rollout.votes_per_response or cfg.rollout.group_size
+
+
+def no_first_orders(cfg: Config, seed: int) -> list[bool]:
+    """Per vote of one response: does its prompt list [[NO]] first (bootstrap.verdict_order)?
+    Never under "fixed"; under "random" a fair coin per vote, drawn from the response's seed."""
+    if cfg.bootstrap.verdict_order == "fixed":
+        return [False] * votes_per_response(cfg)
+    return (np.random.default_rng(seed).random(votes_per_response(cfg)) < 0.5).tolist()
 
 
 def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
-                 desc: str = "verifier") -> list[list[Completion]]:
-    """G votes per verifier prompt (Eq. 4; rollout.votes_per_response, 0 = group_size), each
-    vote's text the reply as read: bootstrap.verifier_reply_prefix + what was sampled."""
+                 desc: str = "verifier", n: int | None = None) -> list[list[Completion]]:
+    """n votes per verifier prompt (G of Eq. 4 unless given), each vote's text the reply as read:
+    bootstrap.verifier_reply_prefix + what was sampled."""
     prefix = cfg.bootstrap.verifier_reply_prefix
-    votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
-    outs = generate(llm, prompts, n=votes, seeds=seeds[:len(prompts)], **sampling(cfg, "ver"),
-                    logprobs=True, desc=desc)
+    outs = generate(llm, prompts, n=n or votes_per_response(cfg), seeds=seeds[:len(prompts)],
+                    **sampling(cfg, "ver"), logprobs=True, desc=desc)
     return [[c._replace(text=prefix + c.text) for c in cs] if prefix else cs for cs in outs]
 
 
@@ -1086,17 +1110,28 @@ def read_votes(verdicts: Sequence[Completion], cfg: Config) -> list[int | None]:
 
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
     """Verifying (lines 16-17): votes per response of the extracted vs reference answer (Eq. 4);
-    G of them in the paper, rollout.votes_per_response here."""
+    G of them in the paper, rollout.votes_per_response here. r.ver_prompts[i][j] is the prompt
+    vote j saw: the same for all G (sampled together), unless bootstrap.verdict_order = "random"
+    lists the verdicts in its own order for each vote (then a request per vote)."""
     jobs = []  # (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
         for i, c in enumerate(r.responses):
             predicted = tasks.extract_answer(c.text, r.task) if finished(c, cfg) else None
             # no answer to compare: the rule's 0 stands, nothing to verify
             if predicted is not None:
-                r.ver_prompts[i] = verifier_ids(tok, cfg, r.question, predicted,
-                                                r.question["answer"])
+                orders = no_first_orders(cfg, seeds[len(jobs)])
+                prompt = {flip: verifier_ids(tok, cfg, r.question, predicted, r.question["answer"],
+                                             no_first=flip) for flip in set(orders)}
+                r.ver_prompts[i] = [prompt[flip] for flip in orders]
                 jobs.append((r, i))
-    outs = sample_votes(llm, cfg, [r.ver_prompts[i] for r, i in jobs], seeds)
+    if cfg.bootstrap.verdict_order == "fixed":
+        outs = sample_votes(llm, cfg, [r.ver_prompts[i][0] for r, i in jobs], seeds)
+    else:
+        g = votes_per_response(cfg)
+        vote_seeds = [s for k in range(len(jobs)) for s in request_seeds(seeds[k], count=g)]
+        each = sample_votes(llm, cfg, [p for r, i in jobs for p in r.ver_prompts[i]], vote_seeds,
+                            n=1)
+        outs = [[cs[0] for cs in each[k * g:(k + 1) * g]] for k in range(len(jobs))]
     for (r, i), cs in zip(jobs, outs):
         r.verdicts[i] = cs
 
@@ -1432,7 +1467,7 @@ def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
     advantage within its group. Returns the items and their counts for the log."""
     candidates = [(s, i) for s in summaries if s.status == "ok"
                   for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
-    votes = cfg.rollout.votes_per_response or cfg.rollout.group_size
+    votes = votes_per_response(cfg)
     max_groups = int(cfg.reward.verifier_share * res_groups * cfg.rollout.group_size) // votes
     abstained = None
     if cfg.bootstrap.verifier_format_penalty:
@@ -1764,7 +1799,7 @@ def role_sample(r: Rollout, it: TrainItem) -> tuple[list[int], Completion]:
     if it.role == "res":
         return r.res_prompt, r.responses[it.i]
     if it.role == "ver":
-        return r.ver_prompts[it.i], r.verdicts[it.i][it.j]
+        return r.ver_prompts[it.i][it.j], r.verdicts[it.i][it.j]
     raise ValueError(f"a kept sample of role {it.role!r}: role_sample knows where the tokens of "
                      f"{', '.join(ROLES)} are, and no other role's")
 

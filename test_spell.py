@@ -355,7 +355,7 @@ ALL_PROMPTS = {
     "questioner_doc_mc_history": {"documents", "examples", "correct_letter"},
     "responder_doc_qa": {"documents", "question"}, "responder_fin_math": {"documents", "question"},
     "responder_doc_mc": {"documents", "question", "choice_A", "choice_B", "choice_C", "choice_D"},
-    "verifier": {"question", "answer_1", "answer_2"},
+    "verifier": {"question", "answer_1", "answer_2", "verdicts"},
     "judge": {"question", "prediction", "reference"},
 }
 
@@ -1936,6 +1936,66 @@ def test_verifier_groups_to_keep():
     assert taught == [0, 1, 5, 6]
 
 
+class FirstListedVerdict(ScriptedRollouts):
+    """What SmolLM2-135M does as verifier (docs/cpu-runs.md): it votes the verdict its prompt's
+    reply-format line lists first, whatever the answers."""
+
+    def __call__(self, llm, prompts, *, n, desc="", **kw):
+        if desc != "verifier":
+            return super().__call__(llm, prompts, n=n, desc=desc, **kw)
+        self.calls.append((desc, len(prompts), n))
+        first = ["NO" if "Decision: [[NO]] or [[YES]]" in "".join(map(chr, p)) else "YES"
+                 for p in prompts]
+        return [[spell.Completion([7] * 3, f"{v}]]", None, "stop")] * n for v in first]
+
+
+@pytest.mark.parametrize("order", ["fixed", "random"])
+def test_votes_that_copy_the_first_listed_verdict_teach_only_in_random_order(monkeypatch, order):
+    """bootstrap.verdict_order. A verifier that votes whichever verdict is listed first never
+    disagrees with itself under "fixed" (all YES): no group is kept, whatever the labels. Under
+    "random" each vote's prompt lists them in its own order (a fair coin per vote, drawn from the
+    response's seed: the same on a rerun), one request per vote; the votes split, and a group
+    whose majority matches the rule's label is kept, its votes' advantages teaching that verdict."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
+    cfg.bootstrap.verifier_reply_prefix, cfg.bootstrap.verdict_order = "Decision: [[", order
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
+                              "stop")],
+              "grounding": [("I cannot tell without the text.", "stop")],
+              "responder": [("The correct answer is blue.", "stop")]
+                           + [("The correct answer is red.", "stop")] * 3}
+    cluster = spell.Cluster("c", "doc_qa",
+                            ["The north gate was painted blue.", "The keeper kept goats."])
+    kept, orders = 0, []
+    for round_ in range(8):
+        monkeypatch.setattr(spell, "generate", scripted := FirstListedVerdict(script))
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
+                                  HistoryMemory(3), np.random.default_rng(0),
+                                  key=(0, 1, 0, round_))
+        assert r.labels == [1, 0, 0, 0]  # the gold alone: right; red: the gold is not in it
+        verifier_calls = [c for c in scripted.calls if c[0] == "verifier"]
+        texts = [["".join(map(chr, p)) for p in ps] for ps in r.ver_prompts]
+        no_first = [["Decision: [[NO]] or [[YES]]" in t for t in ts] for ts in texts]
+        assert r.votes == [[0 if f else 1 for f in fs] for fs in no_first]
+        if order == "fixed":
+            assert verifier_calls == [("verifier", 4, 4)] and not any(map(any, no_first))
+        else:
+            assert verifier_calls == [("verifier", 16, 1)]
+            orders.append(no_first)
+        items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+        for it in (it for it in items if it.role == "ver"):
+            agrees = r.votes[it.i][it.j] == r.labels[it.i]
+            assert (it.advantage > 0) == agrees, it
+        kept += counts["ver_groups"]
+    if order == "fixed":
+        assert kept == 0
+    else:
+        assert kept > 0 and any(map(any, (o for run in orders for o in run)))
+        assert len({str(o) for o in orders}) > 1  # each round's seeds draw other orders
+        # the same seeds, the same orders
+        assert spell.no_first_orders(cfg, 12345) == spell.no_first_orders(cfg, 12345)
+
+
 @pytest.mark.parametrize("penalty", [0.0, -0.5])
 def test_verifier_bootstrapping(monkeypatch, penalty):
     """bootstrap.verifier_reply_prefix starts each verdict as part of its prompt and is read with
@@ -1957,7 +2017,8 @@ def test_verifier_bootstrapping(monkeypatch, penalty):
                             ["The north gate was painted blue.", "The keeper kept goats."])
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
-    assert all("".join(map(chr, p)).endswith("<|assistant|>Decision: [[") for p in r.ver_prompts)
+    assert all(len(ps) == 4 and all(p is ps[0] for p in ps) for ps in r.ver_prompts)  # "fixed"
+    assert all("".join(map(chr, ps[0])).endswith("<|assistant|>Decision: [[") for ps in r.ver_prompts)
     assert r.verdicts[0][0].text == "Decision: [[NO]]" and r.verdicts[0][0].token_ids == [7, 7, 7]
     assert (r.votes == [[0, None, None, 0]] * 4 and r.majorities == [0] * 4
             and r.agreements == [0.5] * 4)
@@ -4574,10 +4635,8 @@ def test_shared_prefix_flex_attention_matches_sdpa():
     """FlexAttention's BlockMask gives the dense tree mask's log-probs (forward; gradients too on
     a GPU: torch 2.13 has no FlexAttention backward on CPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # torch 2.13's CPU FlexAttention template fails to compile ("cur_qSplitSize8 was not declared")
-    # when a second row length makes dynamo recompile with dynamic shapes, as after
-    # test_packed_attention_matches_sdpa: start from a clean compile cache
-    torch._dynamo.reset()
+    # no dynamo reset: the project compiles flex dynamic from the first row length on, one mask
+    # rule for every row (infra.compiled_flex, tests/test_flex_lengths.py)
     packed = spell.pack_sequences(flat_pairs(shared_groups()), shared=True)
     sdpa, flex = tiny_llama().to(device), tiny_llama(attn="flex_attention").to(device)
     with torch.no_grad():
