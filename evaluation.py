@@ -429,6 +429,8 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     evaluate."""
     from transformers import AutoTokenizer
 
+    # the model resolved (a hub name, the embedded export): can it hold what vLLM is asked to?
+    check_eval_context(model_dir, max_input_len, max_output_len, rope_scaling)
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
     items = infra.load_eval_data(data)
@@ -460,6 +462,16 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
                     judge_model=judge_model, judge_tokenizer=judge_tokenizer,
                     judge_max_tokens=judge_max_tokens, engine_args=engine_args,
                     rank=group, world=groups, out_dir=out_dir)
+
+
+def check_eval_context(model_dir: str, max_input_len: int, max_output_len: int,
+                       rope_scaling: str) -> None:
+    """vLLM holds a whole prompt plus a whole answer (its max_model_len): within the model's
+    context (infra.check_context, one line naming the keys), or vLLM refuses it as it starts, in
+    a pydantic traceback."""
+    infra.check_context(model_dir, max_input_len + max_output_len,
+                        f"eval.max_input_len + eval.max_output_len: {max_input_len} + "
+                        f"{max_output_len}", rope_scaling)
 
 
 def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], *,
@@ -509,8 +521,15 @@ def eval_main(argv: Sequence[str]) -> None:
                           "(or --eval.data=A,B)")
     e = cfg.eval
     out_dir = e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}")
-    # the samples are written once they are all made: a folder that cannot take them stops it now
-    infra.check_out_dir(Path(out_dir), int(os.environ.get("RANK", "0")), "eval.out_dir")
+    infra.check_model_path(cfg.model.path)  # --model
+    if (folder := infra.local_model_dir(cfg)) is not None:  # its context, if its folder is here
+        check_eval_context(folder, e.max_input_len, e.max_output_len, cfg.model.rope_scaling)
+    # the samples are written once they are all made: a folder that cannot take them stops it now,
+    # and one that another eval is writing (its lock: infra.hold_out_dir, on rank 0)
+    rank = int(os.environ.get("RANK", "0"))
+    infra.check_out_dir(Path(out_dir), rank, "eval.out_dir")
+    if rank == 0:
+        infra.hold_out_dir(Path(out_dir), "eval.out_dir")
     rank, world, device = spell.init_distributed(cfg)
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?

@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import datetime
 import errno
+import fcntl
 import functools
 import importlib.util
 import io
@@ -55,6 +56,8 @@ import torch.distributed as dist
 # ("<your answer>", "{correct_letter}"): one check each for the data files read here and the model
 # outputs tasks.py reads (tasks.py imports nothing of this project)
 from tasks import is_template_text as is_placeholder, is_utf8
+
+from recipes import max_entropy  # ln V, the most entropy AEPO's high can wait for (train.aepo)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -987,6 +990,7 @@ def resolve_model(cfg, rank: int) -> str:
     """The HF folder to load: model.path, or for "embedded" the SmolLM2 export (made once, on rank
     0)."""
     if cfg.model.path != "embedded":
+        check_model_path(cfg.model.path)
         return cfg.model.path
     out = str(Path(cfg.model.cache_dir) / "SmolLM2-135M-Instruct")
     if rank == 0:
@@ -1002,6 +1006,51 @@ def local_model_dir(cfg) -> str | None:
     folder = (str(Path(cfg.model.cache_dir) / "SmolLM2-135M-Instruct")
               if cfg.model.path == "embedded" else cfg.model.path)
     return folder if (Path(folder) / "config.json").is_file() else None
+
+
+def check_model_path(path: str) -> None:
+    """model.path, before transformers reads it: "embedded", a folder on this machine holding an HF
+    model's config.json, or a model hub name (owner/name, left to the hub: model_config names the
+    key if the hub has nothing under it). Anything else stops here, naming the key and the path;
+    transformers' own traceback names neither."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if path == "embedded":
+        return
+    where = f"model.path {shown(path)}"
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{where}: a folder without config.json, not an HF model folder")
+    elif os.path.lexists(path):
+        raise ConfigError(f"{where}: a file, not an HF model folder")
+    else:
+        try:
+            validate_repo_id(path)  # the hub's own rule for a name
+        except HFValidationError:
+            raise ConfigError(f"{where}: no such folder, nor a model hub name (owner/name)") \
+                from None
+
+
+def check_model_keys(cfg, model_dir: str) -> None:
+    """The keys the model's own config.json bounds, checked (by check_launch, when its folder is
+    on this machine) before vLLM or the model loads: engine.sequence_parallel must split its
+    attention heads (check_heads, which enable_sequence_parallel applies once both have loaded),
+    and train.aepo's high must lie below ln V, the largest entropy over its V logits: no batch
+    entropy exceeds it, so a high there never starts masking (recipes.AEPO_HIGH_MAX bounds it for
+    any model at load)."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    if (k := cfg.engine.sequence_parallel) > 1:
+        heads = text.num_attention_heads
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, k)
+    low, high = cfg.train.aepo
+    vocab = getattr(text, "vocab_size", None)
+    if high > 0 and isinstance(vocab, int) and vocab > 1 and high >= max_entropy(vocab):
+        raise ConfigError(f"train.aepo = [{low:g}, {high:g}]: high must be below "
+                          f"{max_entropy(vocab):.2f} nats, ln V of the model {model_dir} (V = "
+                          f"{vocab} logits, its config.json): no batch entropy exceeds it, so "
+                          "masking would never start")
 
 
 def export_is_complete(out_dir: str) -> bool:
@@ -1422,17 +1471,19 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
 # ==================================================================================================
 
 def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
-    """Before any process group, model or file of the run exists: the ranks must split into vLLM
-    engine groups and FSDP shard groups, every engine needs data, log.out_dir must take files
-    (check_out_dir), and --resume needs a checkpoint it can continue (infra.resume_checkpoint).
-    Returns that checkpoint, if any."""
+    """Before any process group, model or file of the run exists: model.path must name a model
+    (check_model_path), the ranks must split into vLLM engine groups and FSDP shard groups, every
+    engine needs data, the model's config.json (if its folder is here) must admit the keys it
+    bounds (check_model_keys), log.out_dir must take files (check_out_dir), and --resume needs a
+    checkpoint it can continue (infra.resume_checkpoint, which also takes the folder's lock for
+    the run: hold_out_dir). Returns that checkpoint, if any."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    check_model_path(cfg.model.path)
     _, groups = engine_groups(cfg, rank, world)
     mesh_shape(cfg, world)  # an FSDP shard size that does not divide the world stops here
     if len(corpus) < groups:
         raise CorpusError(f"the data (data.corpus or data.qa) holds {len(corpus)} entries for "
                           f"{groups} vLLM engines; each engine needs one")
-    check_out_dir(Path(cfg.log.out_dir), rank)
     attn = attention_implementation(cfg, torch.cuda.is_available())
     sp = cfg.engine.sequence_parallel
     if world % sp:
@@ -1441,6 +1492,9 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if sp > 1 and attn not in ("sdpa", "flex_attention"):
         raise ConfigError(f"engine.sequence_parallel = {sp} needs engine.attn_implementation sdpa "
                           f"or flex_attention (a mask over the whole row), not {attn}")
+    if (folder := local_model_dir(cfg)) is not None:  # its heads and vocabulary, if it is here
+        check_model_keys(cfg, folder)
+    check_out_dir(Path(cfg.log.out_dir), rank)
     if cfg.engine.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
             print(f"engine.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
@@ -1474,6 +1528,60 @@ def check_out_dir(out: Path, rank: int, key: str = "log.out_dir") -> None:
     except OSError as e:  # a read-only or full disk, a name too long, a path through a file...
         raise ConfigError(f"{key} {shown(str(out))}: cannot write there "
                           f"({e.strerror or type(e).__name__})") from None
+
+
+# One run per folder: the lock file in log.out_dir (or eval.out_dir), and the descriptors this
+# process holds it by, open, and so locked, until the process ends
+LOCK_FILE = ".lock"
+HELD_LOCKS: dict[str, int] = {}
+
+
+def hold_out_dir(out: Path, key: str = "log.out_dir") -> None:
+    """Lock `out` for this run, or stop, naming the key and the holder, if another live run holds
+    it: two savers in one folder race on the checkpoint's temporary folder and interleave the
+    metrics. One process of a run takes it (rank 0; other ranks, on this node or on another that
+    shares the folder, would lock each other out), after the launch checks and before the run
+    writes anything that stays (check_out_dir's probe comes and goes). An exclusive flock on
+    <out>/.lock, never released by hand: the kernel drops it when the process ends, however it
+    ends, so a killed run leaves no stale lock (the file stays, unlocked). A second call for the
+    same folder in one process keeps the lock it holds. A file system that takes no lock gets a
+    line saying so, and the run goes on unguarded."""
+    import socket
+
+    path = out / LOCK_FILE
+    if (held := HELD_LOCKS.pop(os.path.realpath(path), None)) is not None:
+        try:
+            if os.path.samestat(os.fstat(held), os.stat(path)):
+                HELD_LOCKS[os.path.realpath(path)] = held
+                return
+        except OSError:  # the folder removed since: its lock goes, and the new one is taken
+            pass
+        os.close(held)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise ConfigError(f"{key} {shown(str(out))}: cannot open its lock file {path} "
+                          f"({e.strerror or type(e).__name__})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: the holder wrote who it is into the file
+        try:
+            line = os.pread(fd, 200, 0).decode("utf-8", "replace").strip().split("\n")[0]
+        except OSError:
+            line = ""
+        holder = "".join(c for c in line if c.isprintable())[:80] or "a live process"
+        os.close(fd)
+        raise ConfigError(f"{key} {shown(str(out))}: another run holds it ({holder}, lock file "
+                          f"{path}); wait for it to end, or choose another {key}") from None
+    except OSError as e:  # a file system without locks (some NFS and Lustre mounts)
+        os.close(fd)
+        print(f"{key} {out}: not locked, its file system takes no lock ({e.strerror}); nothing "
+              "stops a second run from writing there at the same time", flush=True)
+        return
+    with contextlib.suppress(OSError):  # who holds it, for the message above; a full disk can
+        os.ftruncate(fd, 0)  # refuse these few bytes, and the lock holds without them
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    HELD_LOCKS[os.path.realpath(path)] = fd
 
 
 # ==================================================================================================
@@ -1768,7 +1876,12 @@ def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
     the overrides as hf_overrides and sets each key on its own copy of config.json, as done here."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except OSError as e:  # a hub name that neither the hub nor its cache (offline) holds
+        reason = str(e).strip().split("\n")[0]
+        raise ConfigError(f"model.path {shown(model_dir)}: cannot read its config.json "
+                          f"({reason})") from None
     overrides = rope_overrides(rope_scaling, config)
     for key, value in overrides.items():
         setattr(config, key, copy.deepcopy(value))
@@ -2838,6 +2951,38 @@ def check_metrics_file(path: Path) -> None:
                           "(move it away, or choose another log.out_dir)")
 
 
+def check_appendable(path: Path) -> None:
+    """A metrics.jsonl the resumed run will append to (if it exists) must open for appending;
+    opened and closed again, nothing written. Root's writes ignore permission bits, so only the
+    open tells (a read-only mount, an immutable file, another user's file)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be appended to ({e.strerror or type(e).__name__}); the "
+                          "run adds a line per step there (make it writable, or choose another "
+                          "log.out_dir)") from None
+
+
+def free_space(folder: Path) -> str:
+    """How much the disk holding `folder` has free, and where it is mounted: for an error line."""
+    mount = Path(os.path.realpath(folder))
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    try:
+        free = float(shutil.disk_usage(mount).free)
+    except OSError:
+        return f"the disk mounted at {mount}"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024:
+            break
+        free /= 1024
+    else:
+        unit = "TiB"
+    return f"{free:.1f} {unit} free on the disk mounted at {mount}"
+
+
 def trim_metrics(path: Path, step: int) -> int:
     """Drop the lines of metrics.jsonl after `step` (a run that died before it saved them logs those
     steps again when resumed) and any torn line; atomic. Returns how many lines were dropped."""
@@ -2857,7 +3002,13 @@ def trim_metrics(path: Path, step: int) -> int:
 
     keep = [line for line in lines if logged_step(line) <= step]
     if len(keep) < len(lines):
-        write_atomic(path, "".join(line + "\n" for line in keep))
+        try:
+            write_atomic(path, "".join(line + "\n" for line in keep))
+        except OSError as e:  # a full or read-only disk: write_atomic left the old file whole
+            raise CheckpointError(f"{path}: cannot drop the {len(lines) - len(keep)} line(s) "
+                                  f"logged after step {step} ({e.strerror or type(e).__name__}; "
+                                  f"{free_space(path.parent)}); the file is left as it was") \
+                from None
     return len(lines) - len(keep)
 
 
@@ -2865,11 +3016,13 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
     """The checkpoint to continue from (--resume), checked before anything starts.
 
     Without --resume, an out_dir that already holds checkpoints or metrics is refused rather than
-    overwritten; with it, a missing checkpoint means a fresh start. Each rank checks every file's
+    overwritten; with it, a missing checkpoint means a fresh start, and checkpoints/ and
+    metrics.jsonl, which the run writes into, must take its writes. Each rank checks every file's
     size and the checksums of the files it wrote itself, so the checkpoint is read once in all, in
-    parallel; a rank that fails stops the others at the process group's rendezvous. Rank 0 drops the
-    metrics lines logged after the checkpoint's step: whatever resumes, from it or an older one,
-    logs them anew.
+    parallel; a rank that fails stops the others at the process group's rendezvous. Once all of it
+    holds, rank 0 takes the folder's lock (hold_out_dir: another live run there stops this one) and
+    drops the metrics lines logged after the checkpoint's step: whatever resumes, from it or an
+    older one, logs them anew.
     """
     out = Path(cfg.log.out_dir)
     if out.exists() and not out.is_dir():
@@ -2880,7 +3033,15 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         if found:
             raise ConfigError(f"log.out_dir {out} already holds a run ({found[0]}); "
                               "pass --resume to continue it, or choose another log.out_dir")
+        if rank == 0:
+            hold_out_dir(out)
         return None
+    # what the resumed run writes into, tried now rather than at its first save or step: a
+    # read-only checkpoints/ or metrics.jsonl can sit inside a writable out_dir
+    if os.path.lexists(checkpoint_dir(cfg)):
+        check_out_dir(checkpoint_dir(cfg), rank, "log.out_dir's checkpoints folder")
+    if rank == 0:  # the one rank that appends to it
+        check_appendable(out / "metrics.jsonl")
     pointer = checkpoint_dir(cfg) / "latest"
     path, step = None, 0
     if os.path.lexists(pointer):
@@ -2920,9 +3081,11 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
                               f"{len(folders)} step folder(s), the newest {folders[-1]}; write "
                               f"the one to continue into it (echo {folders[-1]} > {pointer}), "
                               "or start a new run in another log.out_dir")
-    if rank == 0 and (dropped := trim_metrics(out / "metrics.jsonl", step)):
-        print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
-              flush=True)
+    if rank == 0:
+        hold_out_dir(out)
+        if dropped := trim_metrics(out / "metrics.jsonl", step):
+            print(f"--resume: dropped {dropped} line(s) of metrics.jsonl logged after step {step}",
+                  flush=True)
     return path
 
 
@@ -2934,11 +3097,16 @@ def write_atomic(path: Path, text: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: the temporary goes, `path` is as it was
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_path(path.parent)
 
 

@@ -15,7 +15,9 @@ and one dict entry here:
   ROLLOUT_CORRECTIONS (train.rollout_correction)   vLLM's sampler vs the trainer: truncated
                                                    importance sampling, token and sequence masks
   overlong_penalty (reward.overlong_buffer)        DAPO's soft overlong punishment
-  AEPO, aepo_batch (train.aepo)                    QwenLong-L1.5's entropy hysteresis
+  AEPO, aepo_batch (train.aepo)                    QwenLong-L1.5's entropy hysteresis, and the
+                                                   entropies its bounds can meet (AEPO_LOW_MIN,
+                                                   AEPO_HIGH_MAX, max_entropy)
 
 Each entry takes exactly what SPELL's entry of its dict takes, so they swap freely; how each one
 differs from its own paper is in docs/reference.md. This file imports no other file of the project
@@ -271,6 +273,22 @@ ROLLOUT_CORRECTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], tor
 # ==================================================================================================
 # AEPO: QwenLong-L1.5's entropy hysteresis (train.aepo)
 # ==================================================================================================
+
+# Where AEPO's bounds can mean something: the batch entropy H (Eq. 11, in nats) is a mean of
+# entropies of distributions over the model's V logits, so 0 <= H <= ln V (uniform). A high at or
+# past ln V never starts masking; token ids are 32-bit (tokenizers, vLLM), so without the model
+# V < 2^32 and H < 32 ln 2 = 22.18. Below, each token's entropy comes out of fp32 (lse - E_p[z],
+# kernels/logprob.py; -sum p log p, its torch twin) exact only to about fp32's epsilon, 1.2e-7, near
+# a peaked distribution's 0: under 1e-6, ten such roundings, rounding and not the policy would
+# decide whether H fell below low, and masking would last for good.
+AEPO_LOW_MIN = 1e-6
+AEPO_HIGH_MAX = 32 * math.log(2)
+
+
+def max_entropy(vocab_size: int) -> float:
+    """ln V: the largest entropy of a distribution over V logits (the uniform one), in nats."""
+    return math.log(vocab_size)
+
 
 class AEPO:
     """QwenLong-L1.5 §4.4, AEPO, with the rule as its authors settled it after the paper (source in

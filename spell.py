@@ -484,9 +484,14 @@ def check_config(cfg: Config) -> None:
         ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
         ("train.rollout_correction", t.rollout_correction in ROLLOUT_CORRECTIONS,
          "|".join(ROLLOUT_CORRECTIONS)),
-        ("train.aepo", tuple(t.aepo) == (0, 0) or 0 < t.aepo[0] <= t.aepo[1],
-         "[low, high] with 0 < low <= high (entropy bounds; a low of 0 would mask for good), "
-         "or [0, 0] (off)"),
+        # bounds a batch entropy can meet (recipes.AEPO_LOW_MIN, AEPO_HIGH_MAX); with the model's
+        # folder here, infra.check_launch bounds high by ln V of its own vocabulary
+        ("train.aepo", tuple(t.aepo) == (0, 0)
+         or recipes.AEPO_LOW_MIN <= t.aepo[0] <= t.aepo[1] < recipes.AEPO_HIGH_MAX,
+         f"[low, high] with 0 < low <= high, in nats: low >= {recipes.AEPO_LOW_MIN:g} (below it "
+         "fp32 rounding decides whether the entropy fell: masking for good) and high < "
+         f"{recipes.AEPO_HIGH_MAX:.2f} (ln 2^32: no vocabulary's entropy reaches it, so masking "
+         "never starts), or [0, 0] (off)"),
         # the held-out check asked for, with nothing to check it on, would be off without a word
         ("log.verify_every", cfg.log.verify_every == 0 or d.verify_set != "",
          "0 with data.verify_set = \"\" (there is no item to check the verifier on)"),
@@ -2563,6 +2568,8 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     check_lengths(cfg, model_dir)  # vLLM's max_model_len, below
     # model.rope_scaling: the same overrides for vLLM as for the trainer (load_policy)
     _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
+    if training:  # what its config.json bounds, had its folder not been here at launch (a hub name)
+        infra.check_model_keys(cfg, model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory

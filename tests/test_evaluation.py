@@ -620,6 +620,91 @@ def test_eval_out_dir_that_takes_no_file_stops_before_anything_starts(monkeypatc
     assert not started
 
 
+# a live eval's rank 0, as far as the lock goes: an exclusive flock on <eval.out_dir>/.lock, its
+# holder written in it, held until the process ends
+LIVE_EVAL = ("import fcntl, os, socket, sys, time\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+             "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "os.write(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode())\n"
+             "print('held', flush=True)\n"
+             "time.sleep(600)\n")
+
+
+def test_a_second_eval_into_a_live_evals_out_dir_stops_before_anything_starts(monkeypatch,
+                                                                              tmp_path):
+    """Two evals writing one eval.out_dir would interleave their samples and tables: the second
+    stops at launch, naming the key and the holder; once the first ends, the folder is free."""
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "eval"
+    out_dir.mkdir()
+    first = subprocess.Popen([sys.executable, "-c", LIVE_EVAL, str(out_dir / ".lock")],
+                             stdout=subprocess.PIPE, text=True)
+    started = []
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # eval_main sets it on CPU; restored after
+    monkeypatch.setattr(spell, "init_distributed",
+                        lambda cfg: started.append("group") or (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(evaluation, "run_eval", lambda *args, **kwargs: started.append("eval"))
+    argv = ["eval", "--model", "some/model", "--data", "a.jsonl", f"--eval.out_dir={out_dir}"]
+    try:
+        assert first.stdout.readline() == "held\n"
+        with pytest.raises(infra.ConfigError) as e:
+            spell.main(argv)
+        assert str(e.value) == (
+            f"eval.out_dir {infra.shown(str(out_dir))}: another run holds it (pid {first.pid} on "
+            f"{socket.gethostname()}, lock file {out_dir / '.lock'}); wait for it to end, or "
+            "choose another eval.out_dir"), e.value
+        assert not started
+    finally:
+        first.kill()
+        first.wait()
+    spell.main(argv)
+    assert started == ["group", "eval"]
+
+
+def context_model(tmp_path) -> Path:
+    """A model folder holding only a config.json: a Llama of 512 positions."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_eval_lengths_beyond_the_models_context_stop_before_anything_starts(monkeypatch,
+                                                                           tmp_path):
+    """eval.max_input_len + eval.max_output_len is vLLM's max_model_len: past the model's context
+    (512 positions here) vLLM refused it with a pydantic traceback after the process group had
+    started. Now one line naming the keys: before the process group when the folder is here, and
+    in run_eval (the model resolved: a hub name, the embedded export) before any file is read."""
+    model = context_model(tmp_path)
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    message = ("eval.max_input_len + eval.max_output_len: 400 + 200 = 600 tokens, beyond the "
+               f"512-token context of the model {model}")
+    with pytest.raises(infra.ConfigError, match=re.escape(message)):
+        spell.main(["eval", "--model", str(model), "--data", "a.jsonl",
+                    f"--eval.out_dir={tmp_path / 'eval'}", "--eval.max_input_len=400",
+                    "--eval.max_output_len=200"])
+    with pytest.raises(infra.ConfigError, match=re.escape(message)):
+        evaluation.run_eval(str(model), [str(tmp_path / "missing.jsonl")],
+                            out_dir=str(tmp_path / "eval"), max_input_len=400, max_output_len=200)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing", "no such folder, nor a model hub name (owner/name)"),
+    ("empty", "a folder without config.json, not an HF model folder")])
+def test_eval_of_a_model_path_that_holds_no_model_stops_before_anything_starts(
+        monkeypatch, tmp_path, where, message):
+    """`spell.py eval --model PATH` (model.path) that names no model: one line naming the key and
+    the path, before the process group (transformers' traceback named neither)."""
+    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path}[where]
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["eval", "--model", str(path), "--data", "a.jsonl",
+                    f"--eval.out_dir={tmp_path / 'eval'}"])
+    assert str(e.value) == f"model.path {infra.shown(str(path))}: {message}"
+
+
 @pytest.fixture(scope="session")
 def tiny_judge_dir(embedded_dir, tmp_path_factory):
     """A second tiny random Llama (another seed), to stand in for a separate judge model."""

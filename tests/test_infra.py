@@ -5,6 +5,7 @@ integrity. Tolerances follow from the arithmetic (see test_spell.py's docstring)
 
 import copy
 import datetime
+import errno
 import json
 import math
 import os
@@ -1404,6 +1405,30 @@ def test_trim_metrics(tmp_path):
     assert infra.trim_metrics(path, 2) == 3 and path.read_text() == '{"step": 1}\n'
 
 
+def test_resume_on_a_full_disk_keeps_metrics_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """--resume rewrites metrics.jsonl without the lines after its checkpoint; on a full disk that
+    write fails (here the temporary's fsync says ENOSPC, as a nearly full disk does): one line
+    naming the file and the disk, metrics.jsonl as it was, and no metrics.jsonl.tmp left."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    out_dir.mkdir()
+    metrics_file = out_dir / "metrics.jsonl"
+    metrics_file.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(infra.CheckpointError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert re.fullmatch(
+        re.escape(f"{metrics_file}: cannot drop the 2 line(s) logged after step 0 (No space left "
+                  "on device; ") + r"[0-9.]+ [KMGT]?i?B free on the disk mounted at /.*"
+        + re.escape("); the file is left as it was"), str(e.value)), e.value
+    assert metrics_file.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert not (out_dir / "metrics.jsonl.tmp").exists()
+
+
 def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path, capsys):
     """A run that logged step 2 and died before saving it resumes at step 1 and logs step 2 again:
     the old step-2 line goes first, so metrics.jsonl never holds a step twice."""
@@ -1615,6 +1640,245 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     for resume in (False, True):
         with pytest.raises(infra.ConfigError, match="is a file, not a folder"):
             infra.resume_checkpoint(cfg, resume=resume, rank=0, world=1)
+
+
+class Started(Exception):
+    """Raised where the process group would start: every launch check has passed."""
+
+
+def launch(tmp_path: Path, monkeypatch, *args: str, clusters: int = 1) -> None:
+    """spell.main on the demo preset with a corpus of `clusters` clusters and log.out_dir
+    tmp_path/run, stopped by Started where the process group would start."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({**GOOD_CLUSTER, "id": f"c{i}"}) + "\n"
+                              for i in range(clusters)))
+
+    def started(cfg):
+        raise Started
+
+    monkeypatch.setattr(spell, "init_distributed", started)
+    spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
+                f"--log.out_dir={tmp_path / 'run'}", *args])
+
+
+def model_folder(tmp_path: Path, **config) -> Path:
+    """A model folder holding only a config.json (a Llama of 8,192 positions): what the launch
+    checks read."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "model"
+    LlamaConfig(max_position_embeddings=8192, **config).save_pretrained(folder)
+    return folder
+
+
+# a live run's rank 0, as far as the lock goes: an exclusive flock on <out_dir>/.lock, its holder
+# written in it, held until the process ends
+LIVE_RUN = ("import fcntl, os, socket, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+            "os.write(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode())\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def live_run(out_dir: Path) -> subprocess.Popen:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(out_dir / ".lock")],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_run_in_a_live_runs_out_dir_stops_and_a_killed_one_leaves_no_lock(
+        tmp_path, monkeypatch):
+    """Two runs in one log.out_dir race on the checkpoint's temporary folder: the second stops at
+    launch, naming the key and the holder, before it writes anything. The lock dies with its
+    process: once the first run is killed (SIGKILL, no clean-up), the next launch goes on."""
+    import socket
+
+    out_dir = tmp_path / "run"
+    first = live_run(out_dir)
+    try:
+        before = snapshot(out_dir)
+        for resume in ([], ["--resume"]):
+            with pytest.raises(infra.ConfigError) as e:
+                launch(tmp_path, monkeypatch, *resume)
+            assert str(e.value) == (
+                f"log.out_dir {infra.shown(str(out_dir))}: another run holds it (pid {first.pid} "
+                f"on {socket.gethostname()}, lock file {out_dir / '.lock'}); wait for it to end, "
+                "or choose another log.out_dir"), e.value
+        assert snapshot(out_dir) == before
+    finally:
+        first.kill()
+        first.wait()
+    with pytest.raises(Started):
+        launch(tmp_path, monkeypatch)
+    assert (out_dir / ".lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    infra.hold_out_dir(out_dir)  # this process holds it already: a second launch in it goes on
+
+
+def test_an_out_dir_removed_and_made_anew_is_locked_anew(tmp_path):
+    """A process that holds a folder's lock and then sees the folder removed and made again (a
+    scratch folder, preflight's) locks the new one: its old lock is on a file no path reaches."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    infra.hold_out_dir(out_dir)
+    shutil.rmtree(out_dir)
+    out_dir.mkdir()
+    infra.hold_out_dir(out_dir)
+    other = subprocess.run([sys.executable, "-c", LIVE_RUN, str(out_dir / ".lock")], check=False,
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode != 0 and "BlockingIOError" in other.stderr
+
+
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, capsys):
+    """Some NFS and Lustre mounts refuse flock (ENOLCK, EOPNOTSUPP): a run there is not stopped
+    for it, but told in one line that nothing guards its folder."""
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    infra.hold_out_dir(tmp_path)
+    assert capsys.readouterr().out == (
+        f"log.out_dir {tmp_path}: not locked, its file system takes no lock (No locks available); "
+        "nothing stops a second run from writing there at the same time\n")
+
+
+def test_only_rank_0_takes_the_out_dir_lock(tmp_path):
+    """The lock is one run's, not one rank's: rank 0 takes it; the other ranks of a run (on this
+    node or another that shares the folder) never try, or they would lock each other out."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    first = live_run(out_dir)
+    try:
+        assert infra.resume_checkpoint(cfg, resume=False, rank=1, world=2) is None
+        with pytest.raises(infra.ConfigError, match="another run holds it"):
+            infra.resume_checkpoint(cfg, resume=False, rank=0, world=2)
+    finally:
+        first.kill()
+        first.wait()
+
+
+@pytest.mark.parametrize("what, error", [("checkpoints", errno.EROFS),
+                                         ("metrics.jsonl", errno.EPERM)])
+def test_read_only_checkpoints_or_metrics_in_a_writable_out_dir_stop_the_resume(
+        tmp_path, monkeypatch, what, error):
+    """--resume writes into checkpoints/ (every rank its shard) and appends to metrics.jsonl: a
+    read-only one of them (a read-only mount, an immutable file) inside a writable out_dir used to
+    pass the launch and fail at the first save or step with a traceback. The tests run as root,
+    whom permission bits do not stop, so os.open answers for the disk."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    tiny_checkpoint(out_dir)
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = snapshot(out_dir)
+    refused, real_open = out_dir / what, os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR) and str(path).startswith(str(refused)):
+            raise OSError(error, os.strerror(error), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    with pytest.raises(infra.ConfigError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert str(e.value) == {
+        "checkpoints": f"log.out_dir's checkpoints folder {infra.shown(str(refused))}: cannot "
+                       "write there (Read-only file system)",
+        "metrics.jsonl": f"{refused}: cannot be appended to (Operation not permitted); the run "
+                         "adds a line per step there (make it writable, or choose another "
+                         "log.out_dir)"}[what], e.value
+    assert snapshot(out_dir) == before
+
+
+@pytest.mark.parametrize("heads, kv, refused", [
+    (6, 2, "engine.sequence_parallel = 4 must divide the model's 6 query heads"),
+    (8, 3, "engine.sequence_parallel = 4 must divide, or be a multiple of, the model's 3 KV heads"),
+    (8, 2, None)])
+def test_sequence_parallel_that_does_not_split_the_heads_stops_before_anything_starts(
+        tmp_path, monkeypatch, heads, kv, refused):
+    """engine.sequence_parallel against the model's heads, read from its config.json when the
+    folder is on this machine: before, enable_sequence_parallel refused it only after vLLM and the
+    model had loaded."""
+    model = model_folder(tmp_path, num_attention_heads=heads, num_key_value_heads=kv,
+                         hidden_size=64 * heads)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    args = (f"--model.path={model}", "--engine.sequence_parallel=4")
+    if refused is None:
+        with pytest.raises(Started):
+            launch(tmp_path, monkeypatch, *args, clusters=4)
+        return
+    with pytest.raises(infra.ConfigError) as e:
+        launch(tmp_path, monkeypatch, *args, clusters=4)
+    assert str(e.value) == refused
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_model_keys_are_checked_before_vllm_when_the_folder_was_not_here_at_launch(
+        tmp_path, monkeypatch):
+    """A hub name (or the embedded model before its first export) has no folder here at launch:
+    its heads and vocabulary are checked once start_engine has resolved it, before the tokenizer
+    and vLLM load (the folder here holds a config.json only; the tokenizer is a stand-in)."""
+    import transformers
+
+    model = model_folder(tmp_path, num_attention_heads=6, num_key_value_heads=2, hidden_size=384)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
+    cfg = spell.load_config([str(REPO / "presets" / "demo.toml")],
+                            ["--model.path=some-org/some-model", "--engine.sequence_parallel=4"])
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # start_engine sets it on CPU
+    monkeypatch.setattr(infra, "resolve_model", lambda cfg, rank: str(model))
+    monkeypatch.setattr(spell, "start_vllm", lambda *args, **kwargs: pytest.fail("vLLM started"))
+    with pytest.raises(infra.ConfigError, match="^engine.sequence_parallel = 4 must divide the "
+                                                "model's 6 query heads$"):
+        spell.start_engine(cfg, 0, 4, torch.device("cpu"), 0, training=True)
+
+
+def test_aepo_high_beyond_the_models_largest_entropy_stops_before_anything_starts(
+        tmp_path, monkeypatch):
+    """train.aepo's high against ln V of the model's own vocabulary (config.json, V = 1000 here,
+    ln V = 6.91): a batch entropy never exceeds it, so a high at or above it never masks."""
+    model = model_folder(tmp_path, vocab_size=1000)
+    with pytest.raises(infra.ConfigError) as e:
+        launch(tmp_path, monkeypatch, f"--model.path={model}", "--train.aepo=0.1,7")
+    assert str(e.value) == (
+        f"train.aepo = [0.1, 7]: high must be below 6.91 nats, ln V of the model {model} "
+        "(V = 1000 logits, its config.json): no batch entropy exceeds it, so masking would "
+        "never start"), e.value
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(Started):
+        launch(tmp_path, monkeypatch, f"--model.path={model}", "--train.aepo=0.1,6.9")
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing", "no such folder, nor a model hub name (owner/name)"),
+    ("empty", "a folder without config.json, not an HF model folder"),
+    ("file", "a file, not an HF model folder")])
+def test_a_model_path_that_holds_no_model_stops_before_anything_starts(
+        tmp_path, monkeypatch, where, message):
+    """model.path that names no model: one line naming the key and the path, before the process
+    group (transformers' own traceback named neither). A hub name (owner/name) goes on to the
+    hub."""
+    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path / "empty",
+            "file": tmp_path / "weights.bin"}[where]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(infra.ConfigError) as e:
+        launch(tmp_path, monkeypatch, f"--model.path={path}")
+    assert str(e.value) == f"model.path {infra.shown(str(path))}: {message}"
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(Started):
+        launch(tmp_path, monkeypatch, "--model.path=some-org/some-model")
+
+
+def test_a_hub_name_the_hub_does_not_have_names_the_key():
+    """model.path as a hub name that neither the hub nor its cache (offline) holds: the first read
+    of its config.json stops with one line naming the key, not transformers' traceback."""
+    with pytest.raises(infra.ConfigError, match=r"^model\.path 'spell-tests/no-such-model': cannot "
+                                                r"read its config\.json \(.+\)$"):
+        infra.model_config("spell-tests/no-such-model", "")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ checks a correct new entry must pass, and the worked values keyed by name.
 import pytest
 import torch
 
+import infra
 import recipes
 import spell
 
@@ -67,3 +68,34 @@ def test_aepo_refuses_a_state_it_did_not_save(state):
         aepo.load_state_dict(state)
     aepo.load_state_dict({"masking": True})
     assert aepo.masking is True and aepo.state_dict() == {"masking": True}
+
+
+def test_aepo_bounds_are_entropies_a_batch_can_have():
+    """The range AEPO's bounds may take: the batch entropy H (Eq. 11, nats) lies in [0, ln V], and
+    fp32 computes a token's entropy only to about 1e-7 near 0. Hand-worked: ln 2^32 = 22.18."""
+    assert recipes.AEPO_LOW_MIN == 1e-6
+    assert recipes.AEPO_HIGH_MAX == pytest.approx(22.1807, abs=1e-4)  # 32 ln 2
+    assert recipes.max_entropy(1000) == pytest.approx(6.9078, abs=1e-4)  # ln 1000
+    # a uniform distribution over V reaches it: the bound is the largest value, not a guess
+    logits = torch.zeros(1000)
+    p = logits.softmax(-1)
+    assert float(-(p * p.log()).sum()) == pytest.approx(recipes.max_entropy(1000), rel=1e-6)
+
+
+@pytest.mark.parametrize("bounds", ["1e-300,1", "5e-7,0.2", "100,200", "0.1,22.5"])
+def test_aepo_bounds_no_batch_can_meet_are_refused_at_load(bounds):
+    """[1e-300, 1] masks for good, as the refused low of 0 did (no fp32 entropy falls below it),
+    and [100, 200] never starts masking (no vocabulary's entropy reaches 100 nats): both stop at
+    load, naming the key."""
+    with pytest.raises(infra.ConfigError, match=r"^train\.aepo must be \[low, high\] with 0 < low "
+                                                 r"<= high.*>= 1e-06.*< 22\.18"):
+        spell.load_config(None, [f"--train.aepo={bounds}"])
+
+
+@pytest.mark.parametrize("argv", [["--train.aepo=1e-6,1e-6"], ["--train.aepo=0,0"],
+                                  ["--train.aepo=0.5,22"], []])
+def test_aepo_bounds_the_recipes_use_still_load(argv):
+    """The QwenLong-L1.5 preset's [0.15, 0.25], its end-to-end test's [1e-6, 1e-6] (masking from
+    step 2 on), off, and a high just below ln 2^32."""
+    spell.load_config([str(spell.ROOT / "config.toml"),
+                       str(spell.ROOT / "presets" / "qwenlong_l15.toml")], argv)
