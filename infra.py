@@ -57,7 +57,6 @@ import torch.distributed as dist
 # outputs tasks.py reads (tasks.py imports nothing of this project)
 from tasks import is_template_text as is_placeholder, is_utf8
 
-from recipes import max_entropy  # ln V, the most entropy AEPO's high can wait for (train.aepo)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -1032,25 +1031,16 @@ def check_model_path(path: str) -> None:
 
 
 def check_model_keys(cfg, model_dir: str) -> None:
-    """The keys the model's own config.json bounds, checked (by check_launch, when its folder is
-    on this machine) before vLLM or the model loads: engine.sequence_parallel must split its
-    attention heads (check_heads, which enable_sequence_parallel applies once both have loaded),
-    and train.aepo's high must lie below ln V, the largest entropy over its V logits: no batch
-    entropy exceeds it, so a high there never starts masking (recipes.AEPO_HIGH_MAX bounds it for
-    any model at load)."""
+    """The engine keys the model's own config.json bounds, checked (by check_launch, when its
+    folder is on this machine) before vLLM or the model loads: engine.sequence_parallel must split
+    its attention heads (check_heads, which enable_sequence_parallel applies once both have
+    loaded). (train.aepo's bound by its vocabulary: spell.check_aepo_bound.)"""
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(model_dir).get_text_config()
     if (k := cfg.engine.sequence_parallel) > 1:
         heads = text.num_attention_heads
         check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, k)
-    low, high = cfg.train.aepo
-    vocab = getattr(text, "vocab_size", None)
-    if high > 0 and isinstance(vocab, int) and vocab > 1 and high >= max_entropy(vocab):
-        raise ConfigError(f"train.aepo = [{low:g}, {high:g}]: high must be below "
-                          f"{max_entropy(vocab):.2f} nats, ln V of the model {model_dir} (V = "
-                          f"{vocab} logits, its config.json): no batch entropy exceeds it, so "
-                          "masking would never start")
 
 
 def export_is_complete(out_dir: str) -> bool:

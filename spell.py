@@ -2432,8 +2432,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
     gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
-    if (folder := infra.local_model_dir(cfg)) is not None:  # its lengths, if its folder is here
+    if (folder := infra.local_model_dir(cfg)) is not None:  # what it bounds, if its folder is here
         check_lengths(cfg, folder)
+        check_aepo_bound(cfg, folder)
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed(cfg)
@@ -2570,6 +2571,7 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     _, overrides = infra.model_config(model_dir, cfg.model.rope_scaling)
     if training:  # what its config.json bounds, had its folder not been here at launch (a hub name)
         infra.check_model_keys(cfg, model_dir)
+        check_aepo_bound(cfg, model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
@@ -2597,6 +2599,19 @@ def check_lengths(cfg: Config, model_dir: str) -> None:
                         f"rollout.max_prompt_tokens + the largest role budget (rollout."
                         f"max_new_tokens, role_max_new_tokens): {r.max_prompt_tokens} + "
                         f"{max_new_tokens(cfg)}", cfg.model.rope_scaling)
+
+
+def check_aepo_bound(cfg: Config, model_dir: str) -> None:
+    """train.aepo's high below ln V of the model's vocabulary (its config.json): no batch entropy
+    exceeds ln V, so a high there would never start masking (recipes.AEPO_HIGH_MAX bounds it for
+    any model at load)."""
+    low, high = cfg.train.aepo
+    vocab = getattr(infra.model_config(model_dir, "")[0].get_text_config(), "vocab_size", None)
+    if high > 0 and isinstance(vocab, int) and vocab > 1 and high >= recipes.max_entropy(vocab):
+        raise infra.ConfigError(f"train.aepo = [{low:g}, {high:g}]: high must be below "
+                                f"{recipes.max_entropy(vocab):.2f} nats, ln V of the model "
+                                f"{model_dir} (V = {vocab} logits, its config.json): no batch "
+                                "entropy exceeds it, so masking would never start")
 
 
 def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
