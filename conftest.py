@@ -377,6 +377,7 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
 def batch_counts(**given) -> dict:
     """The counts select_batch returns for the log, zero but for those given."""
     zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
+                          "res_masked",
                           "ver_groups", "ver_candidates", "sequences", "aepo_masking",
                           "aepo_masked"), 0)
     return {**zero, "que_all_or_none_adv": 0.0, **given}
@@ -388,8 +389,8 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def role_sequences(m: dict) -> int:
     """train/sequences as the three roles' counts add it up (G = 4 in the demo preset)."""
-    return (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"] + m["que/neg"]
-            + 4 * m["ver/kept_groups"])
+    return (4 * m["res/kept_groups"] - m["res/masked"] + m["que/pos"] + m["que/floor"]
+            + m["que/neg"] + 4 * m["ver/kept_groups"])
 
 
 def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:

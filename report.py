@@ -133,6 +133,7 @@ FIGURES = {
         ("groups: valid / kept / all solved / none solved", ["res/groups", "res/kept_groups",
                                                             "res/all_solved", "res/none_solved"]),
         ("groups whose rewards vary by length shaping alone (not kept)", ["res/length_only"]),
+        ("responses of kept groups left out by reward.no_majority = mask", ["res/masked"]),
         ("response length (tokens)", ["res/length"]),
         ("generations cut at the role's budget (max_new_tokens)", ["res/truncated"]),
     ]),

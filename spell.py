@@ -1519,7 +1519,10 @@ def select_batch(summaries: list[Summary], cfg: Config, rng: np.random.Generator
     trainable = [it for it in res + que + ver if trains(it)]
     kept = recipes.aepo_batch(trainable, aepo_masking)  # QwenLong-L1.5 §4.4 (off: all of them)
     items = loss_weights(kept, cfg)
-    counts = {"res_groups": len(solved), **que_counts, **ver_counts, "sequences": len(items),
+    # responses of the kept groups that reward.no_majority = "mask" left out (judged_responses)
+    res_masked = sum(len(s.selection) for s in summaries if (s.rank, s.idx) in solved) - len(res)
+    counts = {"res_groups": len(solved), "res_masked": res_masked, **que_counts, **ver_counts,
+              "sequences": len(items),
               "aepo_masking": int(aepo_masking), "aepo_masked": len(trainable) - len(kept)}
     if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
@@ -2259,6 +2262,9 @@ def responder_metrics(ok: list[Summary], counts: dict) -> dict:
     return {
         "res/groups": len(ok),
         "res/kept_groups": counts["res_groups"],
+        # their responses that reward.no_majority = "mask" left out (no strict majority, no rule
+        # pass): a kept group trains G minus these
+        "res/masked": counts["res_masked"],
         "res/reward": mean([x for s in ok for x in s.res_rewards]),
         "res/rule_pass": mean([x for s in ok for x in s.rules]),
         # Eq. 6's r_i = max(rule, v_i) (v_i: the majority, or the single vote), without the

@@ -1945,6 +1945,8 @@ def test_run_log_writes_every_metric_to_wandb_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # W&B's console capture wraps sys.stdout, which pytest swaps between tests: off here
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
     cfg = spell.Config()
     cfg.log.out_dir, cfg.log.sample_every, cfg.log.wandb = str(tmp_path / "demo"), 0, True
     Path(cfg.log.out_dir).mkdir()
@@ -1957,9 +1959,11 @@ def test_run_log_writes_every_metric_to_wandb_offline(tmp_path, monkeypatch):
     for step, row in zip((1, 2), logged):
         log.write(step, {k: v for k, v in row.items() if k != "step"}, f"step {step}")
     log.close()
-    (run_file,) = (tmp_path / "demo" / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = [r for r in wandb_history(run_file) if "train/loss" in r]
-    assert [r["_step"] for r in rows] == [1, 2]
+    run_files = list((tmp_path / "demo" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, run_files
+    history = wandb_history(run_files[0])
+    rows = [r for r in history if "train/loss" in r]
+    assert [r["_step"] for r in rows] == [1, 2], history
     for row, want in zip(rows, logged):
         assert {k: row[k] for k in want if k != "step"} == {k: v for k, v in want.items()
                                                           if k != "step"}
