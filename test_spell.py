@@ -523,6 +523,7 @@ def test_rule_reward():
     ("Explanation: same.\nDecision: [[YES]]", 1),
     ("Decision: [[NO]]", 0),
     ("Decision: [[YES]] or [[NO]]", None),   # only the reply-format line, copied: no decision
+    ("Decision: [[NO]] or [[YES]]", None),   # the same, as bootstrap.verdict_order may list it
     ("Decision: yes", None),                 # no tag
     ("<think>[[NO]]</think>[[YES]]", 1),
     ("<think>[[YES]]", None),
