@@ -1443,6 +1443,17 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
                           longest: int) -> None:
     """On GPU, before vLLM starts: print memory_estimate's line, and refuse a run that cannot fit.
     Only the dense decoders parameter_counts knows (llama, qwen2) have an estimate."""
+    if (found := start_estimate(cfg, model_dir, device, world, longest)) is None:
+        return
+    estimate, device_gib = found
+    print0(memory_line(estimate, device_gib))
+    check_memory(cfg, estimate, device_gib, world)
+
+
+def start_estimate(cfg, model_dir: str, device: torch.device, world: int,
+                   longest: int) -> tuple[dict[str, float], float] | None:
+    """memory_estimate for the model in model_dir on this GPU, and the GPU's GiB; None (and a line
+    saying so) for a model_type parameter_counts does not know (llama and qwen2 only)."""
     from transformers import AutoConfig
 
     device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -1450,10 +1461,8 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
     if model_config.model_type not in ("llama", "qwen2"):
         print0(f"memory: no start-up estimate for model_type {model_config.model_type!r} "
                "(llama and qwen2 only)")
-        return
-    estimate = memory_estimate(cfg, model_config, world, device_gib, longest)
-    print0(memory_line(estimate, device_gib))
-    check_memory(cfg, estimate, device_gib, world)
+        return None
+    return memory_estimate(cfg, model_config, world, device_gib, longest), device_gib
 
 
 # ==================================================================================================

@@ -380,16 +380,13 @@ def format_table(rows: Sequence[Row], on_gpu: bool) -> str:
 def memory_estimates(cfg: spell.Config, model_dir: str, device: torch.device,
                      world: int) -> dict[str, float]:
     """infra.memory_estimate's GiB per phase of the table, on GPU for the models it knows (as
-    infra.check_memory_at_start computes it); {} otherwise."""
-    from transformers import AutoConfig
-
+    infra.check_memory_at_start computes it: infra.start_estimate); {} otherwise."""
     if device.type != "cuda":
         return {}
-    model_config = AutoConfig.from_pretrained(model_dir)
-    if model_config.model_type not in ("llama", "qwen2"):
+    found = infra.start_estimate(cfg, model_dir, device, world, spell.longest_sequence(cfg))
+    if found is None:
         return {}
-    device_gib = torch.cuda.get_device_properties(device).total_memory / GiB
-    est = infra.memory_estimate(cfg, model_config, world, device_gib, spell.longest_sequence(cfg))
+    est, _ = found
     return {**{spell.ROLES[r]: est["rollout_phase"] for r in spell.ROLES},
             "update": est["update_phase"]}
 
