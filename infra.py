@@ -1491,6 +1491,8 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if sp > 1 and attn not in ("sdpa", "flex_attention"):
         raise ConfigError(f"engine.sequence_parallel = {sp} needs engine.attn_implementation sdpa "
                           f"or flex_attention (a mask over the whole row), not {attn}")
+    if attn == "flex_attention":
+        trainer_compile_threads()  # a malformed TORCHINDUCTOR_COMPILE_THREADS stops here
     if (folder := local_model_dir(cfg)) is not None:  # its heads and vocabulary, if it is here
         check_model_keys(cfg, folder)
     check_out_dir(Path(cfg.log.out_dir), rank)
@@ -2052,12 +2054,40 @@ def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
 # that a global one (raised or lowered by another library in the process) does not move it.
 FLEX_RECOMPILE_LIMIT = 8
 
+# `import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 for the whole process (vllm/env_override.py;
+# vLLM issues 10480 and 10619: a pool of compile workers in every engine process, and a debugger
+# that hung on them). Inductor reads the variable once, when its config loads, which in spell is
+# after start_vllm: the trainer's flex compiles (and their dynamic recompiles) would then build
+# their Triton kernels one at a time in the training process. compiled_flex hands inductor its own
+# count as a compile option, for its compiles only; vLLM's compiles keep vLLM's 1. The variable as
+# the user launched with it is read here, when spell imports infra, before anything imports vLLM.
+_LAUNCH_COMPILE_THREADS = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+COMPILE_THREADS_MAX = 8  # a flex compile has a handful of Triton kernels; 8 ranks share a node
+
+
+def trainer_compile_threads() -> int:
+    """How many workers inductor compiles the trainer's kernels with (compiled_flex): the user's
+    TORCHINDUCTOR_COMPILE_THREADS where it was set at launch (1 turns the pool off, as torch's own
+    switch does), else this rank's share of the cores it may run on, as for torch's threads on CPU
+    (spell.init_distributed), between 1 and COMPILE_THREADS_MAX. Torch shuts an idle pool's workers
+    down after a minute (quiesce_async_compile_pool)."""
+    if _LAUNCH_COMPILE_THREADS is not None:
+        value = _LAUNCH_COMPILE_THREADS.strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"TORCHINDUCTOR_COMPILE_THREADS={_LAUNCH_COMPILE_THREADS!r} in the "
+                              f"environment: a whole number of compile workers, 1 or more")
+        return int(value)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(COMPILE_THREADS_MAX, len(os.sched_getaffinity(0)) // local_world))
+
 
 @functools.cache
 def compiled_flex(fn):
     """torch.compile of FlexAttention's flex_attention or create_block_mask, once per process:
-    dynamic shapes, one graph, an error (never the eager path) past FLEX_RECOMPILE_LIMIT."""
-    return torch.compile(fn, dynamic=True, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT)
+    dynamic shapes, one graph, an error (never the eager path) past FLEX_RECOMPILE_LIMIT, compiled
+    with trainer_compile_threads() workers whatever vLLM set for its own."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT,
+                         options={"compile_threads": trainer_compile_threads()})
 
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -13,8 +13,9 @@ numbers to $OUT (or --out).
 
 First the device (as torch.cuda.get_device_name() reports it), the versions, and the measured
 bf16 dense matmul peak (an 8192^3 torch.mm, best of 5 rounds of 10): every TFLOP/s below is
-compared with it. The parts run in the order a, d, c, b: d resets dynamo's cache, and c and b,
-whose attention has d's shapes and masks, reuse the kernels it compiled.
+compared with it. The parts run in the order a, d, c, b, e: d resets dynamo's cache, and c and b,
+whose attention has d's shapes and masks, reuse the kernels it compiled; e runs in processes of
+its own.
 
   a. head kernels  At the Qwen2.5-7B head (H 3584, V 152064, bf16, tau 1). Parity, on T = 1000
                    tokens: logp and entropy (absolute) and the gradients dX, dW of sum_t g_t logp_t
@@ -53,6 +54,10 @@ whose attention has d's shapes and masks, reuse the kernels it compiled.
                    (torch's "without torch.compile" warning fired, or the call's peak extra memory
                    reached the bf16 (H, T, T) scores that path materialises): F3 of
                    shared/notes/gpu-path-review.md, where a fallback at 32K would need ~112 GiB.
+  e. compile workers  The trainer's first compile (its BlockMask builder and flex_attention, forward
+                   and backward, at T = 8192) from empty inductor and Triton caches, in two new
+                   processes: one with infra.trainer_compile_threads() workers, one with the single
+                   worker that `import vllm` leaves inductor (F10): the seconds of each.
 
 Each part runs under a time guard: it may use its share of --budget (440 s) plus what earlier
 parts left; a case that would not fit is skipped, a part past its guard is stopped, and any
@@ -116,11 +121,13 @@ HEAD_TIMED = (("triton", "fwd"), ("triton", "fwd+bwd"), ("triton", "loss"), ("li
               ("liger", "fwd+bwd"), ("cce", "fwd"), ("cce", "fwd+bwd"), ("chunked", "fwd+bwd"),
               ("naive", "fwd+bwd"))
 PART_NAMES = {"a": "a. head kernels", "b": "b. update", "c": "c. shared prefix",
-              "d": "d. recompiles"}
-ORDER = ("a", "d", "c", "b")  # d resets dynamo first; c and b then reuse its compiled kernels
+              "d": "d. recompiles", "e": "e. compile workers"}
+# d resets dynamo first; c and b then reuse its compiled kernels; e, in its own processes, last
+ORDER = ("a", "d", "c", "b", "e")
 # of --budget, by part: d compiles FlexAttention forward and backward, static then dynamic, for
-# two mask functions (minutes with inductor); c and b reuse what it compiled
-SHARE = {"a": 0.20, "d": 0.42, "c": 0.10, "b": 0.28}
+# two mask functions (minutes with inductor); c and b reuse what it compiled; e compiles one
+# forward and backward twice, from empty caches
+SHARE = {"a": 0.18, "d": 0.38, "c": 0.09, "b": 0.25, "e": 0.10}
 
 
 @dataclass
@@ -145,6 +152,7 @@ class Shapes:
     shared_groups: tuple        # (prompt, answer lengths) per group of part c's row
     case_seconds: dict          # the least time a case of each part needs: skipped below it
     compile_backend: str | None  # None: torch.compile's default (inductor)
+    compile_T: int              # part e's row length
 
 
 def expected_rows(sh: Shapes) -> dict[str, list[str]]:
@@ -153,7 +161,8 @@ def expected_rows(sh: Shapes) -> dict[str, list[str]]:
                  + [f"{impl} {mode}" for impl, mode in HEAD_TIMED],
             "d": ["recompiles", "dense fallback"],
             "c": ["forward", "gradients"],
-            "b": [f"update {T} tokens" for T in sh.update_tokens]}
+            "b": [f"update {T} tokens" for T in sh.update_tokens],
+            "e": ["first compile"]}
 
 
 GPU_SHAPES = Shapes(
@@ -162,7 +171,8 @@ GPU_SHAPES = Shapes(
     update_layers=8, update_tokens=(16384, 32768), update_repeats=2, flex_tiny=False,
     probe_intermediate=1024, probe_lengths=tuple(8192 + 331 * i for i in range(10)),
     shared_groups=((2000, (400, 700, 250, 550)), (1500, (600, 330))),
-    case_seconds={"a": 5, "b": 40, "c": 20, "d": 5}, compile_backend=None)
+    case_seconds={"a": 5, "b": 40, "c": 20, "d": 5, "e": 60}, compile_backend=None,
+    compile_T=8192)
 
 DRY_SHAPES = Shapes(
     dtype=torch.float32, peak_n=256, head_H=96, head_V=1000, parity_T=70, timed_T=70,
@@ -170,7 +180,8 @@ DRY_SHAPES = Shapes(
     update_layers=2, update_tokens=(128, 256), update_repeats=1, flex_tiny=True,
     probe_intermediate=128, probe_lengths=tuple(96 + 13 * i for i in range(10)),
     shared_groups=((150, (40, 70, 25, 31)), (90, (60, 33))),
-    case_seconds={"a": 0.5, "b": 2, "c": 1, "d": 0.5}, compile_backend="eager")
+    case_seconds={"a": 0.5, "b": 2, "c": 1, "d": 0.5, "e": 5}, compile_backend="eager",
+    compile_T=256)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -837,6 +848,78 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
 # Header, the parts in order, and the command line
 # --------------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------------
+# e. The trainer's first flex compile with one compile worker and with its own count
+# --------------------------------------------------------------------------------------------------
+
+# One process of part e: infra imported (it reads TORCHINDUCTOR_COMPILE_THREADS as launched), then
+# the variable set to 1 as `import vllm` sets it (this machine has no vLLM), then the first call of
+# the trainer's compiled BlockMask builder and flex_attention, forward and (on a GPU) backward,
+# timed with the compile. argv: device, T. Prints JSON: the workers and the seconds.
+COMPILE_TIMING = """
+import json, os, sys, time, torch
+import infra
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+device, T = torch.device(sys.argv[1]), int(sys.argv[2])
+cuda = device.type == "cuda"
+dtype = torch.bfloat16 if cuda else torch.float32
+# Qwen2.5-7B's 28 query heads; 28 is no power of 2, so the trainer repeats the KV heads to 28 too
+q, k, v = (torch.randn(1, 28, T, 128, device=device, dtype=dtype, requires_grad=cuda)
+           for _ in "qkv")
+t0 = time.perf_counter()
+mask = infra.compiled_flex(create_block_mask)(lambda b, h, i, j: i >= j, 1, None, T, T,
+                                              device=device)
+out = infra.compiled_flex(flex_attention)(q, k, v, block_mask=mask)
+if cuda:
+    out.float().square().mean().backward()
+    torch.cuda.synchronize()
+print(json.dumps({"workers": infra.trainer_compile_threads(), "seconds": time.perf_counter() - t0}))
+"""
+
+
+def first_compile(device, T: int, launched: str | None, seconds: float) -> dict:
+    """COMPILE_TIMING in a new process with empty inductor and Triton caches; `launched`: the
+    TORCHINDUCTOR_COMPILE_THREADS it starts with (None: unset, the project's own count)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="gpu_check_compile_") as cache:
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+        env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+                   PYTHONPATH=str(ROOT))
+        if launched is not None:
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = launched
+        proc = subprocess.run([sys.executable, "-c", COMPILE_TIMING, str(device), str(T)],
+                              env=env, capture_output=True, text=True, timeout=max(seconds, 1),
+                              check=False)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                           else f"exit status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def part_compile_workers(rep: Report, sh: Shapes, device, deadline: Deadline) -> None:
+    """Finding F10: `import vllm` leaves inductor one compile worker; infra.compiled_flex gives the
+    trainer's compiles infra.trainer_compile_threads(). The same first compile, from empty caches,
+    with each (the "1" process is a user who launched with TORCHINDUCTOR_COMPILE_THREADS=1)."""
+    T = sh.compile_T
+    if not deadline.fits(sh.case_seconds["e"]):
+        rep.add("e", "first compile", "skipped: time budget")
+        return
+    own = first_compile(device, T, None, deadline.left() / 2)
+    one = first_compile(device, T, "1", deadline.left())
+    rep.add("e", "first compile",
+            f"{own['workers']} workers {own['seconds']:.1f} s, 1 worker {one['seconds']:.1f} s "
+            f"({one['seconds'] / own['seconds']:.2f}x)",
+            f"empty inductor and Triton caches, a process each: the compiled BlockMask builder "
+            f"(causal) and flex_attention at T {T}, 28 heads of 128 (Qwen2.5-7B's, KV repeated "
+            f"as the trainer does), "
+            + ("forward and backward, bf16" if device.type == "cuda"
+               else "forward (no CPU backward), fp32")
+            + "; the 1-worker process is what vLLM's import leaves the trainer without "
+              "infra.trainer_compile_threads", None,
+            workers=own["workers"], seconds=own["seconds"], one_worker_seconds=one["seconds"])
+
+
 def version(module: str) -> str:
     try:
         return importlib.metadata.version(module)
@@ -904,7 +987,7 @@ def main(argv=None) -> Report:
                     help="folder for gpu_check.md and gpu_check.json (default: $OUT)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the parts in all (default 440 on a GPU, 300 dry)")
-    ap.add_argument("--parts", default="a,d,c,b", help="which parts, e.g. a,d")
+    ap.add_argument("--parts", default="a,d,c,b,e", help="which parts, e.g. a,d")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of part b's policy (default 8 of 28; dry 2)")
     args = ap.parse_args(argv)
@@ -934,6 +1017,7 @@ def main(argv=None) -> Report:
             "d": lambda d: part_recompiles(rep, sh, device, d, log),
             "c": lambda d: part_shared_prefix(rep, sh, device, d),
             "b": lambda d: part_update(rep, sh, device, peak, d, layers, log),
+            "e": lambda d: part_compile_workers(rep, sh, device, d),
         }
         total_share = sum(SHARE[p] for p in parts) or 1.0
         for part in parts:

@@ -159,3 +159,68 @@ def test_flex_past_its_recompile_limit_is_an_error(dense_calls, monkeypatch):
     finally:
         infra.compiled_flex.cache_clear()  # later calls compile under the real limit
     assert dense_calls == []
+
+
+# ---- the trainer's compile workers beside vLLM's (finding F10)
+
+# In a fresh interpreter, in spell's order: infra imported, then vLLM (which sets
+# TORCHINDUCTOR_COMPILE_THREADS=1), then one compile through infra.compiled_flex, inductor's caches
+# off so that it really compiles. Every worker count inductor asks for while compiling is recorded
+# (get_compile_threads is where it asks). Prints, as JSON: inductor's global count after `import
+# vllm`, the counts asked for during the compile, the global count after it.
+COMPILE_PROBE = """
+import json, torch
+import infra
+import vllm  # noqa: F401
+import torch._inductor.async_compile as ac, torch._inductor.config as inductor  # after vLLM's
+from torch.nn.attention.flex_attention import create_block_mask
+after_vllm = inductor.compile_threads
+asked, ask = [], ac.get_compile_threads
+ac.get_compile_threads = lambda: asked.append(ask()) or asked[-1]
+infra.compiled_flex(create_block_mask)(lambda b, h, q, k: q >= k, 1, None, 300, 300, device="cpu")
+print(json.dumps([after_vllm, asked, inductor.compile_threads]))
+"""
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("launched", [None, "3"])
+def test_the_trainer_compiles_with_its_own_workers_after_vllm_set_one(launched):
+    """`import vllm` sets inductor's compile workers to 1 for the whole process; compiled_flex's
+    compiles still get trainer_compile_threads(): the TORCHINDUCTOR_COMPILE_THREADS the user
+    launched with (3 here, on any machine), else this rank's share of the cores, at most 8.
+    vLLM's own count stays 1. 10-20 s each (vLLM's import, one CPU compile)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    env.update(TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", LOCAL_WORLD_SIZE="1",
+               PYTHONPATH=str(infra.ROOT))
+    if launched is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = launched
+    done = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after_vllm, asked, after = json.loads(done.stdout.strip().splitlines()[-1])
+    want = int(launched) if launched else min(8, len(os.sched_getaffinity(0)))
+    assert after_vllm == 1 and after == 1  # vLLM's setting, for vLLM's compiles
+    assert asked and set(asked) == {want}, asked  # every time inductor asked, while compiling
+
+
+def test_trainer_compile_threads_is_the_launch_value_or_a_share_of_the_cores(monkeypatch):
+    """The rule of infra.trainer_compile_threads: the launch value wins (and a malformed one is a
+    ConfigError naming the variable); else cores // ranks on this machine, between 1 and 8."""
+    monkeypatch.setattr(infra, "_LAUNCH_COMPILE_THREADS", None)
+    monkeypatch.setattr(infra.os, "sched_getaffinity", lambda pid: set(range(96)))
+    for ranks, want in [("1", 8), ("8", 8), ("16", 6), ("96", 1), ("128", 1)]:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert infra.trainer_compile_threads() == want, ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for launched, want in [("1", 1), (" 12 ", 12)]:
+        monkeypatch.setattr(infra, "_LAUNCH_COMPILE_THREADS", launched)
+        assert infra.trainer_compile_threads() == want
+    for launched in ("0", "-2", "four", ""):
+        monkeypatch.setattr(infra, "_LAUNCH_COMPILE_THREADS", launched)
+        with pytest.raises(infra.ConfigError, match="TORCHINDUCTOR_COMPILE_THREADS"):
+            infra.trainer_compile_threads()
