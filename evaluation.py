@@ -565,24 +565,30 @@ class GoldItem(NamedTuple):
     rule: float
 
 
-def gold_prompts(tok, cfg: spell.Config, items: list[GoldItem]) -> list[list[int]]:
+def gold_prompts(tok, cfg: spell.Config, items: list[GoldItem]) -> list[dict[bool, list[int]]]:
     """Each item as the verifier meets an answer in training (run_verifier): the candidate as
-    Answer 1, the reference as Answer 2."""
-    return [spell.verifier_ids(tok, cfg, {"question": it.question}, it.candidate, it.reference)
+    Answer 1, the reference as Answer 2; by no_first, the prompt that lists [[YES]] first (False)
+    and the one that lists [[NO]] first (True), which votes see under verdict_order "random"."""
+    return [{flip: spell.verifier_ids(tok, cfg, {"question": it.question}, it.candidate,
+                                      it.reference, no_first=flip) for flip in (False, True)}
             for it in items]
 
 
-def verify_held_out(llm, cfg: spell.Config, items: list[GoldItem], prompts: list[list[int]],
-                    step: int, group: int, groups: int, reports: bool) -> dict:
+def verify_held_out(llm, cfg: spell.Config, items: list[GoldItem],
+                    prompts: list[dict[bool, list[int]]], step: int, group: int, groups: int,
+                    reports: bool) -> dict:
     """The policy as verifier on the held-out items: engine `group` of `groups` judges every
-    groups-th item with G votes, sampled as in training (sample_votes, read_votes, Eq. 4's
-    majority); the majorities are gathered from each engine's first rank (`reports`) and scored
-    against the labels (gold_metrics), the same dict on every rank. A collective."""
+    groups-th item with G votes, sampled as in training (each vote's verdict order, then
+    sample_answer_votes, read_votes, Eq. 4's majority); the majorities are gathered from each
+    engine's first rank (`reports`) and scored against the labels (gold_metrics), the same dict on
+    every rank. A collective."""
     mine = list(range(group, len(items), groups))
     # one seed per item, whichever engine judges it: the check does not depend on the world size
     seeds = spell.request_seeds(cfg.train.seed, step, "gold", count=len(items))
-    outs = spell.sample_votes(llm, cfg, [prompts[k] for k in mine], [seeds[k] for k in mine],
-                        desc="held-out verifier")
+    # each vote's prompt lists the verdicts in the order run_verifier would draw from its seed
+    per_vote = [[prompts[k][flip] for flip in spell.no_first_orders(cfg, seeds[k])] for k in mine]
+    outs = spell.sample_answer_votes(llm, cfg, per_vote, [seeds[k] for k in mine],
+                                     desc="held-out verifier")
     votes = {k: spell.read_votes(cs, cfg) for k, cs in zip(mine, outs)}
     gathered = {}
     for part in infra.all_gather_objects(votes if reports else {}):
@@ -623,7 +629,8 @@ class HeldOutCheck:
                  reports: bool):
         self.cfg, self.engine, self.reports = cfg, (group, groups), reports
         prompts = gold_prompts(tok, cfg, items)
-        kept = [k for k, ids in enumerate(prompts) if len(ids) <= cfg.rollout.max_prompt_tokens]
+        kept = [k for k, both in enumerate(prompts)
+                if max(map(len, both.values())) <= cfg.rollout.max_prompt_tokens]
         if items and not kept:  # the check would be off without a word
             raise infra.ConfigError(f"data.verify_set: none of its {len(items)} items fits "
                                     f"rollout.max_prompt_tokens = {cfg.rollout.max_prompt_tokens} "

@@ -1107,6 +1107,19 @@ def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
     return [[c._replace(text=prefix + c.text) for c in cs] if prefix else cs for cs in outs]
 
 
+def sample_answer_votes(llm, cfg: Config, prompts: list[list[list[int]]], seeds: list[int],
+                        desc: str = "verifier") -> list[list[Completion]]:
+    """Each answer's G votes, vote j sampled on prompts[k][j] (no_first_orders): one request of G
+    samples where the G prompts are one (verdict_order "fixed"), else one request a vote, each with
+    a seed of its own drawn from the answer's."""
+    if cfg.bootstrap.verdict_order == "fixed":
+        return sample_votes(llm, cfg, [ps[0] for ps in prompts], seeds, desc=desc)
+    g = votes_per_response(cfg)
+    vote_seeds = [s for k in range(len(prompts)) for s in request_seeds(seeds[k], count=g)]
+    each = sample_votes(llm, cfg, [p for ps in prompts for p in ps], vote_seeds, desc=desc, n=1)
+    return [[cs[0] for cs in each[k * g:(k + 1) * g]] for k in range(len(prompts))]
+
+
 def read_votes(verdicts: Sequence[Completion], cfg: Config) -> list[int | None]:
     """v_ij of Eq. 4 for one answer's votes; a vote cut at its budget abstains, unless
     reward.overlong = "keep"."""
@@ -1129,14 +1142,7 @@ def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int
                                              no_first=flip) for flip in set(orders)}
                 r.ver_prompts[i] = [prompt[flip] for flip in orders]
                 jobs.append((r, i))
-    if cfg.bootstrap.verdict_order == "fixed":
-        outs = sample_votes(llm, cfg, [r.ver_prompts[i][0] for r, i in jobs], seeds)
-    else:
-        g = votes_per_response(cfg)
-        vote_seeds = [s for k in range(len(jobs)) for s in request_seeds(seeds[k], count=g)]
-        each = sample_votes(llm, cfg, [p for r, i in jobs for p in r.ver_prompts[i]], vote_seeds,
-                            n=1)
-        outs = [[cs[0] for cs in each[k * g:(k + 1) * g]] for k in range(len(jobs))]
+    outs = sample_answer_votes(llm, cfg, [r.ver_prompts[i] for r, i in jobs], seeds)
     for (r, i), cs in zip(jobs, outs):
         r.verdicts[i] = cs
 

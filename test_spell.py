@@ -3349,6 +3349,37 @@ def test_log_step_writes_the_held_out_metrics_and_warns(tmp_path, capsys):
     assert "ver/gold_accuracy" not in rows[2]  # step 2: no check
 
 
+def test_the_held_out_check_lists_the_verdicts_in_each_votes_order_as_training_does(monkeypatch):
+    """bootstrap.verdict_order = "random": the held-out check samples each vote on its own prompt,
+    listing the verdicts in the order no_first_orders draws from the item's seed, one request a
+    vote, as run_verifier does in training (the check measured only the YES-first prompt before;
+    SmolLM2 votes whichever verdict is listed first, docs/cpu-runs.md)."""
+    cfg = spell.load_config(None, ["--bootstrap.verdict_order=random",
+                                   "--bootstrap.verifier_reply_prefix=Decision: [["])
+    cfg.rollout.group_size = 4
+    items = gold_items()
+    calls = []
+
+    def generate(llm, prompts, *, n, seeds, desc="", **_):
+        calls.append((["".join(map(chr, p)) for p in prompts], seeds, n))
+        return [[spell.Completion([7], "NO]]", None, "stop")] * n for _ in prompts]
+
+    monkeypatch.setattr(spell, "generate", generate)
+    monkeypatch.setattr(infra, "all_gather_objects", lambda mine: [mine])
+    llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
+    prompts = evaluation.gold_prompts(CharTokenizer(), cfg, items)
+    m = evaluation.verify_held_out(llm, cfg, items, prompts, 3, 0, 1, reports=True)
+    [(texts, seeds, n)] = calls
+    assert n == 1 and len(texts) == 4 * len(items)
+    every = spell.request_seeds(cfg.train.seed, 3, "gold", count=len(items))
+    orders = [flip for k in range(len(items)) for flip in spell.no_first_orders(cfg, every[k])]
+    assert seeds == [s for k in range(len(items)) for s in spell.request_seeds(every[k], count=4)]
+    assert [t.count("[[NO]] or [[YES]]") for t in texts] == [int(f) for f in orders]
+    assert [t.count("[[YES]] or [[NO]]") for t in texts] == [int(not f) for f in orders]
+    assert 0 < sum(orders) < len(orders)  # both orders occur in these 24 votes
+    assert m == evaluation.gold_metrics(items, [[0] * 4] * len(items))
+
+
 def test_the_held_out_check_with_no_item_that_fits_is_an_error():
     """Every verifier prompt longer than rollout.max_prompt_tokens would leave the check asked for
     (log.verify_every) with nothing to run: an error naming the key, not a check silently off.
