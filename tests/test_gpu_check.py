@@ -52,7 +52,7 @@ def row(doc: dict, part: str, case: str) -> dict:
 
 @pytest.mark.stack
 def test_dry_run_has_every_row_and_parities_within_the_arithmetic(tmp_path):
-    """About 70 s on 2 cores: Triton's interpreter, dynamo tracing 10 row lengths, an FSDP2
+    """About 50 s on 2 cores: Triton's interpreter, dynamo tracing 10 row lengths, an FSDP2
     update on gloo, two inductor compiles of flex_attention in processes of their own."""
     rows, doc, out = dry_run(tmp_path, "--budget", "600")
     assert [r[:2] for r in rows] == EXPECTED
