@@ -2065,20 +2065,25 @@ _LAUNCH_COMPILE_THREADS = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
 COMPILE_THREADS_MAX = 8  # a flex compile has a handful of Triton kernels; 8 ranks share a node
 
 
+def cores_per_rank() -> int:
+    """This rank's share of the cores the process may run on: the ranks one machine launches
+    (LOCAL_WORLD_SIZE) split them evenly; at least 1."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def trainer_compile_threads() -> int:
     """How many workers inductor compiles the trainer's kernels with (compiled_flex): the user's
     TORCHINDUCTOR_COMPILE_THREADS where it was set at launch (1 turns the pool off, as torch's own
-    switch does), else this rank's share of the cores it may run on, as for torch's threads on CPU
-    (spell.init_distributed), between 1 and COMPILE_THREADS_MAX. Torch shuts an idle pool's workers
-    down after a minute (quiesce_async_compile_pool)."""
+    switch does), else this rank's share of the cores (cores_per_rank, as torch's threads on CPU),
+    at most COMPILE_THREADS_MAX. Torch shuts an idle pool's workers down after a minute
+    (quiesce_async_compile_pool)."""
     if _LAUNCH_COMPILE_THREADS is not None:
         value = _LAUNCH_COMPILE_THREADS.strip()
         if not value.isdigit() or int(value) < 1:
             raise ConfigError(f"TORCHINDUCTOR_COMPILE_THREADS={_LAUNCH_COMPILE_THREADS!r} in the "
                               f"environment: a whole number of compile workers, 1 or more")
         return int(value)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(COMPILE_THREADS_MAX, len(os.sched_getaffinity(0)) // local_world))
+    return min(COMPILE_THREADS_MAX, cores_per_rank())
 
 
 @functools.cache

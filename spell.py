@@ -2543,8 +2543,7 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         # ranks on one CPU machine share its cores; oversubscribed threads slow everyone down
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(infra.cores_per_rank())
         dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
