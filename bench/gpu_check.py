@@ -1,4 +1,4 @@
-"""One device check of the GPU path in under 8 minutes on one H100 (issue #36, item 3): the
+"""One device check of the GPU path in under 8 minutes on one H100 or H200 (issue #36, item 3): the
 LM-head kernels' bf16 parity and speed beside their peers, spell.update_policy's throughput and
 peak memory against infra.memory_estimate, FlexAttention's shared-prefix mask against SDPA, and
 the recompile probe of compiled FlexAttention. One Markdown table, also written with the raw
