@@ -50,6 +50,23 @@ def run_worker(workers: dict) -> None:
     workers[sys.argv[1]](*sys.argv[2:])
 
 
+def end_worker() -> None:
+    """End a torch-only worker (no vLLM engine to shut down) once what its test checks is written:
+    tear the process group down on every rank together, then leave without the interpreter's
+    teardown. On the 2-core machine a rank of such a worker sometimes aborted after that point,
+    with no Python frame left: "terminate called without an active exception", a C++ thread still
+    joinable when the process's static objects were destroyed (2026-11-28: 7 of 160 runs of the
+    nonfinite worker, two at a time, after an FSDP2 backward; the Ulysses workers before it). It
+    failed CI runs whose results were all on disk."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class CharTokenizer:
     """One token per character, with a visible chat wrapper, so prompts decode back exactly."""
 
@@ -155,15 +172,53 @@ def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (children, theirs, ...), read from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended while we read
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command name)"
+            if fields[0] != "Z":
+                parent[int(stat.parent.name)] = int(fields[1])
+    found, todo = set(), [pid]
+    while todo:
+        children = [child for child, ppid in parent.items() if ppid in todo]
+        found.update(children)
+        todo = children
+    return found
+
+
+def stop_torchrun(proc: subprocess.Popen, grace_s: float = 60.0) -> str:
+    """Stop a torchrun that start_torchrun started, and every process under it; its output so far.
+
+    torch's elastic agent starts each rank in a session of its own, so a SIGKILL to torchrun's
+    group would leave the ranks running (a rank in a collective waits until its timeout, holding
+    its memory and cores, and the pipe it holds keeps `communicate` waiting). SIGTERM first: torchrun passes
+    it to its ranks and kills them 30 s later if they do not stop; after `grace_s`, SIGKILL to
+    torchrun's group and to every process that was under it."""
+    family = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=grace_s)[0]
+    except subprocess.TimeoutExpired:
+        family |= descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return proc.communicate()[0]
+
+
 def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run start_torchrun to the end; fail the test with the output's tail on a non-zero exit
-    (check) or a timeout, killing the whole process group."""
+    (check) or a timeout, stopping torchrun and its ranks."""
     proc = start_torchrun(nproc, *args)
     try:
         out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out = stop_torchrun(proc)
         pytest.fail(f"{' '.join(args)}: timed out after {TORCHRUN_TIMEOUT_S}s\n{out[-12000:]}")
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(args)}: exit {proc.returncode}\n{out[-12000:]}")

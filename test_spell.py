@@ -50,9 +50,10 @@ import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
                       SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args,
-                      gold_items, held_out_metrics, logged_inputs, logged_metrics, make_tiny_model,
-                      metrics, protocol_corpus, qa_record, read_metrics, reply, role_sequences,
-                      run_worker, snapshot, start_torchrun, tiny_llama, torchrun, worker_mesh)
+                      end_worker, gold_items, held_out_metrics, logged_inputs, logged_metrics,
+                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics, reply,
+                      role_sequences, run_worker, snapshot, start_torchrun, stop_torchrun,
+                      tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -3976,7 +3977,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
         seen.append(proc.communicate(timeout=TORCHRUN_TIMEOUT_S)[0])
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_torchrun(proc)
     output = "".join(seen)
     assert "SIGTERM: checkpoint saved, exiting" in output, output[-6000:]
     # torchrun itself exits non-zero on the signal (its own SignalException);
@@ -5165,11 +5166,7 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     results["bf16_head"] = bf16_head_gap(mesh, sp_group, batch, rank, world)
     if rank == 0:
         torch.save(results, out_file)
-    # Tear the group down together: left to interpreter exit, a gloo rank can abort in its
-    # destructor ("terminate called without an active exception", seen once in CI) while rank 0
-    # still writes.
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def worker_nonfinite(out_file: str) -> None:
@@ -5199,8 +5196,7 @@ def worker_nonfinite(out_file: str) -> None:
     dist.all_gather_object(reports, report)
     if rank == 0:
         torch.save(reports, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import torch
 import infra
 import spell
 import tasks
-from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE,
-                      all_fixture_items, deadline, held_out_metrics, logged_metrics, metrics,
+from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
+                      deadline, end_worker, held_out_metrics, logged_metrics, metrics,
                       mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
 
 
@@ -2362,8 +2362,7 @@ def worker_buckets(out_file: str, shard_size: str = "0") -> None:
     dist.all_gather_object(everyone, findings)
     if rank == 0:
         Path(out_file).write_text(json.dumps([f for fs in everyone for f in fs]))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def sp_planted(bug: str):
@@ -2495,19 +2494,7 @@ def worker_sp_parity(out_file: str) -> None:
             "exchanges": {"forward": forward_calls, "backward": calls["n"] - forward_calls}}
     if rank == 0:
         Path(out_file).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_without_teardown()
-
-
-def exit_without_teardown() -> None:
-    """End a Ulysses worker without the interpreter's teardown. In about 1 run of 50 on the 2-core
-    machine under load (2026-11-28), a rank aborted after every result was written and the process
-    group destroyed: "terminate called without an active exception", a C++ thread torn down at
-    exit (seen after the all-to-all's autograd backward ran). What is checked is on disk by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()
 
 
 def worker_sp_flex(out_file: str) -> None:
@@ -2533,9 +2520,7 @@ def worker_sp_flex(out_file: str) -> None:
         results[arch] = [c for part in parts for c in part]
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_without_teardown()
+    end_worker()
 
 
 def worker_rope(tiny_dir: str, out_file: str, work: str) -> None:

@@ -19,7 +19,8 @@ import torch
 import infra
 import preflight
 import spell
-from conftest import REPO, CharTokenizer, run_worker, start_torchrun, torchrun
+from conftest import (REPO, CharTokenizer, descendants, run_worker, start_torchrun, stop_torchrun,
+                      torchrun)
 from preflight import Row
 
 
@@ -424,10 +425,7 @@ def test_a_rank_failing_while_the_other_waits_in_a_collective_ends_the_job(tmp_p
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        # torchrun stops its ranks on SIGTERM (on SIGKILL they would live on, in sessions of their
-        # own)
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=60)
+        stop_torchrun(proc)
         raise
     print(out[-3000:])
     # rank 1 waited STRAGGLER_WAIT_S = 5 s for rank 0, which sat in the barrier, then ended the job
@@ -446,5 +444,42 @@ def test_a_rank_killed_mid_phase_leaves_the_next_rank_to_name_the_phase(tmp_path
         "engine.micro_batch_tokens or raise engine.sequence_parallel)"]
 
 
+def worker_hang() -> None:
+    """A rank that ignores SIGTERM (spell's ranks only note it and finish their step) and never
+    ends, as a rank waiting in a collective for a peer that is gone."""
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    os.write(1, f"HANGING {os.getpid()}\n".encode())  # one write: the ranks share one pipe
+    time.sleep(600)
+
+
+@pytest.mark.stack
+def test_stopping_a_hung_job_stops_its_ranks_too():
+    """conftest.stop_torchrun, which every test uses on a job that outlives its time: the ranks,
+    in sessions of their own, must not outlive torchrun. (Watched: with a SIGKILL to torchrun's
+    group alone, as before, the ranks lived on and this test hung in `communicate`.)"""
+    proc = start_torchrun(2, __file__, "hang")
+    ranks = set()
+    for line in proc.stdout:
+        ranks.update(int(pid) for pid in re.findall(r"HANGING (\d+)", line))
+        if len(ranks) == 2:
+            break
+    assert ranks <= descendants(proc.pid)
+    stop_torchrun(proc, grace_s=2.0)  # shorter than torchrun's own 30 s wait for its ranks
+    deadline = time.monotonic() + 10
+    while running(ranks) and time.monotonic() < deadline:  # SIGKILL lands at once; 10 s is slack
+        time.sleep(0.2)
+    assert not running(ranks), "ranks still running after stop_torchrun"
+
+
+def running(pids: set[int]) -> set[int]:
+    """The processes of `pids` that still run (a zombie has ended; its parent has not reaped it)."""
+    def state(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return None
+    return {pid for pid in pids if state(pid) not in (None, "Z")}
+
+
 if __name__ == "__main__":
-    run_worker({"failure": worker_failure})
+    run_worker({"failure": worker_failure, "hang": worker_hang})
