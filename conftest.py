@@ -193,9 +193,9 @@ def stop_torchrun(proc: subprocess.Popen, grace_s: float = 60.0) -> str:
 
     torch's elastic agent starts each rank in a session of its own, so a SIGKILL to torchrun's
     group would leave the ranks running (a rank in a collective waits until its timeout, holding
-    its memory and cores, and the pipe it holds keeps `communicate` waiting). SIGTERM first: torchrun passes
-    it to its ranks and kills them 30 s later if they do not stop; after `grace_s`, SIGKILL to
-    torchrun's group and to every process that was under it."""
+    its memory and cores, and the pipe it holds keeps `communicate` waiting). SIGTERM first:
+    torchrun passes it to its ranks and kills them 30 s later if they do not stop; after
+    `grace_s`, SIGKILL to torchrun's group and to every process that was under it."""
     family = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
