@@ -172,14 +172,22 @@ def start_torchrun(nproc: int, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after "pid (command name)": its state ("Z" for a zombie, ended
+    but not yet reaped), its parent's pid, ...; None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process under `pid` (children, theirs, ...), read from /proc."""
     parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # a process that ended while we read
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command name)"
-            if fields[0] != "Z":
-                parent[int(stat.parent.name)] = int(fields[1])
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = process_stat(int(entry.name))
+        if fields and fields[0] != "Z":
+            parent[int(entry.name)] = int(fields[1])
     found, todo = set(), [pid]
     while todo:
         children = [child for child, ppid in parent.items() if ppid in todo]

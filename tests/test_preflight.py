@@ -19,8 +19,8 @@ import torch
 import infra
 import preflight
 import spell
-from conftest import (REPO, CharTokenizer, descendants, run_worker, start_torchrun, stop_torchrun,
-                      torchrun)
+from conftest import (REPO, CharTokenizer, descendants, process_stat, run_worker, start_torchrun,
+                      stop_torchrun, torchrun)
 from preflight import Row
 
 
@@ -473,12 +473,7 @@ def test_stopping_a_hung_job_stops_its_ranks_too():
 
 def running(pids: set[int]) -> set[int]:
     """The processes of `pids` that still run (a zombie has ended; its parent has not reaped it)."""
-    def state(pid):
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return None
-    return {pid for pid in pids if state(pid) not in (None, "Z")}
+    return {pid for pid in pids if (fields := process_stat(pid)) and fields[0] != "Z"}
 
 
 if __name__ == "__main__":
