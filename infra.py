@@ -26,6 +26,7 @@ import errno
 import fcntl
 import functools
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -867,27 +868,30 @@ def train_mode_without_dropout(model) -> None:
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimiser's state (AdamW: both moments, fp32, sharded like the weights) now, as
-    its first step would, and leave the run exactly as if it had not: one step at learning rate 0
-    on zero gradients (AdamW moves no weight then: step size and decay are both lr times
-    something), then every step counter back to 0 and the gradients gone.
+    """Create AdamW's state now, as its first step would create it (torch.optim.Adam._init_group:
+    a step counter at 0 and both moments zero, fp32, sharded like the weights), with no gradient
+    and no step: 8P/s bytes and nothing beside them. The first step finds the state there and
+    runs exactly as on a lazily made one.
 
     Made lazily, the state's gigabytes would be carved out of the segments the first backward just
-    freed, and could pin memory that vLLM's wake-up needs on GPU (issue #36, item 5)."""
-    rates = [group["lr"] for group in optimizer.param_groups]
+    freed, and could pin memory that vLLM's wake-up needs on GPU (issue #36, item 5). Made by a
+    step on zero gradients, as before issue #41, start-up held the gradients (4P/s) and the step's
+    temporaries too, while vLLM was awake: 20P/s on CUDA's default foreach path."""
     for group in optimizer.param_groups:
-        group["lr"] = 0.0
+        if group.get("amsgrad"):
+            raise ValueError("create_optimizer_state makes AdamW's two moments; amsgrad adds a "
+                             "third: use it without amsgrad, or let its first step make the state")
         for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, rates):
-        group["lr"] = lr
-        for p in group["params"]:
-            if torch.is_tensor(step := optimizer.state[p].get("step")):
-                step.zero_()
-            elif "step" in optimizer.state[p]:
-                optimizer.state[p]["step"] = 0
+            state = optimizer.state[p]
+            if state:  # already made (a resumed run's loaded state)
+                continue
+            # where torch keeps the counter: beside the weights for the fused and capturable
+            # implementations, a host scalar otherwise (Adam._init_group's rule)
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.zeros((), dtype=torch.float32,
+                                        device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def print0(*args: Any) -> None:
@@ -1491,8 +1495,6 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if sp > 1 and attn not in ("sdpa", "flex_attention"):
         raise ConfigError(f"engine.sequence_parallel = {sp} needs engine.attn_implementation sdpa "
                           f"or flex_attention (a mask over the whole row), not {attn}")
-    if attn == "flex_attention":
-        trainer_compile_threads()  # a malformed TORCHINDUCTOR_COMPILE_THREADS stops here
     if (folder := local_model_dir(cfg)) is not None:  # its heads and vocabulary, if it is here
         check_model_keys(cfg, folder)
     check_out_dir(Path(cfg.log.out_dir), rank)
@@ -2049,20 +2051,11 @@ def tree_visible(q_group, q_segment, q_pos, k_group, k_segment, k_pos):
 # update: tests/test_flex_lengths.py), where dynamo runs the dense eager path with one log line.
 # So the project compiles both functions itself: dynamic shapes from the first call (T symbolic),
 # one mask rule for every row (tree_attention_mask), and fullgraph=True, under which passing the
-# limit raises FailOnRecompileLimitHit instead of falling back. Variants per function: grad on or
-# off x one block or several (dynamo specialises a size of 1), 4 at most; the limit is set here so
-# that a global one (raised or lowered by another library in the process) does not move it.
+# limit raises FailOnRecompileLimitHit instead of falling back. Variants: flex_attention's are grad
+# on or off x one block or several (dynamo specialises a size of 1), 4 at most; the mask builder's,
+# always run without grad, one block or several, 2 at most. The limit is set here so that a
+# global one (raised or lowered by another library in the process) does not move it.
 FLEX_RECOMPILE_LIMIT = 8
-
-# `import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 for the whole process (vllm/env_override.py;
-# vLLM issues 10480 and 10619: a pool of compile workers in every engine process, and a debugger
-# that hung on them). Inductor reads the variable once, when its config loads, which in spell is
-# after start_vllm: the trainer's flex compiles (and their dynamic recompiles) would then build
-# their Triton kernels one at a time in the training process. compiled_flex hands inductor its own
-# count as a compile option, for its compiles only; vLLM's compiles keep vLLM's 1. The variable as
-# the user launched with it is read here, when spell imports infra, before anything imports vLLM.
-_LAUNCH_COMPILE_THREADS = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
-COMPILE_THREADS_MAX = 8  # a flex compile has a handful of Triton kernels; 8 ranks share a node
 
 
 def cores_per_rank() -> int:
@@ -2071,28 +2064,34 @@ def cores_per_rank() -> int:
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def trainer_compile_threads() -> int:
-    """How many workers inductor compiles the trainer's kernels with (compiled_flex): the user's
-    TORCHINDUCTOR_COMPILE_THREADS where it was set at launch (1 turns the pool off, as torch's own
-    switch does), else this rank's share of the cores (cores_per_rank, as torch's threads on CPU),
-    at most COMPILE_THREADS_MAX. Torch shuts an idle pool's workers down after a minute
-    (quiesce_async_compile_pool)."""
-    if _LAUNCH_COMPILE_THREADS is not None:
-        value = _LAUNCH_COMPILE_THREADS.strip()
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"TORCHINDUCTOR_COMPILE_THREADS={_LAUNCH_COMPILE_THREADS!r} in the "
-                              f"environment: a whole number of compile workers, 1 or more")
-        return int(value)
-    return min(COMPILE_THREADS_MAX, cores_per_rank())
+# torch versions: the pin is 2.13; the lent GPU check machine has 2.11. What the project calls and
+# they spell differently is detected here, once, when it is called (tests/test_flex_lengths.py runs
+# compiled_flex under 2.11's signature).
+def compile_takes_recompile_limit() -> bool:
+    """Whether torch.compile takes a per-function recompile_limit (torch 2.13; not 2.11)."""
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 @functools.cache
-def compiled_flex(fn):
-    """torch.compile of FlexAttention's flex_attention or create_block_mask, once per process:
-    dynamic shapes, one graph, an error (never the eager path) past FLEX_RECOMPILE_LIMIT, compiled
-    with trainer_compile_threads() workers whatever vLLM set for its own."""
-    return torch.compile(fn, dynamic=True, fullgraph=True, recompile_limit=FLEX_RECOMPILE_LIMIT,
-                         options={"compile_threads": trainer_compile_threads()})
+def compiled_flex(fn, backend: str | None = None):
+    """torch.compile of FlexAttention's flex_attention or create_block_mask, once per process and
+    backend (None: torch.compile's default, inductor): dynamic shapes, one graph, an error (never
+    the eager path) past FLEX_RECOMPILE_LIMIT. A torch.compile without a per-function limit
+    (before 2.13) gets dynamo's global one set instead: the same number for every compiled
+    function of the process."""
+    options = dict(dynamic=True, fullgraph=True, **({"backend": backend} if backend else {}))
+    if compile_takes_recompile_limit():
+        return torch.compile(fn, recompile_limit=FLEX_RECOMPILE_LIMIT, **options)
+    torch._dynamo.config.recompile_limit = FLEX_RECOMPILE_LIMIT
+    return torch.compile(fn, **options)
+
+
+def mask_builder(device: torch.device):
+    """create_block_mask as the trainer calls it on `device`: compiled on every device, as on the
+    GPU, so that a CPU run traces the same call (then runs it eagerly: inductor's CPU code for it
+    would take minutes to build and save nothing at CPU lengths)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return compiled_flex(create_block_mask, None if torch.device(device).type == "cuda" else "eager")
 
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -2147,7 +2146,6 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         return mask.masked_fill_(~visible, float("-inf"))[None, None]  # (1, 1, T, T)
     if impl == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
         from transformers import AttentionInterface
 
         # every flex forward of the project takes its mask from here: the name runs ours from now
@@ -2156,8 +2154,10 @@ def tree_attention_mask(packed: dict, impl: str, device: torch.device, dtype: to
         def mask_mod(b, h, q, k):
             return tree_visible(group[q], segment[q], q, group[k], segment[k], k)
 
-        build = compiled_flex(create_block_mask) if device.type == "cuda" else create_block_mask
-        return build(mask_mod, 1, None, len(group), len(group), device=device)
+        # without grad, which a mask has no use for: the builder's compiled variants are then one
+        # block or several, never twice that for the caller's grad mode
+        with torch.no_grad():
+            return mask_builder(device)(mask_mod, 1, None, len(group), len(group), device=device)
     raise ValueError(f"engine.shared_prefix needs sdpa or flex_attention attention, not {impl!r}")
 
 

@@ -2642,10 +2642,19 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
     if (k := cfg.engine.sequence_parallel) > 1:  # collective: every rank, the same point
         attention = infra.attention_implementation(cfg, device.type == "cuda")
         infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
-                                  weight_decay=cfg.train.weight_decay)
+    optimizer = make_optimizer(policy, cfg)
     infra.create_optimizer_state(optimizer)  # now, not carved out of the first backward's memory
     return policy, optimizer
+
+
+def make_optimizer(policy, cfg: Config) -> torch.optim.AdamW:
+    """AdamW (§5.1; weight decay [code]) in torch's fused implementation, named here rather than
+    left to the device's default (foreach on CUDA, a loop over tensors on CPU), so that CPU and
+    GPU run the same update. Fused, the step is one kernel over every shard and allocates nothing;
+    the foreach default holds an fp32 copy of all second moments during the step (4P/s: the
+    measured peak of issue #41), the loop one tensor's temporaries. bench/RESULTS.md times them."""
+    return torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
+                             weight_decay=cfg.train.weight_decay, fused=True)
 
 
 def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,

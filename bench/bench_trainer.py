@@ -250,8 +250,7 @@ def bench(args) -> None:
         cfg = spell.Config()
         cfg.engine.attn_implementation = attn
         policy = build_policy(config, cfg, mesh, param_dtype, init_on=device)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay)
+        optimizer = spell.make_optimizer(policy, cfg)  # as spell.load_policy
         for T in tokens:
             seqs = update_batch(T, args.micro_batches, config.vocab_size, cfg, seed=T)
             n_tokens, flops = sum(len(p) + len(c) for p, c, *_ in seqs), model_flops(config, seqs)

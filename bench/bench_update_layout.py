@@ -333,8 +333,7 @@ def main() -> None:
         shard_size, build, step = LAYOUTS[name]
         lcfg = spell.load_config(args.config, extra + [f"--engine.fsdp_shard_size={shard_size}"])
         policy = build(lcfg, world)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=lcfg.train.lr,
-                                      weight_decay=lcfg.train.weight_decay)  # as load_policy
+        optimizer = spell.make_optimizer(policy, lcfg)  # as spell.load_policy
         setups[name] = (policy, optimizer, step, lcfg)
 
     def run(name: str, optimizer=None) -> tuple[float, int, float]:

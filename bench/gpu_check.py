@@ -99,6 +99,8 @@ if "--dry" in sys.argv:  # before torch is imported: CPU tensors only, Triton's 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run from anywhere: spell, infra, bench scripts
@@ -121,13 +123,13 @@ HEAD_TIMED = (("triton", "fwd"), ("triton", "fwd+bwd"), ("triton", "loss"), ("li
               ("liger", "fwd+bwd"), ("cce", "fwd"), ("cce", "fwd+bwd"), ("chunked", "fwd+bwd"),
               ("naive", "fwd+bwd"))
 PART_NAMES = {"a": "a. head kernels", "b": "b. update", "c": "c. shared prefix",
-              "d": "d. recompiles", "e": "e. compile workers"}
-# d resets dynamo first; c and b then reuse its compiled kernels; e, in its own processes, last
-ORDER = ("a", "d", "c", "b", "e")
-# of --budget, by part: d compiles FlexAttention forward and backward, static then dynamic, for
-# two mask functions (minutes with inductor); c and b reuse what it compiled; e compiles one
-# forward and backward twice, from empty caches
-SHARE = {"a": 0.18, "d": 0.38, "c": 0.09, "b": 0.25, "e": 0.10}
+              "d": "d. recompiles", "e": "e. head tiles"}
+# the parts a short lease needs most first: the kernels, their tuning, the update; then c, and d,
+# which resets dynamo (b compiles its own flex)
+ORDER = ("a", "e", "b", "c", "d")
+# of --budget, by part: b compiles FlexAttention forward and backward (~20 s) and runs 10 updates
+# and an optimiser comparison; d compiles flex and its mask builder for two masks, twice
+SHARE = {"a": 0.17, "e": 0.20, "b": 0.33, "c": 0.08, "d": 0.22}
 
 
 @dataclass
@@ -152,7 +154,6 @@ class Shapes:
     shared_groups: tuple        # (prompt, answer lengths) per group of part c's row
     case_seconds: dict          # the least time a case of each part needs: skipped below it
     compile_backend: str | None  # None: torch.compile's default (inductor)
-    compile_T: int              # part e's row length
 
 
 def expected_rows(sh: Shapes) -> dict[str, list[str]]:
@@ -161,8 +162,9 @@ def expected_rows(sh: Shapes) -> dict[str, list[str]]:
                  + [f"{impl} {mode}" for impl, mode in HEAD_TIMED],
             "d": ["recompiles", "dense fallback"],
             "c": ["forward", "gradients"],
-            "b": [f"update {T} tokens" for T in sh.update_tokens],
-            "e": ["first compile"]}
+            "b": ["start"] + [f"update {T} tokens" for T in sh.update_tokens]
+                 + ["optimiser step"],
+            "e": ["fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "loss variants"]}
 
 
 GPU_SHAPES = Shapes(
@@ -171,8 +173,7 @@ GPU_SHAPES = Shapes(
     update_layers=8, update_tokens=(16384, 32768), update_repeats=2, flex_tiny=False,
     probe_intermediate=1024, probe_lengths=tuple(8192 + 331 * i for i in range(10)),
     shared_groups=((2000, (400, 700, 250, 550)), (1500, (600, 330))),
-    case_seconds={"a": 5, "b": 40, "c": 20, "d": 5, "e": 60}, compile_backend=None,
-    compile_T=8192)
+    case_seconds={"a": 5, "b": 40, "c": 20, "d": 5, "e": 8}, compile_backend=None)
 
 DRY_SHAPES = Shapes(
     dtype=torch.float32, peak_n=256, head_H=96, head_V=1000, parity_T=70, timed_T=70,
@@ -180,8 +181,7 @@ DRY_SHAPES = Shapes(
     update_layers=2, update_tokens=(128, 256), update_repeats=1, flex_tiny=True,
     probe_intermediate=128, probe_lengths=tuple(96 + 13 * i for i in range(10)),
     shared_groups=((150, (40, 70, 25, 31)), (90, (60, 33))),
-    case_seconds={"a": 0.5, "b": 2, "c": 1, "d": 0.5, "e": 5}, compile_backend="eager",
-    compile_T=256)
+    case_seconds={"a": 0.5, "b": 2, "c": 1, "d": 0.5, "e": 0.5}, compile_backend="eager")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -779,6 +779,224 @@ def part_shared_prefix(rep: Report, sh: Shapes, device, deadline: Deadline) -> N
 # b. spell.update_policy on one GPU
 # --------------------------------------------------------------------------------------------------
 
+def extras(rep: Report, policy, optimizer, seqs, cfg, device, T: int, held: float, est: dict,
+           first: bool, last: bool, deadline: Deadline, sh: Shapes) -> None:
+    """Part b's rows beside each timed case: the peak split at the optimiser step; for the first
+    length, where the update's time goes by kernel kind; for the last, what is alive at the peak."""
+    if not deadline.fits(sh.case_seconds["b"] / 4):
+        return
+    try:
+        marks = phase_peaks(policy, optimizer, seqs, cfg, device)
+        if marks:
+            rep.add("b", f"phases {T}",
+                    f"backward {marks['backward'] - held:.2f} GiB, at the step "
+                    f"{marks['at_step'] - held:.2f}, step {marks['step'] - held:.2f}",
+                    "GiB allocated at most before the optimiser step, when it starts, at most "
+                    f"during it; estimate's update phase {est['update_phase']:.2f}", None,
+                    **{k: v - held for k, v in marks.items()})
+        if first and deadline.fits(sh.case_seconds["b"] / 4):
+            prof = profiled_update(policy, optimizer, seqs, cfg, device, rep.out)
+            rep.add("b", f"profile {T}",
+                    f"kernels {prof['kernel_s']:.2f} s of {prof['wall_s']:.2f} s wall: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in prof["by_kind"].items()),
+                    "one update under torch.profiler (its overhead included in the wall time); "
+                    "seconds of device time by kernel kind; the top kernels in "
+                    "update_profile.txt", None, **prof)
+        if last and device.type == "cuda" and deadline.fits(sh.case_seconds["b"] / 4):
+            br = recorded_update(policy, optimizer, seqs, cfg, device)
+            rep.add("b", f"peak owners {T}",
+                    f"peak {br['peak_gib'] - held:.2f} GiB = {br['base_gib'] - held:.2f} held "
+                    f"before the update + {br['made_since_gib']:.2f} made in it and alive",
+                    "; ".join(f"{k} {v:.2f} GiB ({n})" for k, v, n in br["owners"]), None, **br)
+    except torch.OutOfMemoryError:
+        policy.reshard()
+        optimizer.zero_grad(set_to_none=True)
+        free_memory(device)
+        rep.add("b", f"phases {T}", "OOM in an instrumented update")
+    except Exception as e:  # an instrument that fails is a row, not the end of the part
+        rep.add("b", f"extras {T}", error_text(e))
+        traceback.print_exc()
+
+
+def phase_peaks(policy, optimizer, seqs, cfg, device) -> dict:
+    """One update with its peak split at the optimiser step: GiB allocated at most before the step
+    (forwards, backwards, the clip), when the step starts, and at most during the step."""
+    if device.type != "cuda":
+        spell.update_policy(policy, optimizer, seqs, cfg, 1, device)
+        return {}
+    marks = {}
+
+    def before_step(*_):
+        torch.cuda.synchronize()
+        marks["backward"] = torch.cuda.max_memory_allocated() / GiB
+        marks["at_step"] = torch.cuda.memory_allocated() / GiB
+        torch.cuda.reset_peak_memory_stats()
+
+    hook = optimizer.register_step_pre_hook(before_step)
+    try:
+        free_memory(device)
+        torch.cuda.reset_peak_memory_stats()
+        spell.update_policy(policy, optimizer, seqs, cfg, 1, device)
+        torch.cuda.synchronize()
+        marks["step"] = torch.cuda.max_memory_allocated() / GiB
+    finally:
+        hook.remove()
+    return marks
+
+
+# Where an allocation made at the peak came from: the innermost frame in one of these files, else
+# the innermost frame, else (an allocation of autograd's C++ engine, which has no Python frame) its
+# size, which names its shape well enough at these sizes
+OWNERS = ("spell.py", "infra.py", "kernels/", "transformers/", "torch/distributed/fsdp",
+          "torch/optim", "torch/utils/checkpoint", "torch/nn/attention", "torch/nn/functional")
+
+
+def allocation_owner(frames: list, size: int) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(key in name for key in OWNERS):
+            return f"{name.split('site-packages/')[-1].split('/')[-1]}:{frame.get('name', '?')}"
+    if frames:
+        return f"{frames[0].get('filename', '?').split('/')[-1]}:{frames[0].get('name', '?')}"
+    return f"no Python frame, {size / 2**20:.0f} MiB blocks"
+
+
+def peak_breakdown(trace: list[dict], base: int, top: int = 14) -> dict:
+    """Replay a CUDA caching-allocator trace (torch.cuda.memory._snapshot()'s device_traces[i]):
+    from `base` bytes allocated when recording began, add each alloc and subtract each completed
+    free; at the highest point, the live allocations made since, grouped by allocation_owner.
+    Frees of blocks allocated before the recording lower the total but name no owner."""
+    total = peak = base
+    at = -1
+    for i, event in enumerate(trace):
+        action = event.get("action")
+        if action == "alloc":
+            total += event["size"]
+        elif action == "free_completed":
+            total -= event["size"]
+        if total > peak:
+            peak, at = total, i
+    live: dict[int, dict] = {}
+    for event in trace[:at + 1]:
+        if event.get("action") == "alloc":
+            live[event["addr"]] = event
+        elif event.get("action") == "free_completed":
+            live.pop(event["addr"], None)
+    owners: dict[str, list] = {}
+    for event in live.values():
+        owner = allocation_owner(event.get("frames") or [], event["size"])
+        entry = owners.setdefault(owner, [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(owners.items(), key=lambda kv: -kv[1][0])
+    made = sum(v[0] for v in owners.values())
+    return {"peak_gib": peak / GiB, "base_gib": base / GiB, "made_since_gib": made / GiB,
+            "owners": [(k, v[0] / GiB, v[1]) for k, v in ranked[:top]],
+            "events": len(trace), "peak_event": at}
+
+
+def recorded_update(policy, optimizer, seqs, cfg, device) -> dict:
+    """One update under the CUDA allocator's recorder (Python frames only: C++ stacks would take
+    minutes to symbolise), replayed by peak_breakdown."""
+    memory = torch.cuda.memory
+    free_memory(device)
+    base = torch.cuda.memory_allocated()
+    memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        spell.update_policy(policy, optimizer, seqs, cfg, 1, device)
+        torch.cuda.synchronize()
+        snapshot = memory._snapshot()
+    finally:
+        memory._record_memory_history(enabled=None)
+    index = torch.cuda.current_device()
+    return peak_breakdown(snapshot["device_traces"][index], base)
+
+
+KERNEL_KINDS = (("GEMM (cuBLAS)", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")),
+                ("attention (flex)", ("flex", "triton_tem")),
+                ("LM head (Triton)", ("_logprob",)),
+                ("optimiser", ("adam", "multi_tensor")),
+                ("communication, copies", ("nccl", "memcpy", "memset", "copy", "cat")),
+                ("fused elementwise (inductor)", ("triton_poi", "triton_red", "triton_per")))
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(key in lower for key in keys):
+            return kind
+    return "other (eager elementwise, norms, ...)"
+
+
+def profiled_update(policy, optimizer, seqs, cfg, device, out: Path | None) -> dict:
+    """One update under torch.profiler: the device time of its kernels by kind (KERNEL_KINDS),
+    against the update's wall time; the top kernels' table goes to $OUT/update_profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        spell.update_policy(policy, optimizer, seqs, cfg, 1, device)
+        sync(device)
+    wall = time.perf_counter() - t0
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = getattr(event, "self_cuda_time_total", 0.0)
+        kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e6
+    if out:
+        for sort in (("self_device_time_total", "self_cuda_time_total")
+                     if device.type == "cuda" else ()) + ("self_cpu_time_total",):
+            try:  # the sort key's name moved between torch versions
+                table = prof.key_averages().table(sort_by=sort, row_limit=40)
+            except (AttributeError, KeyError, ValueError):
+                continue
+            (out / "update_profile.txt").write_text(table)
+            break
+    return {"wall_s": wall, "kernel_s": sum(kinds.values()),
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+def optimizer_steps(policy, cfg, device) -> list[dict]:
+    """AdamW's step on the policy's shards in torch's three implementations: seconds (median of
+    3 after one) and GiB allocated beyond what the step starts with."""
+    rows = []
+    for name, kwargs in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)),
+                         ("loop", dict(foreach=False))):
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay, **kwargs)
+        infra.create_optimizer_state(optimizer)
+        for p in policy.parameters():
+            p.grad = torch.full_like(p, 1e-4)
+        try:
+            optimizer.step()
+            times = []
+            free_memory(device)
+            start = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                optimizer.step()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            extra = ((torch.cuda.max_memory_allocated() - start) / GiB
+                     if device.type == "cuda" else None)
+            rows.append(dict(impl=name, seconds=statistics.median(times), extra_gib=extra))
+        except torch.OutOfMemoryError:
+            rows.append(dict(impl=name, error="OOM"))
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            del optimizer
+            free_memory(device)
+    return rows
+
+
 def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline,
                 layers: int, log: DynamoLog) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -794,11 +1012,19 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
         free_memory(device)
         # what earlier parts left allocated (~0): the update's own peak is the peak less this
         held = torch.cuda.memory_allocated() / GiB if cuda else 0.0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # part a's peaks are not this part's
         policy = bench_trainer.build_policy(config, cfg, mesh, spell.compute_dtype(device),
                                             init_on=device)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay)
+        optimizer = spell.make_optimizer(policy, cfg)  # as spell.load_policy
+        infra.create_optimizer_state(optimizer)
         device_gib = torch.cuda.get_device_properties(device).total_memory / GiB if cuda else 0.0
+        P = sum(p.numel() for p in policy.parameters())
+        started = torch.cuda.max_memory_allocated() / GiB - held if cuda else None
+        rep.add("b", "start", f"peak {fmt(started, 2)} GiB building the policy and its AdamW "
+                f"state; 12P = {12 * P / GiB:.2f} GiB",
+                f"P {P / 1e9:.3f} B parameters in one shard (fp32 weights 4P, two moments 8P)",
+                None, peak_gib=started, parameters=P)
         for T in sh.update_tokens:
             case = f"update {T} tokens"
             if not deadline.fits(sh.case_seconds["b"]):
@@ -837,7 +1063,18 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
                     + (f"; {held:.2f} GiB held by earlier parts" if held else ""),
                     ok, seconds=sec, tokens=tokens, tokens_per_s=tokens / sec, tflops=tflops,
                     mfu=tflops / peak, peak_gib=own, held_before_gib=held, estimate=est,
-                    layers=layers, T=T)
+                    layers=layers, T=T,
+                    reserved_gib=torch.cuda.max_memory_reserved() / GiB if cuda else None)
+            extras(rep, policy, optimizer, seqs, cfg, device, T, held, est, first=T == min(
+                sh.update_tokens), last=T == max(sh.update_tokens), deadline=deadline, sh=sh)
+        if deadline.fits(sh.case_seconds["b"]):
+            rows = optimizer_steps(policy, cfg, device)
+            rep.add("b", "optimiser step", "; ".join(
+                f"{r['impl']} " + (r["error"] if "error" in r else
+                                   f"{1e3 * r['seconds']:.0f} ms, +{fmt(r['extra_gib'], 2)} GiB")
+                for r in rows), f"AdamW over the {P / 1e9:.3f} B parameters of one shard, "
+                f"torch's three implementations; + GiB allocated beyond the step's start", None,
+                rows=rows)
         del policy, optimizer
         free_memory(device)
     finally:
@@ -849,75 +1086,247 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
 # --------------------------------------------------------------------------------------------------
 
 # --------------------------------------------------------------------------------------------------
-# e. The trainer's first flex compile with one compile worker and with its own count
+# e. The head kernels' tiles and variants, for tuning on the device (issue #43, items 2 and 3)
 # --------------------------------------------------------------------------------------------------
 
-# One process of part e: infra imported (it reads TORCHINDUCTOR_COMPILE_THREADS as launched), then
-# the variable set to 1 as `import vllm` sets it (this machine has no vLLM), then the first call of
-# the trainer's compiled BlockMask builder and flex_attention, forward and (on a GPU) backward,
-# timed with the compile. argv: device, T. Prints JSON: the workers and the seconds.
-COMPILE_TIMING = """
-import json, os, sys, time, torch
-import infra
-os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-device, T = torch.device(sys.argv[1]), int(sys.argv[2])
-cuda = device.type == "cuda"
-dtype = torch.bfloat16 if cuda else torch.float32
-# Qwen2.5-7B's 28 query heads; 28 is no power of 2, so the trainer repeats the KV heads to 28 too
-q, k, v = (torch.randn(1, 28, T, 128, device=device, dtype=dtype, requires_grad=cuda)
-           for _ in "qkv")
-t0 = time.perf_counter()
-mask = infra.compiled_flex(create_block_mask)(lambda b, h, i, j: i >= j, 1, None, T, T,
-                                              device=device)
-out = infra.compiled_flex(flex_attention)(q, k, v, block_mask=mask)
-if cuda:
-    out.float().square().mean().backward()
-    torch.cuda.synchronize()
-print(json.dumps({"workers": infra.trainer_compile_threads(), "seconds": time.perf_counter() - t0}))
-"""
+# Candidate tiles for the forward statistics (bm, bn, bk, split, group_m, num_warps, num_stages);
+# the first is kernels.logprob.pick_tiles' bf16 choice. Hopper's wgmma favours 128 x 256 tiles and
+# 8 warps; wider splits mean fewer partials to merge.
+FWD_TILES = ((128, 128, 64, 2048, 8, 8, 3), (128, 256, 64, 2048, 8, 8, 3),
+             (128, 256, 64, 4096, 8, 8, 4), (128, 256, 64, 2048, 8, 8, 4),
+             (128, 128, 64, 2048, 8, 4, 4), (256, 128, 64, 2048, 8, 8, 3),
+             (128, 256, 32, 2048, 8, 8, 4), (64, 256, 64, 2048, 8, 4, 4),
+             (128, 128, 128, 2048, 8, 8, 2), (128, 256, 64, 8192, 16, 8, 3))
 
 
-def first_compile(device, T: int, launched: str | None, seconds: float) -> dict:
-    """COMPILE_TIMING in a new process with empty inductor and Triton caches; `launched`: the
-    TORCHINDUCTOR_COMPILE_THREADS it starts with (None: unset, the project's own count)."""
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="gpu_check_compile_") as cache:
-        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
-        env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   PYTHONPATH=str(ROOT))
-        if launched is not None:
-            env["TORCHINDUCTOR_COMPILE_THREADS"] = launched
-        proc = subprocess.run([sys.executable, "-c", COMPILE_TIMING, str(device), str(T)],
-                              env=env, capture_output=True, text=True, timeout=max(seconds, 1),
-                              check=False)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
-                           else f"exit status {proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def timed(fn, device, repeats: int, warmup: int) -> tuple[float, float | None]:
+    """(median seconds, peak extra GiB or None on CPU) of fn() after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    free_memory(device)
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    extra = ((torch.cuda.max_memory_allocated() - base) / GiB if device.type == "cuda" else None)
+    return statistics.median(times), extra
 
 
-def part_compile_workers(rep: Report, sh: Shapes, device, deadline: Deadline) -> None:
-    """Finding F10: `import vllm` leaves inductor one compile worker; infra.compiled_flex gives the
-    trainer's compiles infra.trainer_compile_threads(). The same first compile, from empty caches,
-    with each (the "1" process is a user who launched with TORCHINDUCTOR_COMPILE_THREADS=1)."""
-    T = sh.compile_T
-    if not deadline.fits(sh.case_seconds["e"]):
-        rep.add("e", "first compile", "skipped: time budget")
-        return
-    own = first_compile(device, T, None, deadline.left() / 2)
-    one = first_compile(device, T, "1", deadline.left())
-    rep.add("e", "first compile",
-            f"{own['workers']} workers {own['seconds']:.1f} s, 1 worker {one['seconds']:.1f} s "
-            f"({one['seconds'] / own['seconds']:.2f}x)",
-            f"empty inductor and Triton caches, a process each: the compiled BlockMask builder "
-            f"(causal) and flex_attention at T {T}, 28 heads of 128 (Qwen2.5-7B's, KV repeated "
-            f"as the trainer does), "
-            + ("forward and backward, bf16" if device.type == "cuda"
-               else "forward (no CPU backward), fp32")
-            + "; the 1-worker process is what vLLM's import leaves the trainer without "
-              "infra.trainer_compile_threads", None,
-            workers=own["workers"], seconds=own["seconds"], one_worker_seconds=one["seconds"])
+@triton.jit
+def row_stats_kernel(z_ptr, y_ptr, m_ptr, s_ptr, r_ptr, zy_ptr, T, V, inv_tau,
+                     BM: tl.constexpr, BN: tl.constexpr):
+    """Online statistics (kernels/logprob.py's m, s, r, z_y) of BM rows of stored fp32 logits
+    [T, V], one BN-wide tile at a time: one pass over each row, no GEMM."""
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    row_ok = rows < T
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    m = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BM,), dtype=tl.float32)
+    r = tl.zeros((BM,), dtype=tl.float32)
+    zy = tl.zeros((BM,), dtype=tl.float32)
+    for v0 in range(0, V, BN):
+        cols = v0 + tl.arange(0, BN)
+        col_ok = cols < V
+        z = tl.load(z_ptr + rows[:, None] * V + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_tau
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        zy += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp(m - m_new)
+        shift = tl.where(m == float("-inf"), 0.0, m - m_new)
+        d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+        e = tl.exp(z - m_new[:, None])
+        r = alpha * (r + shift * s) + tl.sum(e * d, axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+    tl.store(m_ptr + rows, m, mask=row_ok)
+    tl.store(s_ptr + rows, s, mask=row_ok)
+    tl.store(r_ptr + rows, r, mask=row_ok)
+    tl.store(zy_ptr + rows, zy, mask=row_ok)
+
+
+def gemm_then_reduce(x, w, y, inv_tau: float, chunk: int):
+    """A candidate forward: per token chunk, the logits from one cuBLAS GEMM into fp32 (torch.mm
+    out_dtype), then one Triton pass over each row for the online statistics, merged by the
+    project's merge kernel. Writes and reads [chunk, V] fp32 logits: 8 bytes a logit of traffic."""
+    from kernels import logprob as lp
+    from kernels.reference import mm_fp32
+
+    T, V = x.shape[0], w.shape[0]
+    partials = torch.empty(4, 1, T, dtype=torch.float32, device=x.device)
+    for t0 in range(0, T, chunk):
+        n = min(chunk, T - t0)
+        z = mm_fp32(x[t0:t0 + n], w.T)  # (n, V) fp32
+        row_stats_kernel[(triton.cdiv(n, 16),)](
+            z, y[t0:t0 + n], partials[0, 0, t0:], partials[1, 0, t0:], partials[2, 0, t0:],
+            partials[3, 0, t0:], n, V, inv_tau, BM=16, BN=512, num_warps=8)
+        del z
+    logp = torch.empty(T, dtype=torch.float32, device=x.device)
+    ent, norm = torch.empty_like(logp), torch.empty(2, T, dtype=torch.float32, device=x.device)
+    lp._logprob_merge_kernel[(triton.cdiv(T, 128),)](
+        partials[0], partials[1], partials[2], partials[3], logp, ent, norm[0], norm[1], T, 1,
+        BLOCK=128, num_warps=4)
+    return logp, ent
+
+
+def tiles_sweep(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline) -> None:
+    """The forward statistics (the old-log-prob pass) at each candidate tile, and the candidate
+    GEMM-then-reduce forward, at part a's timed shape; logp of each against the default tiles'."""
+    from kernels import logprob as lp
+    T, H, V = sh.timed_T, sh.head_H, sh.head_V
+    x, w, y, _ = bench_logprob.make_inputs(T, H, V, sh.dtype, device)
+    flops = 2 * T * H * V
+    results, base = [], None
+    tiles = FWD_TILES if device.type == "cuda" else (None,)  # the interpreter: its own tiles
+    for spec in tiles:
+        if not deadline.fits(sh.case_seconds["e"]):
+            break
+        t = lp.pick_tiles(sh.dtype, T, H, V) if spec is None else lp.Tiles(*spec)
+        try:
+            run = lambda t=t: lp._forward_stats(x, w, y, 1.0, t)  # noqa: E731
+            sec, _ = timed(run, device, sh.timed_repeats, sh.timed_warmup)
+            logp = run()[0]
+        except Exception as e:  # a tile the compiler refuses (shared memory) is a row detail
+            results.append((spec, None, error_text(e)[:80]))
+            free_memory(device)
+            continue
+        base = logp if base is None else base
+        diff = (logp - base).abs().max().item()
+        results.append((spec, flops / sec / 1e12, f"logp vs first {fmt(diff, 2)}"))
+    done = [r for r in results if r[1] is not None]
+    best = max(done, key=lambda r: r[1]) if done else None
+    rep.add("e", "forward tiles",
+            "n/a" if best is None else
+            f"best {best[1]:.3g} TFLOP/s ({100 * best[1] / peak:.0f}% of peak) at {best[0]}",
+            "; ".join(f"{r[0]}: " + (f"{r[1]:.3g}" if r[1] else "-") + f" ({r[2]})"
+                      for r in results) + f"; T {T}, (bm, bn, bk, split, group_m, warps, stages)",
+            None, sweep=[dict(tiles=r[0], tflops=r[1], note=r[2]) for r in results])
+    if deadline.fits(sh.case_seconds["e"]):
+        rows = []
+        for chunk in ((2048, 4096, 8192) if device.type == "cuda" else (32,)):
+            try:
+                sec, extra = timed(lambda c=chunk: gemm_then_reduce(x, w, y, 1.0, c), device,
+                                   sh.timed_repeats, sh.timed_warmup)
+                logp = gemm_then_reduce(x, w, y, 1.0, chunk)[0]
+                diff = None if base is None else (logp - base).abs().max().item()
+                rows.append(dict(chunk=chunk, tflops=flops / sec / 1e12, extra_gib=extra,
+                                 logp_vs_fused=diff))
+            except Exception as e:
+                rows.append(dict(chunk=chunk, error=error_text(e)[:120]))
+                free_memory(device)
+        ok = [r for r in rows if "tflops" in r]
+        top = max(ok, key=lambda r: r["tflops"]) if ok else None
+        rep.add("e", "gemm then reduce",
+                "n/a" if top is None else
+                f"best {top['tflops']:.3g} TFLOP/s ({100 * top['tflops'] / peak:.0f}%) at chunk "
+                f"{top['chunk']}, +{fmt(top['extra_gib'], 2)} GiB",
+                "; ".join(f"chunk {r['chunk']}: " + (f"{r['tflops']:.3g} TFLOP/s, "
+                          f"+{fmt(r['extra_gib'], 2)} GiB, logp vs fused {fmt(r['logp_vs_fused'], 2)}"
+                          if "tflops" in r else r["error"]) for r in rows),
+                None, rows=rows)
+    else:
+        rep.add("e", "gemm then reduce", "skipped: time budget")
+    del x, w, y
+    free_memory(device)
+
+
+def loss_variants(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline) -> None:
+    """The fused loss path (the on-policy update's head) at part a's timed shape: its time and
+    extra memory with dW summed over token chunks in fp32 (the default) or in dW's own dtype (as
+    Liger does), at three workspaces; dW's difference between the two, relative to its largest."""
+    from kernels import logprob as lp
+    T, H, V = sh.timed_T, sh.head_H, sh.head_V
+    x, w, y, g = bench_logprob.make_inputs(T, H, V, sh.dtype, device)
+    tiles = lp.pick_tiles(sh.dtype, T, H, V)
+    rows, ref = [], None
+    for workspace, dw_fp32 in ((1 << 30, True), (1 << 30, False), (1 << 28, False),
+                               (1 << 32, False), (1 << 32, True)):
+        if not deadline.fits(sh.case_seconds["e"]):
+            break
+        run = lambda ws=workspace, f=dw_fp32: lp._loss_forward(  # noqa: E731
+            x, w, y, g, 1.0, True, True, ws, tiles, dw_fp32=f)
+        try:
+            sec, extra = timed(run, device, sh.timed_repeats, sh.timed_warmup)
+            dw = run()[3].float()
+        except Exception as e:
+            rows.append(dict(workspace=workspace, dw_fp32=dw_fp32, error=error_text(e)[:120]))
+            free_memory(device)
+            continue
+        ref = dw if ref is None else ref
+        diff = ((dw - ref).abs().max() / ref.abs().max()).item()
+        rows.append(dict(workspace=workspace, dw_fp32=dw_fp32, ms=sec * 1e3,
+                         tflops=6 * T * H * V / sec / 1e12, extra_gib=extra, dw_vs_fp32=diff,
+                         chunks=-(-T // lp.loss_chunk_tokens(T, V, x.element_size(), workspace,
+                                                              tiles))))
+        del dw
+        free_memory(device)
+    rep.add("e", "loss variants",
+            f"{len(rows)} variants",
+            "; ".join(f"ws {r['workspace'] >> 20} MiB dW {'fp32' if r['dw_fp32'] else 'own'}: "
+                      + (f"{r['ms']:.1f} ms, {r['tflops']:.3g} TFLOP/s, "
+                         + (f"+{r['extra_gib']:.2f} GiB, " if r['extra_gib'] is not None else "")
+                         + f"{r['chunks']} chunks, dW vs fp32-summed {fmt(r['dw_vs_fp32'], 2)}"
+                         if "ms" in r else r["error"]) for r in rows),
+            None, rows=rows)
+    del x, w, y, g, ref
+    free_memory(device)
+
+
+def fp32_tau_case(rep: Report, sh: Shapes, device, deadline: Deadline) -> None:
+    """tests/test_kernels.py's fp32 "offset" case at tau 0.7 (T 70, V 1000, H 96, every logit
+    +1000 through one shared weight column, gradients of logp and entropy, a 100,000-byte
+    workspace): the one real gap of the first GPU run, Triton's dX 4.3e-2 of its largest entry
+    from float64 against the chunked twin's 1.1e-3. Here with and without fused multiply-adds in
+    the kernels (kernels.logprob.FP_FUSION), the twin beside them."""
+    from kernels import logprob as lp
+    T, H, V, tau, ws = 70, 96, 1000, 0.7, 100_000
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen)
+    w = torch.randn(V, H, generator=gen) * (3 / H ** 0.5)
+    x[:, 0], w[:, 0] = 1.0, 1000.0
+    y = torch.randint(0, V, (T,), generator=gen)
+    up = torch.Generator().manual_seed(1)
+    g, gh = torch.randn(T, generator=up), torch.randn(T, generator=up)
+    x, w, y, g, gh = (t.to(device) for t in (x, w, y, g, gh))
+
+    def grads(fn, dtype, **kw):
+        xr = x.detach().clone().to(dtype).requires_grad_()
+        wr = w.detach().clone().to(dtype).requires_grad_()
+        logp, ent = fn(xr, wr, y, tau, **kw)
+        ((logp * g.to(dtype)).sum() + (ent * gh.to(dtype)).sum()).backward()
+        return logp.detach().double(), xr.grad.double()
+
+    want = grads(kernels.fused_logprob_reference, torch.float64)
+    found, saved = {}, lp.FP_FUSION
+    try:
+        for fusion in (False, True):
+            lp.FP_FUSION = fusion
+            logp, dx = grads(kernels.fused_logprob, torch.float32, backend="triton",
+                             workspace_bytes=ws)
+            found[fusion] = {"logp": (logp - want[0]).abs().max().item(),
+                             "dX": ((dx - want[1]).abs().max() / want[1].abs().max()).item()}
+    finally:
+        lp.FP_FUSION = saved
+    logp, dx = grads(kernels.chunked_logprob, torch.float32, workspace_bytes=ws)
+    twin = ((dx - want[1]).abs().max() / want[1].abs().max()).item()
+    rep.add("e", "fp32 tau 0.7 offset",
+            f"dX off {fmt(found[False]['dX'], 2)} without fma, {fmt(found[True]['dX'], 2)} with",
+            f"T {T}, H {H}, V {V}, w[:, 0] = 1000, tau {tau}; logp off "
+            f"{fmt(found[False]['logp'], 2)} / {fmt(found[True]['logp'], 2)}; chunked twin dX "
+            f"{fmt(twin, 2)}", found[False]["dX"] <= 4 * twin,
+            without=found[False], with_fma=found[True], chunked_dx=twin)
+
+
+def part_tiles(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline) -> None:
+    fp32_tau_case(rep, sh, device, deadline)
+    tiles_sweep(rep, sh, device, peak, deadline)
+    loss_variants(rep, sh, device, peak, deadline)
 
 
 def version(module: str) -> str:
@@ -987,7 +1396,7 @@ def main(argv=None) -> Report:
                     help="folder for gpu_check.md and gpu_check.json (default: $OUT)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the parts in all (default 440 on a GPU, 300 dry)")
-    ap.add_argument("--parts", default="a,d,c,b,e", help="which parts, e.g. a,d")
+    ap.add_argument("--parts", default="a,e,b,c,d", help="which parts, e.g. a,d")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of part b's policy (default 8 of 28; dry 2)")
     args = ap.parse_args(argv)
@@ -1017,7 +1426,7 @@ def main(argv=None) -> Report:
             "d": lambda d: part_recompiles(rep, sh, device, d, log),
             "c": lambda d: part_shared_prefix(rep, sh, device, d),
             "b": lambda d: part_update(rep, sh, device, peak, d, layers, log),
-            "e": lambda d: part_compile_workers(rep, sh, device, d),
+            "e": lambda d: part_tiles(rep, sh, device, peak, d),
         }
         total_share = sum(SHARE[p] for p in parts) or 1.0
         for part in parts:

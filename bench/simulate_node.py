@@ -51,8 +51,9 @@ gpu_paths install them, and restore everything on exit):
     k, v, out and the logsumexp, and the backward allocates dq, dk, dv. transformers 5.19 repeats
     k and v to all heads before calling flex_attention when the head count is not a power of two
     (Qwen2.5-7B: 28), on GPU as well, so k and v are held at 28 heads, not 4.
- 3. The BlockMask: infra.tree_attention_mask compiles create_block_mask on GPU, which never holds a
-    (T, T) mask; the eager version on CPU evaluates all T^2 pairs at once. block_mask_by_stripes
+ 3. The BlockMask: infra.tree_attention_mask builds it with infra.mask_builder, on GPU a compiled
+    create_block_mask, which never holds a (T, T) mask; run eagerly, as on CPU after dynamo's
+    trace, it evaluates all T^2 pairs at once. block_mask_by_stripes
     evaluates the same mask_mod one 128-row stripe at a time and reduces it with torch's own
     conversion: the same BlockMask (test_simulate_node.py pins it to create_block_mask).
  4. The LM head: on CUDA kernels/reference.py multiplies bf16 operands into an fp32 result
@@ -258,6 +259,7 @@ def gpu_paths():
           swapped(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True),
           swapped(hf_flex, "compile_friendly_flex_attention", uncompiled),
           swapped(flex, "create_block_mask", block_mask_by_stripes),
+          swapped(infra, "mask_builder", lambda device: block_mask_by_stripes),
           swapped(kernels.reference, "_FP32_OUT_OK", cuda_gemm), row_gather):
         yield
 

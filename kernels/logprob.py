@@ -79,6 +79,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Bytes the backward (and the loss path's forward) may use for logits/dZ scratch at once.
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 
+# No fused multiply-add contraction in the kernels (Triton's enable_fp_fusion). With it the GPU
+# compiler may turn z - m = acc / tau - m into one fma(acc, 1/tau, -m), skipping z's rounding in
+# some expressions and not in others (the max, the target logit, the recomputed tile): at tau != 1
+# and |z| ~ 1e3 log p and sum_v p_v then move by z's half ulp (6e-5), and a large LM-head column
+# multiplies that in dX (issue #43: fp32 dX 4.3e-2 off at tau 0.7 on an H200). Each product rounded
+# once, as written, every pass sees the same z. The GEMM's own accumulation (tl.dot) is unaffected.
+FP_FUSION = False
+
 
 # ----------------------------------------------------------------------------------------------
 # Tile table (fixed; never autotuned, so the no-grad and training passes use the same tiles)
@@ -309,14 +317,14 @@ def _forward_stats(x, w, y, inv_tau, tiles, z_out=None):
         z_out if z_out is not None else partials, T, V, H, inv_tau,
         SPLIT=tiles.split, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
         STORE_Z=z_out is not None, UPCAST=INTERPRET, PRECISION=_dot_precision(x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
     logp = torch.empty(T, dtype=torch.float32, device=x.device)
     ent = torch.empty_like(logp)
     norm = torch.empty(2, T, dtype=torch.float32, device=x.device)
     block = 128
     _logprob_merge_kernel[(triton.cdiv(T, block),)](
         partials[0], partials[1], partials[2], partials[3], logp, ent, norm[0], norm[1],
-        T, n_splits, BLOCK=block, num_warps=4)
+        T, n_splits, BLOCK=block, num_warps=4, enable_fp_fusion=FP_FUSION)
     return logp, ent, norm
 
 
@@ -332,7 +340,7 @@ def _launch_dz(dz, x, w, z, y, norm, ent, g, gh, v_offset, inv_tau, tiles):
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
         LOAD_Z=z is not None, HAS_G=g is not None, HAS_GH=gh is not None,
         UPCAST=INTERPRET, PRECISION=_dot_precision(x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -367,13 +375,18 @@ def _gemm_operands(x, w):
     return (cdt, x.to(cdt), w.to(cdt)) if cdt != x.dtype else (cdt, x, w)
 
 
-def _grad_outputs(x, w, need_dx, need_dw, one_chunk):
+def _grad_outputs(x, w, need_dx, need_dw, one_chunk, dw_fp32=True):
     """dX, dW, dW32. When several token chunks add into each dW row, the sums go to an fp32 buffer
-    dW32 (V H 4 bytes) and dW is made from it at the end."""
+    dW32 (V H 4 bytes) and dW is made from it at the end; with dw_fp32=False they add into dW
+    itself, rounded to its dtype after each chunk (as Liger-Kernel does: no V H 4-byte buffer)."""
     dx = torch.empty_like(x) if need_dx else None
-    dw = torch.empty_like(w) if need_dw and one_chunk else None
-    dw32 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            if need_dw and not one_chunk else None)
+    dw = dw32 = None
+    if need_dw and one_chunk:
+        dw = torch.empty_like(w)
+    elif need_dw and dw_fp32:
+        dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    elif need_dw:
+        dw = torch.zeros_like(w)
     return dx, dw, dw32
 
 
@@ -419,9 +432,10 @@ def loss_chunk_tokens(T: int, V: int, elem_bytes: int, workspace_bytes: int, til
     return min(T, _round_down(workspace_bytes // (V * (4 + elem_bytes)), tiles.bm))
 
 
-def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, tiles):
+def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, tiles,
+                  dw_fp32=True):
     """logp, entropy, and dX, dW of sum_t coef_t logp_t,
-    from one pass over the vocabulary (6THV)."""
+    from one pass over the vocabulary (6THV). dw_fp32: _grad_outputs."""
     T, H = x.shape
     V = w.shape[0]
     logp = torch.empty(T, dtype=torch.float32, device=x.device)
@@ -430,7 +444,8 @@ def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, til
     tc = loss_chunk_tokens(T, V, torch.finfo(cdt).bits // 8, workspace_bytes, tiles)
     z_buf = torch.empty(tc * V, dtype=torch.float32, device=x.device)
     dz_buf = torch.empty(tc * V, dtype=cdt, device=x.device)
-    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, one_chunk=tc >= T)
+    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, tc >= T, dw_fp32)
+    one_chunk = tc >= T
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)
         n = t1 - t0
@@ -443,10 +458,12 @@ def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, til
         if need_dx:
             _mm_into(dx[t0:t1], dz, w_op)
         if need_dw:
-            if dw is not None:
+            if one_chunk:
                 _mm_into(dw, dz.T, x_op[t0:t1])
-            else:
+            elif dw32 is not None:
                 addmm_fp32_(dw32, dz.T, x_op[t0:t1])
+            else:
+                dw.addmm_(dz.T, x_op[t0:t1])  # fp32 inside the GEMM, rounded to dW's dtype
     if dw32 is not None:
         dw = dw32.to(w.dtype)
     return logp, ent, dx, dw

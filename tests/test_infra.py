@@ -2641,15 +2641,22 @@ if __name__ == "__main__":
                 "sp-parity": worker_sp_parity, "sp-flex": worker_sp_flex, "rope": worker_rope})
 
 
-def test_optimizer_state_made_early_trains_exactly_as_made_late():
+ADAMW_IMPLEMENTATIONS = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+                         "loop": dict(foreach=False)}
+
+
+@pytest.mark.parametrize("impl", ADAMW_IMPLEMENTATIONS)
+def test_optimizer_state_made_early_trains_exactly_as_made_late(impl):
     """infra.create_optimizer_state makes AdamW's moments before the first forward (on GPU, so
     they do not pin memory the first backward freed, which vLLM's wake-up needs) and leaves the run
-    bit for bit as the lazy state would: three steps of the same gradients end in the same weights
-    and moments. The bias correction reads the step counter, so a counter left at 1 fails this."""
+    bit for bit as the lazy state would, in each of torch's implementations: the same counters
+    (dtype and device too) and three steps of the same gradients end in the same weights and
+    moments. The bias correction reads the step counter, so a counter left at 1 fails this."""
     torch.manual_seed(0)
     lazy_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
     early_model = copy.deepcopy(lazy_model)
-    lazy, early = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    lazy, early = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,
+                                     **ADAMW_IMPLEMENTATIONS[impl])
                    for m in (lazy_model, early_model))
     infra.create_optimizer_state(early)
     assert all(torch.equal(p, q) for p, q in zip(lazy_model.parameters(),
@@ -2664,4 +2671,49 @@ def test_optimizer_state_made_early_trains_exactly_as_made_late():
     for p, q in zip(lazy_model.parameters(), early_model.parameters()):
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(lazy.state[p][key], early.state[q][key]), key
+            a, b = lazy.state[p][key], early.state[q][key]
+            assert torch.equal(a, b) and (a.dtype, a.device) == (b.dtype, b.device), key
+
+
+def allocated_peak(fn, *tracked) -> int:
+    """Bytes fn() allocates at its peak beyond what was alive when it began (torch's MemTracker,
+    which counts every tensor storage made while it watches; `tracked`: modules and optimisers
+    whose tensors existed before)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def total(snapshot: dict) -> int:
+        (_, kinds), = snapshot.items()
+        return kinds["Total"]
+
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    start = total(tracker.get_tracker_snapshot())
+    with tracker:
+        fn()
+    return total(tracker.get_tracker_snapshot("peak")) - start
+
+
+def test_the_optimiser_holds_its_two_moments_and_nothing_more_at_start_and_step():
+    """Issue #41, item 1: the update's measured peak on an H200 was the optimiser step, 20P/s bytes
+    (weights, gradients, two moments and the fp32 copy of every second moment that torch's
+    foreach AdamW makes: CUDA's default), and start-up held gradients beside the moments while
+    vLLM was awake. spell.make_optimizer names the fused implementation on every device and
+    infra.create_optimizer_state makes the state without a step. Here the tracker counts, on CPU:
+    start-up allocates the two fp32 moments (8P bytes) and a 4-byte counter per tensor; the step
+    allocates nothing. The foreach path, forced, shows what the tracker would see (4P: its copy).
+    Watched fail with the old start (a step on zero gradients: 12P) and with foreach named."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    P = sum(p.numel() for p in model.parameters())
+    cfg = spell.Config()
+    for name, optimizer in (("spell", spell.make_optimizer(model, cfg)),
+                            ("foreach", torch.optim.AdamW(model.parameters(), foreach=True))):
+        start = allocated_peak(lambda: infra.create_optimizer_state(optimizer), model)
+        assert start == 8 * P + 4 * len(optimizer.state), (name, start, P)
+        model(torch.randn(8, 64)).square().sum().backward()
+        step = allocated_peak(optimizer.step, model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        if name == "spell":
+            assert step == 0, f"the step allocated {step} bytes ({step / (4 * P):.2f} x 4P)"
+        else:
+            assert step >= 4 * P, step  # the tracker sees a temporary where there is one
