@@ -1272,8 +1272,25 @@ def parameter_counts(mc) -> dict[str, int]:
     return {"layer": layer, "root": root, "total": mc.num_hidden_layers * layer + root}
 
 
-def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dict[str, float]:
-    """GiB per GPU of a training step, by term, and the two phases that must each fit on the device.
+# AdamW's step, beyond its state, allocates per parameter shard (fp32 bytes a parameter), by torch's
+# implementation (torch/optim/adam.py): fused, one kernel that updates weights and moments in place,
+# nothing; foreach, torch._foreach_sqrt(exp_avg_sqs), a copy of every second moment, alive to the
+# step's end. spell.make_optimizer names fused (test_infra pins the two together).
+ADAMW_STEP_BYTES = {"fused": 0, "foreach": 4}
+
+# What memory_estimate leaves out, GiB a GPU, which check_memory keeps free beside every phase: the
+# CUDA context (one a GPU: vLLM runs in the trainer's process, external_launcher), NCCL's buffers
+# (a communicator's grow with its channels and peers), vLLM's CUDA-graph pool (inside its
+# gpu_memory_utilization share while it is awake, vLLM >= 0.21; resident while it sleeps unless
+# sleep_mode_offload_cudagraph) and the caching allocator's fragmentation (the trainer allocates in
+# expandable segments). An allowance, not a measurement: none of the four has been measured on this
+# project's GPU runs yet (docs/gpu.md, "The memory model").
+UNCOUNTED_GIB = 4.0
+
+
+def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int,
+                    optimizer: str = "fused") -> dict[str, float]:
+    """GiB per GPU of a training step, by term, and the phases that must each fit on the device.
 
     Symbols: P parameters, R the FSDP2 root group's (embeddings, final norm, LM head), Λ one
     decoder layer's, L layers; s the ranks a parameter is sharded over (world, or
@@ -1284,9 +1301,15 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     4), each term as bench/simulate_node.py's tracker finds it on an FSDP2 update:
 
       weights      4P/s       fp32 master shards
-      adamw        8P/s       AdamW's two fp32 moments
-      grads        4P/s       fp32 gradient shards: all of them at the optimiser step, those of
-                              the layers done so far in the backward (4Λ/s each)
+      adamw        8P/s       AdamW's two fp32 moments (infra.create_optimizer_state makes them at
+                              start-up, without a gradient or a step)
+      grads        4P/s       fp32 gradient shards: an optimiser step accumulates over several
+                              micro-batches (a rank of config.toml trains tens a step), so from
+                              the second micro-batch on all of them are alive through every
+                              forward and backward, and at the step
+      adamw_step   b P/s      the step's own temporaries, b = ADAMW_STEP_BYTES[optimizer]: 0 for
+                              the fused implementation (spell.make_optimizer's), 4 for foreach
+                              (a copy of the second moments)
       gathered     2R + 4Λ    bf16 parameters FSDP2 holds gathered in a layer's backward: the root
                               (from the forward to the end of the backward), the layer and the
                               next one (prefetched)
@@ -1317,24 +1340,37 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
     holds q also holds k and v of Hk = max(Hkv, SP) heads, and the attention output is kept once
     more on its way back to the rank's tokens: 2q + 4 Hk D more.
 
-    The update's peak is the largest of three moments (+ vLLM's share while it stays awake):
-      a layer's backward      gathered + reduce + activations + tree_mask + the shards made so
-                              far: going down, each layer frees c and adds g = 4Λ/s, and the peak
-                              sits at the second layer of the backward (L c + g) or the last
-                              (2c + (L-1) g)
-      the root's reduction    grads + 6R: its bf16 gradients and FSDP2's fp32 copy of them for the
-                              reduce-scatter (the end of the backward)
-      the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head + tree_mask
-    update_phase = weights + adamw + that moment. vLLM holds `engine.gpu_memory_utilization` of
-    the device while it is awake; it sleeps during the update when engine.sleep_level >= 1. With
-    engine.tensor_parallel_size t its rank holds 1/t of the weights, and of the KV heads (at
-    least one head: vLLM replicates the rest). Not counted: the CUDA context and NCCL buffers
-    (~1-2 GiB), allocator fragmentation, and the weight sync's buckets (~3 x
-    engine.sync_bucket_mb, while vLLM's KV cache is still asleep). On bench/simulate_node.py's
-    Qwen2.5-7B rows the estimate is 0-3 % above the tracker's peak.
+    The phases, each the largest moment in it:
+      start_phase   weights + adamw + vLLM awake: the policy loaded and its AdamW state made
+                    (create_optimizer_state) while vLLM holds its share; as the rollouts'
+      rollout_phase the same bytes (zero_grad freed the gradients after the last step)
+      update_phase  weights + adamw + grads + the largest of four moments (+ vLLM's share if it
+                    stays awake: engine.sleep_level 0):
+        a layer's backward      gathered + reduce + activations + tree_mask
+        the root's reduction    6R + 4R/s: its bf16 gradients, FSDP2's fp32 copy of them for the
+                                reduce-scatter, and the reduced shard before it is added to the
+                                gradient already there
+        the LM head's backward  gathered + L c + 6SH (the final norm's) + lm_head + tree_mask
+        the optimiser step      adamw_step
+    update_backward and update_step are the trainer's bytes at the backwards' largest moment and
+    at the step. In an update of one micro-batch (bench/simulate_node.py's 8-GPU rows) only the
+    shards of the layers done so far exist in the backward: there the estimate reads high by the
+    rest of 4P/s.
+
+    vLLM holds `engine.gpu_memory_utilization` of the device while it is awake; it sleeps during
+    the update when engine.sleep_level >= 1. With engine.tensor_parallel_size t its rank holds 1/t
+    of the weights, and of the KV heads (at least one head: vLLM replicates the rest). Not counted
+    (check_memory keeps UNCOUNTED_GIB for them): the CUDA context, NCCL's buffers, vLLM's CUDA-graph
+    pool while it sleeps, and the allocator's fragmentation; nor the weight sync's buckets (~3 x
+    engine.sync_bucket_mb, while vLLM's KV cache is still asleep). Against bench/gpu_check.py's
+    update on one H200 (8 of Qwen2.5-7B's 28 layers, world 1, two micro-batches of 16K or 32K
+    tokens) the estimate reads 0-1 % above the measured peak (docs/gpu.md).
     """
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
+    if optimizer not in ADAMW_STEP_BYTES:
+        raise ValueError(f"memory_estimate: optimizer {optimizer!r}, not one of "
+                         f"{', '.join(ADAMW_STEP_BYTES)} (torch's AdamW implementations it models)")
     p = parameter_counts(mc)
     P, R, layer = p["total"], p["root"], p["layer"]
     # a micro-batch holds up to engine.micro_batch_tokens, or one sequence longer than that (a
@@ -1357,13 +1393,13 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
         c, a_peak = 2 * S * H, S * (a + 4 * I + 2 * H)
     else:
         c, a_peak = S * a, S * (4 * I + 2 * H)
-    g = 4 * layer / shards  # one layer's fp32 gradient shard
     # kernels/logprob.py
     head_scratch = DEFAULT_CHUNK_BYTES if cfg.engine.logprob_impl == "torch" else 1 << 30
     gib = {
         "weights": 4 * P / shards,
         "grads": 4 * P / shards,
         "adamw": 8 * P / shards,
+        "adamw_step": ADAMW_STEP_BYTES[optimizer] * P / shards,
         "gathered": 2 * R + 4 * layer,
         "reduce": 2 * V * H + 6 * layer,
         "activations": L * c + a_peak,
@@ -1376,32 +1412,39 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int) -> dic
         "vllm_minimum": (2 * P / tp
                          + 2 * 2 * L * k_rank * longest),
     }
-    so_far = max(g, 2 * c + (L - 1) * g - L * c)  # fp32 gradient shards at a layer's peak
-    moments = (gib["gathered"] + gib["reduce"] + gib["activations"] + gib["tree_mask"]
-               + so_far,  # a layer's backward
-               gib["grads"] + 6 * R,  # the root's reduce-scatter
-               gib["gathered"] + L * c + 6 * S * H + gib["lm_head"]
-               + gib["tree_mask"])  # the LM head's backward
+    backward = max(gib["gathered"] + gib["reduce"] + gib["activations"]
+                   + gib["tree_mask"],  # a layer's backward
+                   6 * R + 4 * R / shards,  # the root's reduce-scatter
+                   gib["gathered"] + L * c + 6 * S * H + gib["lm_head"]
+                   + gib["tree_mask"])  # the LM head's backward
     gib = {key: value / 2**30 for key, value in gib.items()}
     gib["vllm"] = cfg.engine.gpu_memory_utilization * device_gib
+    held = gib["weights"] + gib["adamw"] + gib["grads"]  # through every micro-batch and the step
+    gib["update_backward"] = held + backward / 2**30
+    gib["update_step"] = held + gib["adamw_step"]
+    # start-up: create_optimizer_state makes the moments beside the weights, vLLM awake; the
+    # rollouts hold the same (zero_grad freed the gradients)
+    gib["start_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
+    gib["rollout_phase"] = gib["start_phase"]
     sleeps = cfg.engine.sleep_level >= 1
-    # rollouts: vLLM awake beside the trainer's weights and optimizer state
-    # (zero_grad freed the gradients)
-    gib["rollout_phase"] = gib["weights"] + gib["adamw"] + gib["vllm"]
-    gib["update_phase"] = (gib["weights"] + gib["adamw"] + max(moments) / 2**30
+    gib["update_phase"] = (max(gib["update_backward"], gib["update_step"])
                            + (0.0 if sleeps else gib["vllm"]))
-    gib["peak"] = max(gib["rollout_phase"], gib["update_phase"])
+    gib["peak"] = max(gib["start_phase"], gib["rollout_phase"], gib["update_phase"])
     return gib
 
 
 def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> None:
-    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit;
-    name the keys to change."""
+    """Refuse, before vLLM starts, a run that memory_estimate says cannot fit with UNCOUNTED_GIB
+    to spare (start-up, rollouts, the update's backward and its optimiser step); name the keys to
+    change."""
+    room = device_gib - UNCOUNTED_GIB
     sharded = est["weights"] + est["grads"] + est["adamw"]
     shards = mesh_shape(cfg, world)[-1]
     more_gpus = (f"or shard over more GPUs (weights, gradients and AdamW: {sharded:.1f} GiB "
                  f"a GPU on {shards}"
                  + (", engine.fsdp_shard_size)" if shards < world else ")"))
+    spare = (f"{device_gib:.1f} GiB less {UNCOUNTED_GIB:.1f} for what the estimate leaves out "
+             f"(CUDA context, NCCL, vLLM's CUDA graphs, fragmentation)")
     if est["vllm"] < est["vllm_minimum"]:
         raise ConfigError(
             f"memory: vLLM's share, engine.gpu_memory_utilization x {device_gib:.1f} GiB = "
@@ -1411,12 +1454,13 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
             f"raise engine.gpu_memory_utilization or engine.tensor_parallel_size, lower "
             f"rollout.max_prompt_tokens / rollout.max_new_tokens (and "
             f"rollout.role_max_new_tokens), or use a smaller model (model.path)")
-    if est["rollout_phase"] > device_gib:
+    if max(est["start_phase"], est["rollout_phase"]) > room:
         raise ConfigError(
-            f"memory: estimated {est['rollout_phase']:.1f} GiB per GPU during rollouts > "
-            f"{device_gib:.1f} GiB: lower engine.gpu_memory_utilization "
-            f"(vLLM: {est['vllm']:.1f} GiB), {more_gpus}")
-    if est["update_phase"] > device_gib:
+            f"memory: estimated {max(est['start_phase'], est['rollout_phase']):.1f} GiB per GPU "
+            f"at start-up and during rollouts (the fp32 weights and AdamW's moments beside vLLM) > "
+            f"{spare}: lower engine.gpu_memory_utilization (vLLM: {est['vllm']:.1f} GiB), "
+            f"{more_gpus}")
+    if est["update_phase"] > room:
         fixes = [f"lower engine.micro_batch_tokens (activations: {est['activations']:.1f} GiB)"]
         if cfg.engine.sequence_parallel < world:
             fixes.append(f"raise engine.sequence_parallel (now {cfg.engine.sequence_parallel}: "
@@ -1429,24 +1473,31 @@ def check_memory(cfg, est: dict[str, float], device_gib: float, world: int) -> N
         if cfg.engine.sleep_level == 0:
             fixes.append(f"set engine.sleep_level = 1 "
                          f"(frees vLLM's {est['vllm']:.1f} GiB during the update)")
+        when = ("its optimiser step" if est["update_step"] > est["update_backward"]
+                else "its backward")
         raise ConfigError(f"memory: estimated {est['update_phase']:.1f} GiB per GPU "
-                          f"during the update > {device_gib:.1f} GiB: {', '.join(fixes)}, "
+                          f"during the update (at {when}) > {spare}: {', '.join(fixes)}, "
                           f"{more_gpus}")
 
 
 def memory_line(est: dict[str, float], device_gib: float) -> str:
     """memory_estimate as one log line."""
-    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "gathered",
-                                                    "reduce", "activations", "lm_head", "tree_mask",
-                                                    "vllm") if k != "tree_mask" or est[k])
-    return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (rollouts "
-            f"{est['rollout_phase']:.1f}, update {est['update_phase']:.1f}; GiB: {terms})")
+    terms = ", ".join(f"{k} {est[k]:.1f}" for k in ("weights", "grads", "adamw", "adamw_step",
+                                                    "gathered", "reduce", "activations", "lm_head",
+                                                    "tree_mask", "vllm")
+                      if k not in ("tree_mask", "adamw_step") or est[k])
+    return (f"memory: estimate {est['peak']:.1f} of {device_gib:.1f} GiB per GPU (start-up and "
+            f"rollouts {est['rollout_phase']:.1f}, update {est['update_phase']:.1f}: backward "
+            f"{est['update_backward']:.1f}, optimiser step {est['update_step']:.1f}; "
+            f"{UNCOUNTED_GIB:.1f} kept for the CUDA context, NCCL, vLLM's CUDA graphs and "
+            f"fragmentation; GiB: {terms})")
 
 
 def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
                           longest: int) -> None:
-    """On GPU, before vLLM starts: print memory_estimate's line, and refuse a run that cannot fit.
-    Only the dense decoders parameter_counts knows (llama, qwen2) have an estimate."""
+    """On GPU, before vLLM starts: print memory_estimate's line, and refuse a run that cannot fit
+    (check_memory: start-up, rollouts, the update's backward and its optimiser step). Only the
+    dense decoders parameter_counts knows (llama, qwen2) have an estimate."""
     if (found := start_estimate(cfg, model_dir, device, world, longest)) is None:
         return
     estimate, device_gib = found
@@ -1456,8 +1507,9 @@ def check_memory_at_start(cfg, model_dir: str, device: torch.device, world: int,
 
 def start_estimate(cfg, model_dir: str, device: torch.device, world: int,
                    longest: int) -> tuple[dict[str, float], float] | None:
-    """memory_estimate for the model in model_dir on this GPU, and the GPU's GiB; None (and a line
-    saying so) for a model_type parameter_counts does not know (llama and qwen2 only)."""
+    """memory_estimate for the model in model_dir on this GPU, with the AdamW spell.make_optimizer
+    builds (fused: memory_estimate's default), and the GPU's GiB; None (and a line saying so) for a
+    model_type parameter_counts does not know (llama and qwen2 only)."""
     from transformers import AutoConfig
 
     device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
