@@ -1,8 +1,9 @@
 """A simulated 8-GPU node in one CPU process: per-rank peak memory, by category, and FLOPs of the
 project's update step on a Qwen2.5-7B-shaped policy at 16K-128K prompts, beside
-infra.memory_estimate.
+infra.memory_estimate; and bench/gpu_check.py's update in a world of one, beside the H200's.
 
     python bench/simulate_node.py --quick --sp 1,2,4       # 1 layer, a 1K prompt: seconds
+    python bench/simulate_node.py --gpu-check 16384,32768 --layers 8 --foreach   # the H200's rows
     python bench/simulate_node.py --sp 2 --prompts 131072 --save rows.jsonl   # one 28-layer row
     python bench/simulate_node.py --table rows.jsonl       # the saved rows as bench/RESULTS.md's
     python bench/simulate_node.py --trust                  # the tracker against the CPU allocator
@@ -18,11 +19,22 @@ group. With sequence parallelism of degree k (engine.sequence_parallel; spell.lo
 infra.enable_sequence_parallel over infra.sp_group, groups of k consecutive ranks) the k ranks of
 a group share that row, each 1/k of its tokens (engine.micro_batch_tokens is set so that
 spell.row_budget, k times it, holds the row). This process plays the group's last rank
-(simulated_rank): it holds the completions, hence the most LM-head work. The tracker
-(torch.distributed._tools.mem_tracker.MemTracker) watches the second step, after the first has
-created AdamW's state; it labels FSDP2's gathered parameters and its gradients by what they hold
-(Tracker). torch.utils.flop_counter.FlopCounterMode counts the first step's FLOPs, every step's:
-never under the tracker, because the counter's module hooks keep module outputs alive.
+(simulated_rank): it holds the completions, hence the most LM-head work. AdamW's state is made
+before any step, as spell.load_policy makes it (infra.create_optimizer_state). The tracker
+(torch.distributed._tools.mem_tracker.MemTracker) watches the second update, after a warm-up one
+(FSDP2 initialises itself in its first forward); it labels FSDP2's gathered parameters and its
+gradients by what they hold (Tracker), and splits the update's peak into the forwards' and
+backwards' (before_step) and the optimiser step's. torch.utils.flop_counter.FlopCounterMode
+counts the warm-up's FLOPs, every update's: never under the tracker, because the counter's module
+hooks keep module outputs alive.
+
+gpu_check_case runs bench/gpu_check.py's update instead, in a world of one: 8 of Qwen2.5-7B's
+layers, config.toml with engine.micro_batch_tokens = T, and gpu_check's own batch
+(bench_trainer.update_batch: 2 micro-batches of exactly T tokens, 3-6 sequences of irregular
+lengths each, ~90 % prompt), one optimiser step. With the foreach AdamW it lands within 0.3 % of
+the H200's measured peaks (55.21 GiB at 16K: the step; 59.97 at 32K: the second micro-batch's
+backward, which runs beside the 4P bytes of gradient shards the first left: the ~5 GiB issue #41
+could not place; bench/RESULTS.md, test_simulate_node.py).
 
 CPU, not CUDA: FSDP2 asks the CUDA runtime for the current device, and a CPU-only torch has none,
 so the fake tensors sit on "cpu". They count the same bytes (the tracker rounds a CUDA tensor up to
@@ -42,7 +54,9 @@ gpu_paths install them, and restore everything on exit):
     assert read them; no allocation depends on them. Tensors built from Python lists of up to the
     micro-batch's completion tokens (targets, lengths, per-token weights) keep their values
     (FakeTensorMode's constants, its limit raised from 1 element), so the loss bookkeeping and
-    kernels' target-range check see real numbers; the row's (T,) tensors stay value-free.
+    kernels' target-range check see real numbers; the row's (T,) tensors stay value-free. AdamW's
+    step counters, which infra.create_optimizer_state makes as zeros, are remade as such constants
+    (0.0): the foreach and loop implementations read them on the host for the bias correction.
  2. FlexAttention, the project's GPU attention for shared-prefix rows
     (infra.attention_implementation). torch refuses its backward on CPU before any kernel runs,
     and HF and torch compile it; under fake tensors no kernel runs, so the refusal is lifted and
@@ -59,8 +73,10 @@ gpu_paths install them, and restore everything on exit):
  4. The LM head: on CUDA kernels/reference.py multiplies bf16 operands into an fp32 result
     (torch.mm out_dtype); CPU builds lack that and upcast the whole [V, H] head to fp32 (2 GiB at
     Qwen2.5-7B). The simulation gives kernels.reference the CUDA answer (its _FP32_OUT_OK cache).
- 5. AdamW with foreach=True, what CUDA tensors get by default (spell.load_policy names no
-    implementation; on CPU the default is the per-tensor loop).
+ 5. None for AdamW: the simulation builds spell.make_optimizer's (fused; one kernel, whose fake
+    rule allocates nothing, as the CUDA kernel writes in place). project_api(foreach=True)
+    builds torch's foreach implementation instead, CUDA's default before spell named one (its
+    step holds an fp32 copy of every second moment): the H200's rows of issue #41 ran it.
  6. The SP group's sequences: spell.sequence_parallel_batch gathers them from the group's ranks
     (an all_gather_objects, which the fake group cannot carry); here the rank is handed the
     responder group, which is what that gather gives every rank of the group.
@@ -122,10 +138,28 @@ PROMPTS = (16384, 32768, 65536, 131072)
 # Every call into spell.py and infra.py: adapt this one function when their APIs change
 # ==================================================================================================
 
-def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
-    """The project's functions this script runs, bound to a world of `world` ranks."""
+def project_api(world: int, device_gib: float = 80.0, foreach: bool = False) -> SimpleNamespace:
+    """The project's functions this script runs, bound to a world of `world` ranks; `foreach`: AdamW
+    in torch's foreach implementation (stand-in 5) instead of spell.make_optimizer's."""
     import infra
     import spell
+
+    def optimizer(policy, cfg):
+        """spell.load_policy's AdamW and its state, made before any step
+        (infra.create_optimizer_state)."""
+        made = (torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
+                                  weight_decay=cfg.train.weight_decay, foreach=True)
+                if foreach else spell.make_optimizer(policy, cfg))
+        infra.create_optimizer_state(made)
+        for state in made.state.values():  # stand-in 1: the step counters keep their values
+            state["step"] = torch.tensor(0.0, device=state["step"].device)
+        return made
+
+    # what memory_estimate is told: the implementation `optimizer` builds (spell.make_optimizer's
+    # read from one it makes for a single parameter)
+    implementation = adamw_implementation(
+        optimizer(SimpleNamespace(parameters=lambda: [torch.nn.Parameter(torch.zeros(1))]),
+                  spell.Config()))
 
     def config(prompt: int, group: int, answer: int, attention: str, sp: int = 1):
         """config.toml (the paper's 7B recipe) with this case's lengths: one group per micro-batch
@@ -156,18 +190,29 @@ def project_api(world: int, device_gib: float = 80.0) -> SimpleNamespace:
         check_heads=infra.check_heads,
         # one layer's forward all-to-all elements per rank
         exchange_elements=infra.exchange_elements,
-        # spell.load_policy's AdamW; foreach: what CUDA tensors get by default (stand-in 5)
-        optimizer=lambda policy, cfg: torch.optim.AdamW(
-            policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-            foreach=True),
+        optimizer=optimizer,
         sequence=lambda prompt, completion, advantage, weight: spell.Seq(
             prompt, completion, advantage, weight),
         update=lambda policy, optimizer, seqs, cfg: spell.update_policy(
             policy, optimizer, seqs, cfg, world, torch.device("cpu")),
-        # the update phase: the trainer while vLLM sleeps (config.toml's engine.sleep_level 1)
-        estimate=lambda cfg, mc: infra.memory_estimate(
-            cfg, mc, world, device_gib, spell.longest_sequence(cfg)),
+        # the update phase: the trainer while vLLM sleeps (config.toml's engine.sleep_level 1),
+        # for the optimizer this api builds; `longest` (spell.longest_sequence's by default): the
+        # longest sequence, whose row may exceed engine.micro_batch_tokens
+        estimate=lambda cfg, mc, longest=None: infra.memory_estimate(
+            cfg, mc, world, device_gib, longest or spell.longest_sequence(cfg),
+            optimizer=implementation),
+        optimizer_implementation=implementation,
     )
+
+
+def adamw_implementation(optimizer: torch.optim.Optimizer) -> str:
+    """Which of torch's AdamW implementations `optimizer` runs, by infra.ADAMW_STEP_BYTES' names;
+    one that names neither (the device's default: foreach on CUDA, a loop on CPU) is refused."""
+    for name in ("fused", "foreach"):
+        if optimizer.defaults.get(name):
+            return name
+    raise ValueError("an AdamW that names no implementation runs the device's default: "
+                     "name fused or foreach")
 
 
 # ==================================================================================================
@@ -349,6 +394,24 @@ class Tracker(MemTracker):
         for hook in self._fsdp_hooks:
             hook.remove()
 
+    def _pre_fw_hook(self, module, inputs) -> None:
+        """MemTracker refuses a second forward of a top-level module in one tracked region; an
+        update of several micro-batches makes one per micro-batch. The modules' own statistics
+        restart there (the last micro-batch's are kept); the device's totals and peak carry on."""
+        name = self._mod_tracker.get_known_fqn(module)
+        if (module in self.memory_tracking and not self._mod_tracker.is_bw
+                and set(self._mod_tracker.parents) - {name} == {"Global"}):
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """MemTracker's, and where a new peak of the device falls: the modules running then, and
+        whether in the backward."""
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            self.peak_at = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.c10d._reduce_scatter_base_.default:  # (output, input, ...)
@@ -416,24 +479,39 @@ def counted_step(api, policy, optimizer, seqs: list, cfg) -> dict:
 
 
 def measured_step(api, policy, optimizer, seqs: list, cfg) -> dict:
-    """One update under the tracker: the peak by category, and the categories when the step starts,
-    when the backward reaches the decoder (every checkpoint is alive then) and when the optimizer
-    step starts (every sharded gradient exists then)."""
+    """One update under the tracker: the peak by category, that peak's two parts (before the
+    optimizer step: the forwards and backwards; the step itself), and the categories when the
+    update starts, when the last micro-batch's backward reaches the decoder (every checkpoint is
+    alive then) and when the optimizer step starts (every sharded gradient exists then)."""
     tracker = Tracker()
     tracker.track_external(policy, optimizer)
     tracker.track_fsdp(policy)
-    at_step = []
-    hook = optimizer.register_step_pre_hook(
-        lambda *_: at_step.append(tracker.get_tracker_snapshot()))
+    at_step, before_step, where = [], [], []
+    tracker.peak_at = ([], False)
+
+    def step_starts(*_) -> None:
+        """Keep the peak so far, then let the tracker's peak restart from here: the step's own."""
+        at_step.append(tracker.get_tracker_snapshot())
+        before_step.append(tracker.get_tracker_snapshot("peak"))
+        where.append(tracker.peak_at)
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+        tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+
+    hook = optimizer.register_step_pre_hook(step_starts)
     start = tracker.get_tracker_snapshot()
     with tracker:
         api.update(policy, optimizer, seqs, cfg)
     hook.remove()
     tracker.untrack_fsdp()
-    (device, peak), = tracker.get_tracker_snapshot("peak").items()
+    (device, step), = tracker.get_tracker_snapshot("peak").items()
+    step, before = by_category(step), by_category(before_step[0][device])
     # when the gradient reaches the decoder's output (the LM head's backward is done)
     decoder = tracker.memory_tracking[policy.model].snapshots[_ModState.PRE_BW][-1]
-    return {"peak": by_category(peak), "at_step": by_category(at_step[0][device]),
+    # the modules running at the peak before the step (the step's: none), and whether backward
+    modules, backward = where[0] if before["total"] >= step["total"] else ([], False)
+    return {"peak": max(before, step, key=lambda c: c["total"]), "before_step": before,
+            "peak_at": {"modules": modules, "backward": backward},
+            "step": step, "at_step": by_category(at_step[0][device]),
             "start": by_category(start[device]), "backward_start": by_category(decoder[device])}
 
 
@@ -446,41 +524,88 @@ def visible_fraction(prompt: int, group: int, answer: int) -> float:
 
 
 def simulate_case(api, mesh, shape: dict, prompt: int, group: int, answer: int,
-                  attention: str = "flex_attention", sp: int = 1) -> dict:
+                  attention: str = "flex_attention", sp: int = 1, micro_batches: int = 1) -> dict:
     """One responder group's update on `mesh` (fake ranks; this process plays
     simulated_rank(sp)), with Ulysses sequence parallelism of degree sp: the measured step, beside
     memory_estimate for the same case. Every rank of an SP group trains the group's sequences
-    (spell.sequence_parallel_batch gathers them; here they are handed over: stand-in 6)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    (spell.sequence_parallel_batch gathers them; here they are handed over: stand-in 6). With
+    `micro_batches` > 1, as many groups (other draws), one a micro-batch, in one optimiser step:
+    each micro-batch after the first runs beside the gradients of those before, as in a run."""
+    from transformers import Qwen2Config
 
     t0 = time.perf_counter()
     row_tokens = prompt + group * answer
     mc = Qwen2Config(**{**shape, "max_position_embeddings": max(shape.get(
         "max_position_embeddings", 0), row_tokens)}, attn_implementation=attention)
     cfg = api.config(prompt, group, answer, attention, sp)
-    with torch.device("meta"):  # fp32 masters, never materialised
-        model = Qwen2ForCausalLM(mc)
-    policy = api.shard(model, mesh, cfg, torch.bfloat16)
-    seqs = responder_group(api, prompt, group, answer, mc.vocab_size)
-    with fake_tensors(group * answer) as watch, gpu_paths():
-        policy.to_empty(device="cpu")
-        optimizer = api.optimizer(policy, cfg)
-        # the warm-up step, in which AdamW creates its state; its FLOPs are every step's
-        row = counted_step(api, policy, optimizer, seqs, cfg)
-        watch.reset()
-        row.update(measured_step(api, policy, optimizer, seqs, cfg))
+    seqs = [s for seed in range(micro_batches)
+            for s in responder_group(api, prompt, group, answer, mc.vocab_size, seed)]
+    row = simulate_update(api, mesh, mc, cfg, seqs)
     fraction = visible_fraction(prompt, group, answer)
     visible = row["flops"] - row["attention_flops"] * (1 - fraction)
     head_dim = mc.hidden_size // mc.num_attention_heads
     # one layer's forward exchanges, bf16 (infra.exchange_elements); none without SP
     exchange = 0 if sp == 1 else 2 * api.exchange_elements(
         row_tokens, sp, mc.num_attention_heads, mc.num_key_value_heads, head_dim)
-    est = api.estimate(cfg, mc)
     return {**row, "prompt": prompt, "sp": sp, "tokens": tokens_per_rank(row_tokens, sp),
-            "layers": mc.num_hidden_layers, "estimate": est["update_phase"] * GiB,
-            "estimate_terms": est, "visible_flops": visible, "largest": watch.largest,
-            "all_to_all_bytes": watch.all_to_all_bytes, "exchange_bytes": exchange,
+            "micro_batches": micro_batches, "visible_flops": visible, "exchange_bytes": exchange,
             "seconds": time.perf_counter() - t0, "rss": max_rss()}
+
+
+def simulate_update(api, mesh, mc, cfg, seqs: list, flops: bool = True,
+                    longest: int | None = None) -> dict:
+    """spell.update_policy of `seqs` on `mesh` (fake ranks) for the model config `mc`: a warm-up
+    update (under the FLOP counter with `flops`; FSDP2 initialises itself in it), then the measured
+    one, beside memory_estimate's terms for the same config (and `longest`, the longest sequence
+    it allows: spell.longest_sequence(cfg) by default)."""
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):  # fp32 masters, never materialised
+        model = Qwen2ForCausalLM(mc)
+    policy = api.shard(model, mesh, cfg, torch.bfloat16)
+    # stand-in 1: the loss bookkeeping's (N,) tensors keep their values, the rows' (T,) ones not
+    completions = max(len(s.completion) for s in seqs) * cfg.rollout.group_size
+    with fake_tensors(completions) as watch, gpu_paths():
+        policy.to_empty(device="cpu")
+        optimizer = api.optimizer(policy, cfg)
+        # the warm-up update; its FLOPs are every update's
+        if flops:
+            row = counted_step(api, policy, optimizer, seqs, cfg)
+        else:
+            api.update(policy, optimizer, seqs, cfg)
+            row = {}
+        watch.reset()
+        row.update(measured_step(api, policy, optimizer, seqs, cfg))
+    est = api.estimate(cfg, mc, longest)
+    return {**row, "layers": mc.num_hidden_layers, "estimate": est["update_phase"] * GiB,
+            "estimate_terms": est, "largest": watch.largest,
+            "all_to_all_bytes": watch.all_to_all_bytes,
+            "optimizer": adamw_implementation(optimizer),
+            "parameters": sum(p.numel() for p in policy.parameters())}
+
+
+def gpu_check_case(api, mesh, T: int, layers: int = 8, flops: bool = False,
+                   shape: dict | None = None) -> dict:
+    """bench/gpu_check.py's part b, simulated: `layers` of Qwen2.5-7B's 28 (or of `shape`, a
+    bench_trainer shape), config.toml's recipe with engine.micro_batch_tokens = T, and its own
+    batch, bench_trainer.update_batch's sequences of irregular lengths packed into 2 micro-batches
+    of exactly T tokens (3-6 sequences each, ~90 % prompt), in one update (one optimiser step).
+    The torch LM head, as every simulated row."""
+    import bench_trainer
+    import spell
+
+    t0 = time.perf_counter()
+    mc = bench_trainer.model_config(shape or bench_trainer.QWEN25_7B, layers, 32768)
+    mc._attn_implementation = "flex_attention"
+    cfg = spell.load_config(str(spell.ROOT / "config.toml"), [
+        f"--engine.micro_batch_tokens={T}", "--engine.logprob_impl=torch",
+        "--engine.attn_implementation=flex_attention"])
+    seqs = bench_trainer.update_batch(T, 2, mc.vocab_size, cfg, seed=T)
+    # as gpu_check asks memory_estimate: the batch's longest sequence, not the recipe's
+    longest = max(len(s.prompt) + len(s.completion) for s in seqs)
+    row = simulate_update(api, mesh, mc, cfg, seqs, flops=flops, longest=longest)
+    return {**row, "T": T, "tokens": sum(len(s.prompt) + len(s.completion) for s in seqs),
+            "sequences": len(seqs), "seconds": time.perf_counter() - t0, "rss": max_rss()}
 
 
 def max_rss() -> int:
@@ -631,6 +756,35 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
           "seconds: the whole case, on a shared 2-core machine.")
 
 
+# bench/gpu_check.py's update rows on one H200 (8 of Qwen2.5-7B's layers, world 1): GiB allocated
+# at the peak, by AdamW implementation and T (../shared/notes/gpu-run-2026-11-28.md, issue #41)
+H200_GIB = 139.8  # the H200's memory as torch reports it
+H200_UPDATE_PEAKS = {("foreach", 16384): 55.21, ("foreach", 32768): 59.97}
+
+
+def print_gpu_check(rows: list[dict]) -> None:
+    """gpu_check_case's rows: the peak, where it falls, its categories, beside memory_estimate's
+    moments and the H200's measured peak."""
+    print(f"\nbench/gpu_check.py's update simulated in a world of one: {rows[0]['layers']} of "
+          f"Qwen2.5-7B's layers (P = {rows[0]['parameters']:,} in one shard), config.toml, 2 "
+          f"micro-batches of T tokens (bench_trainer.update_batch), FlexAttention, the torch LM "
+          f"head, AdamW {rows[0]['optimizer']}. GiB.")
+    print("| T | peak | before the step | at the step's start | step | params | grads | "
+          "optimizer | activations | temporaries | estimate (backward, step) | estimate / peak "
+          "| H200 | peak / H200 | seconds |")
+    print("|" + "---:|" * 15)
+    for r in rows:
+        peak, gib = r["peak"]["total"], lambda b: f"{b / GiB:.2f}"  # noqa: E731
+        est, measured = r["estimate_terms"], H200_UPDATE_PEAKS.get((r["optimizer"], r["T"]))
+        print(f"| {r['T']:,} | {gib(peak)} | {gib(r['before_step']['total'])} | "
+              f"{gib(r['at_step']['total'])} | {gib(r['step']['total'])} | "
+              + " | ".join(gib(r["peak"][c]) for c in COLUMNS[:-1])
+              + f" | {est['update_phase']:.2f} ({est['update_backward']:.2f}, "
+              f"{est['update_step']:.2f}) | {r['estimate'] / peak:.3f} | "
+              + (f"{measured:.2f} | {peak / GiB / measured:.3f}" if measured else " | ")
+              + f" | {r['seconds']:.0f} |")
+
+
 def main(argv=None) -> None:
     import json
 
@@ -649,6 +803,14 @@ def main(argv=None) -> None:
     ap.add_argument("--save", help="append each row to this JSON Lines file")
     ap.add_argument("--table", help="only print the table of the rows saved in this file")
     ap.add_argument("--trust", action="store_true", help="only the tracker's trust check")
+    ap.add_argument("--gpu-check", metavar="TOKENS",
+                    help="comma-separated T: bench/gpu_check.py's update in a world of one "
+                    "(--layers of Qwen2.5-7B's, 2 micro-batches of T tokens) instead of the node")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="responder groups per rank, one a micro-batch, in one optimiser step")
+    ap.add_argument("--foreach", action="store_true",
+                    help="AdamW's foreach implementation (CUDA's default) instead of "
+                    "spell.make_optimizer's fused one")
     args = ap.parse_args(argv)
     # infra.exchange's all_to_all_single warns of its deprecation at every call
     warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated")
@@ -660,17 +822,26 @@ def main(argv=None) -> None:
             r.update(case_estimate(project_api(WORLD), r, args.group, args.answer,
                                    args.attention))
         return print_table(rows, args.group, args.answer)
+    if args.gpu_check:
+        api, rows = project_api(1, device_gib=H200_GIB, foreach=args.foreach), []
+        for T in map(int, args.gpu_check.split(",")):
+            with process_group("fake", 1) as mesh:
+                rows.append(gpu_check_case(api, mesh, T, args.layers))
+            if args.save:
+                with open(args.save, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+        return print_gpu_check(rows)
     if args.quick:
         args.layers, args.prompts, args.group, args.answer = 1, "1024", 4, 256
     shape = {**QWEN25_7B, "num_hidden_layers": args.layers}
-    api, rows = project_api(WORLD), []
+    api, rows = project_api(WORLD, foreach=args.foreach), []
     for sp in map(int, args.sp.split(",")):
         for prompt in map(int, args.prompts.split(",")):
             r = refused_case(api, shape, prompt, args.group, args.answer, args.attention, sp)
             if r is None:
                 with process_group("fake", WORLD, simulated_rank(sp)) as mesh:
                     r = simulate_case(api, mesh, shape, prompt, args.group, args.answer,
-                                      args.attention, sp)
+                                      args.attention, sp, args.micro_batches)
                 print(f"prompt {prompt}, SP {sp}: peak {r['peak']['total'] / GiB:.2f} GiB per "
                       f"rank, {r['seconds']:.0f} s, process max RSS {r['rss'] / GiB:.2f} GiB",
                       flush=True)
