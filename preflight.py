@@ -380,14 +380,16 @@ def format_table(rows: Sequence[Row], on_gpu: bool) -> str:
 def memory_estimates(cfg: spell.Config, model_dir: str, device: torch.device,
                      world: int) -> dict[str, float]:
     """infra.memory_estimate's GiB per phase of the table, on GPU for the models it knows (as
-    infra.check_memory_at_start computes it: infra.start_estimate); {} otherwise."""
+    infra.check_memory_at_start computes it: infra.start_estimate); {} otherwise. Loading the
+    policy makes its AdamW state beside vLLM: the estimate's start-up phase."""
     if device.type != "cuda":
         return {}
     found = infra.start_estimate(cfg, model_dir, device, world, spell.longest_sequence(cfg))
     if found is None:
         return {}
     est, _ = found
-    return {**{spell.ROLES[r]: est["rollout_phase"] for r in spell.ROLES},
+    return {"load policy": est["start_phase"],
+            **{spell.ROLES[r]: est["rollout_phase"] for r in spell.ROLES},
             "update": est["update_phase"]}
 
 
