@@ -201,7 +201,6 @@ def project_api(world: int, device_gib: float = 80.0, foreach: bool = False) -> 
         estimate=lambda cfg, mc, longest=None: infra.memory_estimate(
             cfg, mc, world, device_gib, longest or spell.longest_sequence(cfg),
             optimizer=implementation),
-        optimizer_implementation=implementation,
     )
 
 
