@@ -35,6 +35,7 @@ import random
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 import tomllib
@@ -908,6 +909,40 @@ def group_timeout(group=None) -> "datetime.timedelta":
     return group._get_backend(device).options._timeout
 
 
+def world_options():
+    """Backend options that carry the world's timeout (engine.collective_timeout_min) into a
+    group init_device_mesh makes: without them torch gives it its default, 10 minutes on NCCL.
+    NCCL: a copy of the world's own options, as torch's split_group copies them by default (the
+    class it requires); gloo reads nothing but the timeout from them."""
+    from torch._C._distributed_c10d import Backend as C10dBackend
+
+    if dist.get_backend() == "nccl":
+        return copy.deepcopy(dist.group.WORLD._get_backend(torch.device("cuda")).options)
+    return C10dBackend.Options(dist.get_backend(), group_timeout())
+
+
+def group_timeouts(policy=None) -> list[tuple[str, datetime.timedelta]]:
+    """(name, timeout) of every process group a run waits in: the world, the policy's mesh (a
+    group a dim, from its DTensor parameters), its Ulysses group (enable_sequence_parallel), and
+    vLLM's, a device and a CPU group each (once vLLM has started in this process)."""
+    found = [("world", group_timeout())]
+    if policy is not None:
+        mesh = next(p.device_mesh for p in policy.parameters() if hasattr(p, "device_mesh"))
+        found += [(f"policy mesh {name}", group_timeout(mesh.get_group(name)))
+                  for name in mesh.mesh_dim_names]
+        if getattr(policy, "sp_group", None) is not None:
+            found.append(("Ulysses", group_timeout(policy.sp_group)))
+    state = sys.modules.get("vllm.distributed.parallel_state")  # imported by vLLM's start-up
+    # its module's globals, one a parallel dim; some dims share one coordinator: listed once
+    coordinators = {id(c): c for c in (vars(state).values() if state else ())
+                    if isinstance(c, state.GroupCoordinator)}
+    for coordinator in coordinators.values():
+        found += [(f"vLLM {coordinator.unique_name} {kind}",
+                   group_timeout(getattr(coordinator, f"{kind}_group")))
+                  for kind in ("device", "cpu")]
+    return found
+
+
 def all_gather_objects(obj: Any, group=None) -> list[Any]:
     """[obj of rank 0, obj of rank 1, ...] of the world (or of `group`, in its ranks' order) on
     each of its ranks (pickled; for metadata and small batches of token ids)."""
@@ -1603,11 +1638,20 @@ def mesh_shape(cfg, world: int) -> tuple[int, ...]:
 
 
 def policy_mesh(cfg, device_type: str, world: int):
-    """init_device_mesh of mesh_shape."""
+    """init_device_mesh of mesh_shape, every group of it waiting as long as the world's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(cfg, world)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    names = ("replicate", "shard")[-len(shape):]
+    # a dim of the whole world is the world's own group; torch makes each other dim's groups with
+    # its default timeout (NCCL: 10 minutes, issue #41) unless their options carry the world's
+    override = {name: world_options() for name, size in zip(names, shape) if size < world}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=override or None)
+    for name in names:
+        assert group_timeout(mesh.get_group(name)) == group_timeout(), \
+            f"the mesh's {name} group waits {group_timeout(mesh.get_group(name))}, not the world's"
+    return mesh
 
 
 # ==================================================================================================
@@ -2211,14 +2255,15 @@ def sp_layout(rank: int, k: int) -> tuple[int, int]:
 
 
 def sp_group(world: int, k: int):
-    """This rank's SP process group. dist.new_group is collective over the world, so every rank
-    creates every group, in the same order, and keeps its own."""
+    """This rank's SP process group, waiting as long as the world (torch's default is 10 minutes
+    on NCCL). dist.new_group is collective over the world, so every rank creates every group, in
+    the same order, and keeps its own."""
     if k < 1 or world % k:
         raise ConfigError(f"engine.sequence_parallel = {k} must divide the number of ranks, "
                           f"{world}")
     rank, mine = dist.get_rank(), None
     for start in range(0, world, k):
-        group = dist.new_group(list(range(start, start + k)))
+        group = dist.new_group(list(range(start, start + k)), timeout=group_timeout())
         if start <= rank < start + k:
             mine = group
     return mine

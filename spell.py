@@ -2671,6 +2671,11 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     # default for decoders, asked for here. It changes the batches' layout, hence their rounding
     # only: in fp32 the same tokens; in bf16 a tenth of bf16's own gap to fp32 (docs/gpu.md)
     engine_kwargs.setdefault("enable_prefix_caching", True)
+    # vLLM's own groups (a device and a CPU group for each of its parallel dims) wait as long as
+    # the world does (engine.collective_timeout_min); unset, torch's defaults: 10 minutes on NCCL
+    wait = math.ceil(infra.group_timeout().total_seconds())
+    engine_kwargs.setdefault("distributed_timeout_seconds", wait)
+    engine_kwargs.setdefault("cpu_distributed_timeout_seconds", wait)
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
