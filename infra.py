@@ -74,6 +74,11 @@ class ConfigError(InputError):
     """A config file or command-line override that does not match the Config dataclasses."""
 
 
+class SetupError(InputError):
+    """A machine the installed packages cannot run on as asked (NVIDIA GPUs that torch's build
+    cannot use): the message says what to install or set."""
+
+
 class CorpusError(InputError):
     """A corpus or QA-set file that does not follow the format; the message names file,
     line and field."""
@@ -848,6 +853,105 @@ def world_of_one_env() -> dict[str, str]:
         port = s.getsockname()[1]
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+# ---- the machine: GPUs torch can use, the caching allocator's settings, versions
+
+NVIDIA_DRIVER_FILE = "/proc/driver/nvidia/version"  # there while NVIDIA's kernel driver is loaded
+NVIDIA_DEVICE_FILE = "/dev/nvidia0"  # the first GPU's device node
+# the oldest Linux driver branch each CUDA major version runs on (NVIDIA's table of minimum
+# drivers in the CUDA toolkit's release notes: 11.x 450.80.02, 12.x 525.60.13, 13.x 580.65.06);
+# torch 2.13 from the package index is built for CUDA 13.0
+CUDA_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
+GPU_ROUTES = 'README, "On 8 GPUs"'
+
+
+def nvidia_driver() -> str | None:
+    """The loaded NVIDIA kernel driver's version ("580.159.04"), from the first line of its
+    /proc file (NVIDIA_DRIVER_FILE); "unknown" when that line has none, None without the file."""
+    try:
+        first = Path(NVIDIA_DRIVER_FILE).read_text(errors="replace").split("\n", 1)[0]
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX [Open Kernel Module for] x86_64 Kernel Module  580.159.04  ..."
+    found = re.search(r"(?<!\S)(\d{3,}\.\d+(?:\.\d+)*)(?!\S)", first)
+    return found.group(1) if found else "unknown"
+
+
+def check_gpus_usable(cuda_available: bool) -> None:
+    """Stop with one line when the machine has NVIDIA GPUs that the installed torch cannot use,
+    instead of starting on gloo and the CPU: torch built for CUDA 13 on a CUDA 12 driver sees no
+    GPU, and a CPU build sees none either. CUDA_VISIBLE_DEVICES="" (or -1) hides them on purpose."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
+    driver = nvidia_driver()
+    if cuda_available or hidden or (driver is None and not os.path.exists(NVIDIA_DEVICE_FILE)):
+        return
+    here = f"driver {driver}" if driver else NVIDIA_DEVICE_FILE
+    built, why = torch.version.cuda, ""
+    if built is None:
+        why = f"is a CPU build: install requirements.txt ({GPU_ROUTES})"
+    else:
+        need = CUDA_DRIVER_BRANCH.get(int(built.split(".")[0]))
+        if need and driver and driver[0].isdigit() and int(driver.split(".")[0]) < need:
+            why = (f"is built for CUDA {built}, which needs driver {need} or newer: update the "
+                   f"driver, or install torch for CUDA 12 ({GPU_ROUTES})")
+        else:
+            why = (f"(CUDA {built}) finds none (torch.cuda.is_available() is False): check that "
+                   f"nvidia-smi lists them for this user and container")
+    raise SetupError(f"NVIDIA GPUs are here ({here}) but torch {torch.__version__} {why}; "
+                     f"CUDA_VISIBLE_DEVICES= runs on the CPU instead")
+
+
+# torch reads the caching allocator's settings from the first of these that is set (vLLM 0.32's
+# vllm/device_allocator/alloc_conf.py checks them in the same order)
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"  # spell.init_distributed's default (the trainer's)
+
+
+def allocator_conf(environ: dict | None = None) -> tuple[str | None, str]:
+    """(the variable the CUDA caching allocator reads, its value), or (None, "") if none is set."""
+    environ = os.environ if environ is None else environ
+    return next(((name, environ[name]) for name in ALLOC_CONF_VARS if environ.get(name)),
+                (None, ""))
+
+
+def expandable_segments(conf: str) -> bool:
+    """Whether an allocator setting string turns expandable segments on (its last word on them
+    wins; off by default)."""
+    found = re.findall(r"expandable_segments\s*:\s*(\w+)", conf)
+    return bool(found) and found[-1] == "True"
+
+
+def allocator_lines(environ: dict | None = None) -> list[str]:
+    """What the caching allocator runs with: each variable as the process has it and which one
+    torch reads, and a warning when a user's setting leaves expandable segments off (what the
+    update frees then stays in fixed segments that vLLM's wake-up cannot reuse)."""
+    environ = os.environ if environ is None else environ
+    read, conf = allocator_conf(environ)
+    shown = ", ".join(f"{name}={environ[name]!r}" if environ.get(name) else f"{name} unset"
+                      for name in ALLOC_CONF_VARS)
+    lines = [f"allocator: {shown}; torch reads {read or 'neither (its defaults)'}, expandable "
+             f"segments {'on' if expandable_segments(conf) else 'off'}"]
+    if read is not None and not expandable_segments(conf):
+        lines.append(f"WARNING: {read}={conf!r} leaves the trainer's expandable segments off: "
+                     f"add {EXPANDABLE} to it, or unset it for spell's default")
+    return lines
+
+
+def version_line(device: torch.device) -> str:
+    """torch, its CUDA and NCCL, the NVIDIA driver and Triton, as this process has them."""
+    triton = importlib.util.find_spec("triton")
+    parts = [f"torch {torch.__version__}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if device.type == "cuda":
+        parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+    parts.append(f"driver {nvidia_driver() or 'none'}")
+    if triton is not None:
+        from importlib.metadata import version
+
+        parts.append(f"triton {version('triton')}")
+    return ", ".join(parts)
 
 
 def train_mode_without_dropout(model) -> None:

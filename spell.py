@@ -2533,17 +2533,23 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         os.environ.update(infra.world_of_one_env())
     local_rank = int(os.environ["LOCAL_RANK"])
     timeout = datetime.timedelta(minutes=cfg.engine.collective_timeout_min)
+    # the ranks of a machine share its cores (torchrun leaves each 1 thread): the fp32 load, the
+    # checkpoints' CRCs and the export run on them on GPU nodes too; oversubscribed, all slow down
+    torch.set_num_threads(infra.cores_per_rank())
     if torch.cuda.is_available():
         # the trainer's memory in segments that grow and shrink, so what the update frees goes back
-        # whole to vLLM's wake-up (vLLM turns them off inside its own pool); before any allocation
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # whole to vLLM's wake-up (vLLM turns them off inside its own pool); before any allocation.
+        # A setting of the user's is kept (warned about below if it turns them off)
+        if infra.allocator_conf()[0] is None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = infra.EXPANDABLE
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        for line in infra.allocator_lines()[1:]:
+            infra.print0(f"init_distributed: {line}")
     else:
+        infra.check_gpus_usable(False)  # GPUs torch cannot use (driver vs wheel): one line, stop
         device = torch.device("cpu")
-        # ranks on one CPU machine share its cores; oversubscribed threads slow everyone down
-        torch.set_num_threads(infra.cores_per_rank())
         dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 

@@ -1,8 +1,11 @@
 """Tests of the launch (issue #41): every process group a run waits in has the run's collective
-timeout (the world, the policy's HSDP mesh, the Ulysses groups, vLLM's).
+timeout (the world, the policy's HSDP mesh, the Ulysses groups, vLLM's); the machine's GPUs that the
+installed torch cannot use stop the run with one line; torch's threads, the allocator's settings and
+the versions the pre-flight prints; the SLURM example in docs/gpu.md.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,177 @@ def test_vllms_groups_wait_the_collective_timeout(tiny_dir, tmp_path):
     assert {"vLLM world:0 device", "vLLM world:0 cpu", "vLLM tp:0 device",
             "vLLM tp:0 cpu"} <= set(vllm) and len(vllm) == len(set(vllm))
     assert {seconds for _, seconds in listed} == {TIMEOUT_MIN * 60}, listed
+
+
+# ------------------------------------------------------------------------------------------------
+# The machine: GPUs torch cannot use, torch's threads, the allocator, the versions
+# ------------------------------------------------------------------------------------------------
+
+DRIVER_535 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 "
+              "UTC 2024\nGCC version:  gcc version 12.2.0\n")
+DRIVER_580_OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release "
+                   "Build  (dvs-builder@U16-I3-B03-4-3)  Tue Jul 22 21:29:53 UTC 2025\n")
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A machine whose NVIDIA files are under tmp_path (none until a test writes them), with no
+    CUDA_VISIBLE_DEVICES; returns (driver file, device file)."""
+    driver, device = tmp_path / "nvidia_version", tmp_path / "nvidia0"
+    monkeypatch.setattr(infra, "NVIDIA_DRIVER_FILE", str(driver))
+    monkeypatch.setattr(infra, "NVIDIA_DEVICE_FILE", str(device))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return driver, device
+
+
+@pytest.mark.parametrize("text, version", [(DRIVER_535, "535.183.01"),
+                                           (DRIVER_580_OPEN, "580.65.06"),
+                                           ("NVRM version: garbled\n", "unknown"), ("", "unknown")])
+def test_the_driver_version_is_read_from_procs_first_line(machine, text, version):
+    driver, _ = machine
+    assert infra.nvidia_driver() is None
+    driver.write_text(text)
+    assert infra.nvidia_driver() == version
+
+
+@pytest.mark.parametrize("files, cuda, says", [
+    # CUDA 13 wheels (torch 2.13 from the index) on a CUDA 12 driver: G4 of the GPU run's notes
+    ({"driver": DRIVER_535}, "13.0",
+     "NVIDIA GPUs are here (driver 535.183.01) but torch {torch} is built for CUDA 13.0, which "
+     "needs driver 580 or newer: update the driver, or install torch for CUDA 12 (README, \"On 8 "
+     "GPUs\"); CUDA_VISIBLE_DEVICES= runs on the CPU instead"),
+    ({"driver": DRIVER_580_OPEN}, None,
+     "NVIDIA GPUs are here (driver 580.65.06) but torch {torch} is a CPU build: install "
+     "requirements.txt (README, \"On 8 GPUs\"); CUDA_VISIBLE_DEVICES= runs on the CPU instead"),
+    ({"driver": DRIVER_580_OPEN}, "13.0",
+     "NVIDIA GPUs are here (driver 580.65.06) but torch {torch} (CUDA 13.0) finds none "
+     "(torch.cuda.is_available() is False): check that nvidia-smi lists them for this user and "
+     "container; CUDA_VISIBLE_DEVICES= runs on the CPU instead"),
+    ({"device": ""}, "12.8",
+     "NVIDIA GPUs are here ({device}) but torch {torch} (CUDA 12.8) finds none "
+     "(torch.cuda.is_available() is False): check that nvidia-smi lists them for this user and "
+     "container; CUDA_VISIBLE_DEVICES= runs on the CPU instead"),
+])
+def test_gpus_torch_cannot_use_stop_the_run_before_it_starts_on_the_cpu(machine, monkeypatch,
+                                                                        files, cuda, says):
+    """GPUs torch cannot use (a driver older than its CUDA needs, a CPU build) would have the run
+    start on gloo and the CPU, quietly, until vLLM fails: one line instead, before the world
+    forms, naming the driver, what the build needs and the way out."""
+    driver, device = machine
+    if "driver" in files:
+        driver.write_text(files["driver"])
+    if "device" in files:
+        device.write_text("")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "1" if key.endswith("SIZE") else "0")
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: pytest.fail("the run started on gloo and the CPU"))
+    with pytest.raises(infra.SetupError) as e:
+        spell.init_distributed(spell.Config())
+    assert str(e.value) == says.format(torch=torch.__version__, device=device)
+    for hide in ("", "-1"):  # hidden on purpose: a CPU run
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hide)
+        infra.check_gpus_usable(False)
+
+
+def test_no_nvidia_gpu_or_one_torch_can_use_is_no_error(machine):
+    driver, _ = machine
+    infra.check_gpus_usable(False)  # no driver, no device: a CPU machine
+    driver.write_text(DRIVER_535)
+    infra.check_gpus_usable(True)
+
+
+@pytest.fixture
+def gpu_node(monkeypatch):
+    """init_distributed's GPU branch on this machine: CUDA available, no device to set and no
+    world to form (the call is recorded); torch's thread count restored after."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(key, "1" if key.endswith("SIZE") else "0")
+    for key in infra.ALLOC_CONF_VARS:
+        monkeypatch.delenv(key, raising=False)
+    threads = torch.get_num_threads()
+    yield calls
+    torch.set_num_threads(threads)
+
+
+def test_torch_threads_are_the_ranks_share_of_the_cores_on_gpu_nodes_too(gpu_node, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for each rank: on a GPU node the fp32 load, the
+    checkpoints' CRCs and the export would run one thread a rank on a node of 100+ cores."""
+    monkeypatch.setattr(infra.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    torch.set_num_threads(1)
+    rank, world, device = spell.init_distributed(spell.Config())
+    assert device == torch.device("cuda", 0) and gpu_node[0][0] == ("nccl",)
+    assert torch.get_num_threads() == 16 // 4
+
+
+@pytest.mark.parametrize("env, reads, on, warning", [
+    ({}, "neither (its defaults)", False, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF", True,
+     None),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
+     "PYTORCH_ALLOC_CONF", True, None),
+    # the accelerator-agnostic variable wins: the CUDA one is not read at all
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_ALLOC_CONF", False,
+     "WARNING: PYTORCH_ALLOC_CONF='max_split_size_mb:512' leaves the trainer's expandable "
+     "segments off: add expandable_segments:True to it, or unset it for spell's default"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, expandable_segments : False"},
+     "PYTORCH_CUDA_ALLOC_CONF", False,
+     "WARNING: PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True, expandable_segments : False' "
+     "leaves the trainer's expandable segments off: add expandable_segments:True to it, or unset "
+     "it for spell's default"),
+])
+def test_the_allocator_line_says_which_variable_torch_reads(env, reads, on, warning):
+    lines = infra.allocator_lines(env)
+    shown = ", ".join(f"{name}={env[name]!r}" if name in env else f"{name} unset"
+                      for name in infra.ALLOC_CONF_VARS)
+    assert lines[0] == (f"allocator: {shown}; torch reads {reads}, expandable segments "
+                        f"{'on' if on else 'off'}")
+    assert lines[1:] == ([warning] if warning else [])
+
+
+@pytest.mark.parametrize("env, set_to, warned", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, True),
+    # a user's PYTORCH_ALLOC_CONF is what torch reads: setting the CUDA one beside it did nothing
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256"},
+     {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256"}, True),
+])
+def test_a_gpu_run_defaults_to_expandable_segments_and_warns_when_a_users_setting_drops_them(
+        gpu_node, monkeypatch, capsys, env, set_to, warned):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spell.init_distributed(spell.Config())
+    assert {name: os.environ[name] for name in infra.ALLOC_CONF_VARS if name in os.environ} \
+        == set_to
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert len(warnings) == warned
+    assert not warned or warnings[0].startswith(
+        f"init_distributed: WARNING: {next(iter(env))}='max_split_size_mb:256' leaves")
+
+
+def test_the_version_line_names_torch_cuda_the_driver_and_triton(machine, monkeypatch):
+    from importlib.metadata import version
+
+    driver, _ = machine
+    assert infra.version_line(torch.device("cpu")) == (
+        f"torch {torch.__version__}, driver none, triton {version('triton')}")
+    driver.write_text(DRIVER_580_OPEN)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 29, 7))
+    assert infra.version_line(torch.device("cuda", 0)) == (
+        f"torch {torch.__version__}, CUDA 13.0, NCCL 2.29.7, driver 580.65.06, triton "
+        f"{version('triton')}")
 
 
 if __name__ == "__main__":
