@@ -902,9 +902,11 @@ def check_gpus_usable(cuda_available: bool) -> None:
                      f"CUDA_VISIBLE_DEVICES= runs on the CPU instead")
 
 
-# torch reads the caching allocator's settings from the first of these that is set (vLLM 0.32's
-# vllm/device_allocator/alloc_conf.py checks them in the same order)
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# torch reads the caching allocator's settings from the first of these that is set: measured with
+# both set to different values, on torch 2.11 on an H200 (a segment's is_expandable) and on torch
+# 2.13 here (its live settings string). vLLM 0.32's device_allocator/alloc_conf.py assumes the
+# opposite order; allocator_lines names any disagreement with the live string
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"  # spell.init_distributed's default (the trainer's)
 
 
@@ -915,6 +917,13 @@ def allocator_conf(environ: dict | None = None) -> tuple[str | None, str]:
                 (None, ""))
 
 
+def live_allocator_settings() -> str | None:
+    """The settings string torch's allocator parsed ("" for none; None where this torch cannot
+    say). torch reads the environment at the first call: make it once the variables are final."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return getter() if getter is not None else None
+
+
 def expandable_segments(conf: str) -> bool:
     """Whether an allocator setting string turns expandable segments on (its last word on them
     wins; off by default)."""
@@ -922,17 +931,24 @@ def expandable_segments(conf: str) -> bool:
     return bool(found) and found[-1] == "True"
 
 
-def allocator_lines(environ: dict | None = None) -> list[str]:
-    """What the caching allocator runs with: each variable as the process has it and which one
-    torch reads, and a warning when a user's setting leaves expandable segments off (what the
-    update frees then stays in fixed segments that vLLM's wake-up cannot reuse)."""
+def allocator_lines(environ: dict | None = None, live: str | None = None) -> list[str]:
+    """What the caching allocator runs with: each variable as the process has it, which one torch
+    reads and the settings it parsed (`live`, from live_allocator_settings), and warnings: a
+    user's setting that leaves expandable segments off (what the update frees then stays in fixed
+    segments that vLLM's wake-up cannot reuse), live settings that are not the variable's."""
     environ = os.environ if environ is None else environ
     read, conf = allocator_conf(environ)
+    effective = conf if live is None else live
     shown = ", ".join(f"{name}={environ[name]!r}" if environ.get(name) else f"{name} unset"
                       for name in ALLOC_CONF_VARS)
-    lines = [f"allocator: {shown}; torch reads {read or 'neither (its defaults)'}, expandable "
-             f"segments {'on' if expandable_segments(conf) else 'off'}"]
-    if read is not None and not expandable_segments(conf):
+    lines = [f"allocator: {shown}; torch reads {read or 'neither (its defaults)'}"
+             + ("" if live is None else f" (live settings {live!r})")
+             + f", expandable segments {'on' if expandable_segments(effective) else 'off'}"]
+    if live is not None and live != conf:
+        lines.append(f"WARNING: torch's live allocator settings {live!r} are not "
+                     f"{read or 'the defaults'}'s: this torch reads the variables in another "
+                     f"order than {' > '.join(ALLOC_CONF_VARS)}, or something set them at run time")
+    if read is not None and not expandable_segments(effective):
         lines.append(f"WARNING: {read}={conf!r} leaves the trainer's expandable segments off: "
                      f"add {EXPANDABLE} to it, or unset it for spell's default")
     return lines

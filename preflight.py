@@ -573,7 +573,8 @@ def main(argv: Sequence[str]) -> None:
                  f"prompts of {cfg.rollout.max_prompt_tokens:,} tokens, budgets "
                  f"{', '.join(f'{r} {spell.max_new_tokens(cfg, r):,}' for r in spell.ROLES)}, "
                  f"update rows of {row_tokens(cfg):,} tokens")
-    for line in [infra.version_line(device), *infra.allocator_lines()]:
+    live = infra.live_allocator_settings()  # after init_distributed's default
+    for line in [infra.version_line(device), *infra.allocator_lines(live=live)]:
         infra.print0(f"preflight: {line}")
     with run.phase("launch checks", f"{world} ranks, the data, log.out_dir"):
         corpus = spell.load_data(cfg)

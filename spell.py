@@ -2545,7 +2545,7 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
-        for line in infra.allocator_lines()[1:]:
+        for line in infra.allocator_lines(live=infra.live_allocator_settings())[1:]:
             infra.print0(f"init_distributed: {line}")
     else:
         infra.check_gpus_usable(False)  # GPUs torch cannot use (driver vs wheel): one line, stop

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,6 +190,8 @@ def gpu_node(monkeypatch):
         monkeypatch.setenv(key, "1" if key.endswith("SIZE") else "0")
     for key in infra.ALLOC_CONF_VARS:
         monkeypatch.delenv(key, raising=False)
+    # torch parses the variables once a process: here, what the environment says at the call
+    monkeypatch.setattr(infra, "live_allocator_settings", lambda: infra.allocator_conf()[1])
     threads = torch.get_num_threads()
     yield calls
     torch.set_num_threads(threads)
@@ -204,37 +208,65 @@ def test_torch_threads_are_the_ranks_share_of_the_cores_on_gpu_nodes_too(gpu_nod
     assert torch.get_num_threads() == 16 // 4
 
 
-@pytest.mark.parametrize("env, reads, on, warning", [
-    ({}, "neither (its defaults)", False, None),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF", True,
-     None),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
-     "PYTORCH_ALLOC_CONF", True, None),
-    # the accelerator-agnostic variable wins: the CUDA one is not read at all
-    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
-      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_ALLOC_CONF", False,
-     "WARNING: PYTORCH_ALLOC_CONF='max_split_size_mb:512' leaves the trainer's expandable "
-     "segments off: add expandable_segments:True to it, or unset it for spell's default"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, expandable_segments : False"},
+OFF_WARNING = ("WARNING: {}={!r} leaves the trainer's expandable segments off: add "
+               "expandable_segments:True to it, or unset it for spell's default")
+
+
+@pytest.mark.parametrize("env, live, reads, on, warnings", [
+    ({}, None, "neither (its defaults)", False, []),
+    ({}, "", "neither (its defaults)", False, []),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True",
+     "PYTORCH_CUDA_ALLOC_CONF", True, []),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"}, None,
+     "PYTORCH_ALLOC_CONF", True, []),
+    # both set: the CUDA one is read, and the other's expandable segments do not count
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+      "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "max_split_size_mb:512",
      "PYTORCH_CUDA_ALLOC_CONF", False,
-     "WARNING: PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True, expandable_segments : False' "
-     "leaves the trainer's expandable segments off: add expandable_segments:True to it, or unset "
-     "it for spell's default"),
+     [OFF_WARNING.format("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")]),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, expandable_segments : False"}, None,
+     "PYTORCH_CUDA_ALLOC_CONF", False,
+     [OFF_WARNING.format("PYTORCH_CUDA_ALLOC_CONF",
+                         "expandable_segments:True, expandable_segments : False")]),
+    # a torch that read the variables in another order: its live settings say so, and decide
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "max_split_size_mb:512",
+     "PYTORCH_CUDA_ALLOC_CONF", False,
+     ["WARNING: torch's live allocator settings 'max_split_size_mb:512' are not "
+      "PYTORCH_CUDA_ALLOC_CONF's: this torch reads the variables in another order than "
+      "PYTORCH_CUDA_ALLOC_CONF > PYTORCH_ALLOC_CONF, or something set them at run time",
+      OFF_WARNING.format("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")]),
 ])
-def test_the_allocator_line_says_which_variable_torch_reads(env, reads, on, warning):
-    lines = infra.allocator_lines(env)
+def test_the_allocator_line_says_which_variable_torch_reads(env, live, reads, on, warnings):
+    lines = infra.allocator_lines(env, live)
     shown = ", ".join(f"{name}={env[name]!r}" if name in env else f"{name} unset"
                       for name in infra.ALLOC_CONF_VARS)
-    assert lines[0] == (f"allocator: {shown}; torch reads {reads}, expandable segments "
-                        f"{'on' if on else 'off'}")
-    assert lines[1:] == ([warning] if warning else [])
+    assert lines[0] == (f"allocator: {shown}; torch reads {reads}"
+                        + ("" if live is None else f" (live settings {live!r})")
+                        + f", expandable segments {'on' if on else 'off'}")
+    assert lines[1:] == warnings
+
+
+@pytest.mark.parametrize("env", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+     "PYTORCH_ALLOC_CONF": "expandable_segments:False"},
+    {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
+     "PYTORCH_ALLOC_CONF": "expandable_segments:True"}])
+def test_this_torch_reads_the_allocator_variables_in_infras_order(env):
+    """The order allocator_conf assumes, against the settings the installed torch parses (a
+    fresh process: torch reads the environment once)."""
+    clean = {k: v for k, v in os.environ.items() if k not in infra.ALLOC_CONF_VARS}
+    code = "import infra; print(repr(infra.live_allocator_settings()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**clean, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == repr(infra.allocator_conf(env)[1]), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("env, set_to, warned", [
     ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),
     ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"},
      {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, True),
-    # a user's PYTORCH_ALLOC_CONF is what torch reads: setting the CUDA one beside it did nothing
+    # a user's PYTORCH_ALLOC_CONF alone: setting the CUDA one beside it would overrule it
     ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256"},
      {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256"}, True),
 ])
