@@ -1021,12 +1021,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def group_timeout(group=None) -> "datetime.timedelta":
+def group_timeout(group=None) -> "datetime.timedelta | None":
     """How long a collective of `group` (default: the world) waits for its slowest rank. torch has
-    no public getter: the backend's options hold it."""
+    no public getter: the backend's options hold it (None for a backend without options, such as
+    the fake one of bench/simulate_node.py)."""
     group = group or dist.group.WORLD
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    return group._get_backend(device).options._timeout
+    options = group._get_backend(device).options
+    return None if options is None else options._timeout
 
 
 def world_options():
