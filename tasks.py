@@ -665,6 +665,22 @@ _OPTION_LINE = re.compile(r"[ \t*#>]*(?i:option|choice)[ \t]*\(?[A-Da-d]\)?(?![A
 _LETTER_START = re.compile(r"(?:\\boxed\{\s*)?"
                            r"(?:(?i:option|choice)[ \t]*\(?[A-Da-d]\)?|\(?[A-D]\)?)(?![A-Za-z0-9])")
 _LETTER = re.compile(r"(?i:option|choice)[ \t]*\(?([A-Da-d])\)?|\(?([A-D])\)?")
+# a letter named anywhere in a statement (letters_hold_gold) is a token of its own: no letter or
+# digit touches it, so "Cash" names no C and "Adoption" holds no "option"; brackets may ("(C)Cash")
+_LETTER_TOKEN = re.compile(r"(?<![^\W_])(?:(?i:option|choice)[ \t]*\(?([A-Da-d])|([A-D]))"
+                           r"(?![^\W_])")
+# An "A" before a lower-case word or a digit is read as the English article ("A bank loan", "A 10%
+# rise"), not as option A: a no-document answer that spells an option's text out would otherwise
+# name A and make a grounded question look answered (§4.1). The words below can follow an option
+# letter but never the article (they join letters or state something of one: "A or B", "A is
+# correct"), so before them "A" stays a letter; an "A" before a capital ("A B") stays one too. The
+# price: "A fits best" reads as the article, so a response that says so for a gold of A is labelled
+# wrong rather than left undecided (rule_label).
+LETTER_FOLLOWERS = frozenset((
+    "or", "and", "nor", "but", "vs", "versus", "plus", "then", "to", "through", "is", "was", "has",
+    "seems", "appears", "looks", "would", "could", "should", "might", "because", "since", "as",
+    "if"))
+_NEXT_LOWER_WORD = re.compile(r"\s+([a-z0-9][^\W_]*)")
 MAX_LETTER_LINE = 200  # characters: a statement of one letter in any allowed wrapping is shorter
 
 
@@ -715,8 +731,18 @@ def letters_hold_gold(body: str, gold: str) -> bool:
     else:
         start = body.rstrip().rfind("\n") + 1
     region = _BOXED.sub(r" \1 ", rest_of_line(body, start))
-    named = {(m[1] or m[2]).upper() for m in _LETTER.finditer(region)}
+    named = {(m[1] or m[2]).upper() for m in _LETTER_TOKEN.finditer(region)
+             if not _is_article(region, m)}
     return gold.strip().strip("()").upper() in named
+
+
+def _is_article(text: str, m: re.Match) -> bool:
+    """Whether a bare "A" is the article: a lower-case word or a digit follows it, and the word is
+    none of LETTER_FOLLOWERS."""
+    if m[2] != "A":
+        return False
+    nxt = _NEXT_LOWER_WORD.match(text, m.end())
+    return nxt is not None and nxt[1] not in LETTER_FOLLOWERS
 
 
 # ==================================================================================================

@@ -204,6 +204,41 @@ def test_multiple_choice_reads_the_last_statement(text, expected):
     assert tasks.extract_answer(text, "doc_mc") == expected
 
 
+# what the last statement names, gold by gold: a letter is a token of its own, never the first
+# letter of a word ("Cash" is no C, "Deposits" no D), and an "A" before a lower-case word is the
+# article ("A bank loan"), unless that word joins or states ("A or B", "A is correct")
+@pytest.mark.parametrize("text, named", [
+    ("The answer is Cash flow.", ""), ("The answer is Deposits.", ""),       # were C, D
+    ("The answer is A bank loan.", ""), ("Answer: A lot of cash", ""),       # were A, A and C
+    ("The answer is Bank deposits (D).", "D"),                               # was B and D
+    ("The answer is Adoption costs", ""), ("The answer is CD", ""),          # were A, C and D
+    ("The answer is A 10% rise", ""),                                        # was A
+    ("The answer is A) Cash", "A"), ("Answer: (A)Cash", "A"),                # were A and C
+    # what was read before and still is
+    ("The answer is (C)", "C"), ("The answer is (C) Cash flow.", "C"),
+    ("The answer is C or D.", "CD"),
+    ("The answer is A or B", "AB"), ("The answer is A.", "A"), ("The answer is A", "A"),
+    ("Answer: A is correct", "A"), ("The answer is A, since the text says so", "A"),
+    ("The answer is either (A) or (C)", "AC"), ("Answer: Option C", "C"),
+    ("The answer is option (b) or D", "BD"),
+    ("So \\boxed{A} or \\boxed{B}", "AB"), ("The answer is B: Paris, or C", "BC"),
+    ("The answer is a", ""),                                                 # a lower-case article
+])
+def test_letters_hold_gold_reads_letters_as_tokens(text, named):
+    held = "".join(g for g in tasks.LETTERS if tasks.letters_hold_gold(text, g))
+    assert held == named
+
+
+def test_a_no_document_answer_that_spells_an_option_out_keeps_the_question_grounded():
+    """§4.1's check (spell.gold_in_answer): an answer naming another option by its text does not
+    answer a question whose gold is C or D just because the text starts with that capital."""
+    assert not spell.gold_in_answer("The correct answer is Cash reserves.", "C", "doc_mc")
+    assert not spell.gold_in_answer("The correct answer is Deposits.", "D", "doc_mc")
+    assert not spell.gold_in_answer("The correct answer is A bank loan.", "A", "doc_mc")
+    assert spell.gold_in_answer("The correct answer is (C) Cash reserves.", "C", "doc_mc")
+    assert spell.gold_in_answer("The correct answer is C or D.", "D", "doc_mc")
+
+
 # ------------------------------------------------------------------------------------------------
 # The three task types (§5.1), and the paper's own rule beside ours
 # ------------------------------------------------------------------------------------------------
@@ -371,6 +406,7 @@ HOSTILE_PIECES = [
     "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642", "\u0663", "\u00bd", "\u0130", "Paris",
     "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
     '{"question": "Q?", "answer": ', '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}, ',
+    "A bank", "Cash", "Adoption", "Option (b)", "A or ",
 ]
 
 
@@ -465,6 +501,9 @@ RULE_GROWTH = {  # the shapes that made parsers cubic or quadratic
     # one long run inside an answer: a search for "run then end" retries at every start in it
     "inner_quotes": ("5", ' "', "x"), "inner_spaces": ("5", " ", "x"),
     "inner_marks": ("B", "*", ")"),
+    # letters read as tokens, the article "A" told from option A (letters_hold_gold)
+    "articles": "A bank ", "letter_words": "Cash (D) ", "article_spaces": ("A", " ", "bank"),
+    "option_spaces": ("option", " ", "b"),
 }
 
 
