@@ -545,8 +545,11 @@ PREFIX_WORDS = frozenset(("approximately", "approx", "about", "around", "roughly
 SUFFIX_WORDS = SCALE_WORDS | PERCENT_WORDS | UNIT_WORDS | CURRENCY_WORDS
 MAX_WORDS = 4  # on each side of the number
 _NUMBER_PIECE = re.compile(
-    r"(?P<num>(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(?P<exp>e[+-]?[0-9]+)?"
+    r"(?P<num>(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
+    r"(?:(?P<exp>e[+-]?[0-9]+)|/(?P<den>[0-9]+))?"
     r"(?P<glued>[^\W_]*)|(?P<word>[^\W_]+)|(?P<mark>\S)")
+# a plain fraction anywhere in a statement, for numbers_hold_gold
+_FRACTION = re.compile(r"(?<![0-9])[0-9]+/[0-9]+")  # from a run's start: no quadratic retries
 
 
 def number_region(text: str) -> str:
@@ -614,10 +617,23 @@ def answer_value(text: Any) -> float | None:
     # "(1.2 million)"; "(12.5%)" may be an aside or a negative share, so it states nothing
     if accounting and ("%" in after or after.index(")") > int(after[0] in SCALE_WORDS)):
         return None
-    value = float(number["num"].replace(",", "") + (number["exp"] or ""))
-    if not math.isfinite(value):  # "1e999"
+    if number["den"] is not None:
+        # a plain fraction, two integers ("1/4" is 0.25), as the authors' normaliser evaluates it;
+        # "(1/4)" may be a grouping or a negative, so it states nothing
+        if not number["num"].isdigit() or accounting:
+            return None
+        value = _fraction_value(number["num"], number["den"])
+    else:
+        value = float(number["num"].replace(",", "") + (number["exp"] or ""))
+    if value is None or not math.isfinite(value):  # "1e999"
         return None
     return -value if "-" in before or accounting else value
+
+
+def _fraction_value(numerator: str, denominator: str) -> float | None:
+    """numerator / denominator, two runs of digits; None for a zero or unbounded denominator."""
+    den = float(denominator)  # float, not int: int() refuses more than 4300 digits
+    return float(numerator) / den if 0 < den < math.inf else None
 
 
 def values_match(p: float, g: float, rel_tol: float = 0.0015) -> bool:
@@ -649,6 +665,11 @@ def numbers_hold_gold(body: str, gold: str) -> bool:
     for m in NUMBER.finditer(s):
         value = float(m[0])
         if math.isfinite(value) and values_match(-value if number_is_negative(s, m) else value, g):
+            return True
+    for m in _FRACTION.finditer(s):  # "about 1/4 of it" holds 0.25
+        value = _fraction_value(*m[0].split("/"))
+        if value is not None and math.isfinite(value) and values_match(
+                -value if number_is_negative(s, m) else value, g):
             return True
     return False
 
@@ -766,7 +787,9 @@ def _matchable_gold(answer: str) -> bool:
 
 def check_fin_math(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
     """A financial-math question: the reference is one non-zero number, kept in plain digits."""
-    value = parse_number(answer)
+    # the strict reader, the one the rule reads a response with: a range or a list ("5 or 6",
+    # "10 to 12") is a format error, not its first number, and "1/4" is 0.25, not 1
+    value = answer_value(answer)
     if value is None or value == 0:  # the prompt asks for a non-zero number
         return None
     return {"question": question, "answer": format_number(value)}

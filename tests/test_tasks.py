@@ -14,6 +14,7 @@ The linear-time tests bound time, not values: each bound carries its measurement
 """
 
 import contextlib
+import json
 import signal
 import time
 
@@ -128,6 +129,36 @@ def test_the_gold_occurs_once():
 ])
 def test_answer_value(text, expected):
     assert tasks.answer_value(text) == expected
+
+
+# The questioner's fin_math gold (tasks.check_fin_math), as spell.parse_question stores it: the one
+# number the strict reader (answer_value) finds, a plain fraction evaluated as the authors'
+# normaliser evaluates it; a range or a list is a format error (Eq. 7's -1), not its first number
+@pytest.mark.parametrize("gold, stored", [
+    ("1/4", "0.25"), ("2/3", "0.6666666666666666"), ("-1/4", "-0.25"),     # were 1, 2, -1
+    ("$3/4 million", "0.75"), ("The correct answer is 1/4.", "0.25"),      # were 3, 1
+    ("5 or 6", None), ("10 to 12", None), ("5-6", None), ("1, 2", None),   # were 5, 10, 5, 1
+    ("1/0", None), ("(1/4)", None), ("1/4/2023", None), ("1.5/3", None),   # were 1, 1, 1, 1.5
+    ("1,000/4", None), ("1 / 4", None),                                    # were 1000, 1
+    ("$1,234.5 million", "1234.5"), ("FY2023: 1.5", "1.5"), ("$(1,234)", "-1234"),
+    (42.5, "42.5"), ("9" * 400 + "/3", None),
+])
+def test_fin_math_gold_is_read_by_the_strict_reader(gold, stored):
+    parsed = parse_question(json.dumps({"question": "Q?", "answer": gold}), "fin_math")
+    assert (parsed and parsed["answer"]) == stored
+
+
+def test_a_fraction_gold_pays_its_value_not_its_numerator():
+    """#42: "1/4" was stored as 1, so "1" earned R_rule = 1 and the right 0.25 earned 0."""
+    gold = parse_question('{"question": "Q?", "answer": "1/4"}', "fin_math")["answer"]
+    assert rule_reward(reply("0.25"), gold, "fin_math") == 1.0
+    assert rule_reward(reply("25%"), gold, "fin_math") == 1.0
+    assert rule_reward(reply("1/4"), gold, "fin_math") == 1.0  # both sides read a fraction
+    assert rule_reward(reply("1"), gold, "fin_math") == 0.0
+    assert rule_reward(reply("5/6"), "5", "fin_math") == 0.0  # a fraction is one value, not 5
+    # §4.3's label: a sentence holding the fraction holds the gold (undecided), not wrong
+    assert spell.rule_label(reply("about 1/4 of the total"), gold, "fin_math") is None
+    assert spell.rule_label(reply("about 1/3 of the total"), gold, "fin_math") == 0
 
 
 @pytest.mark.parametrize("pred, gold, expected", [
@@ -406,7 +437,7 @@ HOSTILE_PIECES = [
     "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642", "\u0663", "\u00bd", "\u0130", "Paris",
     "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
     '{"question": "Q?", "answer": ', '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}, ',
-    "A bank", "Cash", "Adoption", "Option (b)", "A or ",
+    "A bank", "Cash", "Adoption", "Option (b)", "A or ", "1/4", "/0", "/",
 ]
 
 
@@ -504,6 +535,7 @@ RULE_GROWTH = {  # the shapes that made parsers cubic or quadratic
     # letters read as tokens, the article "A" told from option A (letters_hold_gold)
     "articles": "A bank ", "letter_words": "Cash (D) ", "article_spaces": ("A", " ", "bank"),
     "option_spaces": ("option", " ", "b"),
+    "fractions": "1/4 ", "fraction_chain": "1/", "long_fraction": ("1/", "9", "")
 }
 
 
