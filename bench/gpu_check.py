@@ -13,9 +13,8 @@ numbers to $OUT (or --out).
 
 First the device (as torch.cuda.get_device_name() reports it), the versions, and the measured
 bf16 dense matmul peak (an 8192^3 torch.mm, best of 5 rounds of 10): every TFLOP/s below is
-compared with it. The parts run in the order a, d, c, b, e: d resets dynamo's cache, and c and b,
-whose attention has d's shapes and masks, reuse the kernels it compiled; e runs in processes of
-its own.
+compared with it. The parts run in the order a, e, b, c, d: what a short lease needs most first;
+d resets dynamo's cache last.
 
   a. head kernels  At the Qwen2.5-7B head (H 3584, V 152064, bf16, tau 1). Parity, on T = 1000
                    tokens: logp and entropy (absolute) and the gradients dX, dW of sum_t g_t logp_t
@@ -29,14 +28,20 @@ its own.
                    8THV (fwd+bwd) or 6THV (loss) whatever an implementation really does, so at a
                    mode they rank by time; peak extra memory as in bench_logprob.py.
   b. update        spell.update_policy on one GPU (FSDP2 world of one, fp32 masters, bf16
-                   compute, gradient checkpointing, AdamW) with config.toml's recipe (attention
-                   "auto" = flex on a GPU without flash-attn, the fused Triton head) on a random
-                   Qwen2.5-7B-shaped policy of --layers (8) of its 28 layers, built from a
-                   transformers config (no weights travel), 2 micro-batches of T = 16K, then 32K
-                   tokens an update (bench_trainer.update_batch). Tokens/s, MFU (model FLOPs,
-                   bench_trainer.model_flops, over the measured peak), and the peak allocated over
-                   the timed updates (less what earlier parts left allocated, ~0) against
-                   infra.memory_estimate's update phase for this batch.
+                   compute, gradient checkpointing, spell.make_optimizer's fused AdamW with its
+                   state made by infra.create_optimizer_state) with config.toml's recipe
+                   (attention "auto" = flex on a GPU without flash-attn, the fused Triton head)
+                   on a random Qwen2.5-7B-shaped policy of --layers (8) of its 28 layers, built
+                   from a transformers config (no weights travel), 2 micro-batches of T = 16K,
+                   then 32K tokens an update (bench_trainer.update_batch). Tokens/s, MFU (model
+                   FLOPs, bench_trainer.model_flops, over the measured peak), and the peak
+                   allocated over the timed updates (less what earlier parts left allocated, ~0)
+                   against infra.memory_estimate's update phase for this batch. Beside them: the
+                   start's peak (the policy and its optimiser state); each length's peak split at
+                   the optimiser step (phase_peaks); for the first length, the kernel time of one
+                   update by kind (profiled_update, KERNEL_KINDS); for the last, what is alive at
+                   the peak by allocation site (the CUDA allocator's trace replayed:
+                   peak_breakdown); then AdamW's three implementations timed on the same shards.
   c. shared prefix spell.pack_sequences(shared=True) rows (two groups of 4 and 2 answers) through
                    a 2-layer Qwen2.5-7B-shaped decoder in bf16, tree mask from
                    infra.tree_attention_mask: FlexAttention's BlockMask against SDPA's dense mask,
@@ -54,10 +59,13 @@ its own.
                    (torch's "without torch.compile" warning fired, or the call's peak extra memory
                    reached the bf16 (H, T, T) scores that path materialises): F3 of
                    shared/notes/gpu-path-review.md, where a fallback at 32K would need ~112 GiB.
-  e. compile workers  The trainer's first compile (its BlockMask builder and flex_attention, forward
-                   and backward, at T = 8192) from empty inductor and Triton caches, in two new
-                   processes: one with infra.trainer_compile_threads() workers, one with the single
-                   worker that `import vllm` leaves inductor (F10): the seconds of each.
+  e. head tiles    The kernels' tuning at part a's timed shape: tests/test_kernels.py's fp32
+                   offset case at tau 0.7 with and without fma contraction (FP_FUSION); the
+                   forward statistics at each of FWD_TILES; a candidate forward, cuBLAS fp32 logits
+                   a token chunk then one Triton pass a row (gemm_then_reduce); the two training
+                   paths (two-pass fwd+bwd, one-pass loss) at MODE_TILES x MODE_CASES; the loss
+                   path's dW summed in fp32 or its own dtype at three workspaces. Each with its
+                   time, extra memory and its difference from the first variant's result.
 
 Each part runs under a time guard: it may use its share of --budget (440 s) plus what earlier
 parts left; a case that would not fit is skipped, a part past its guard is stopped, and any
@@ -164,7 +172,8 @@ def expected_rows(sh: Shapes) -> dict[str, list[str]]:
             "c": ["forward", "gradients"],
             "b": ["start"] + [f"update {T} tokens" for T in sh.update_tokens]
                  + ["optimiser step"],
-            "e": ["fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "loss variants"]}
+            "e": ["fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "training modes",
+                  "loss variants"]}
 
 
 GPU_SHAPES = Shapes(
@@ -944,6 +953,8 @@ def profiled_update(policy, optimizer, seqs, cfg, device, out: Path | None) -> d
     for event in prof.key_averages():
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
+        if "#" in event.key or event.key.startswith(("FSDP::", "ProfilerStep")):
+            continue  # a range marked on the GPU's timeline (Optimizer.step#AdamW.step), no kernel
         us = getattr(event, "self_device_time_total", None)
         if us is None:
             us = getattr(event, "self_cuda_time_total", 0.0)
@@ -1090,13 +1101,11 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
 # --------------------------------------------------------------------------------------------------
 
 # Candidate tiles for the forward statistics (bm, bn, bk, split, group_m, num_warps, num_stages);
-# the first is kernels.logprob.pick_tiles' bf16 choice. Hopper's wgmma favours 128 x 256 tiles and
-# 8 warps; wider splits mean fewer partials to merge.
-FWD_TILES = ((128, 128, 64, 2048, 8, 8, 3), (128, 256, 64, 2048, 8, 8, 3),
-             (128, 256, 64, 4096, 8, 8, 4), (128, 256, 64, 2048, 8, 8, 4),
-             (128, 128, 64, 2048, 8, 4, 4), (256, 128, 64, 2048, 8, 8, 3),
-             (128, 256, 32, 2048, 8, 8, 4), (64, 256, 64, 2048, 8, 4, 4),
-             (128, 128, 128, 2048, 8, 8, 2), (128, 256, 64, 8192, 16, 8, 3))
+# the first is the bf16 table's before 2026-11-28, the second today's (bench/RESULTS.md).
+FWD_TILES = ((128, 128, 64, 2048, 8, 8, 3), (128, 256, 64, 2048, 8, 8, 4),
+             (128, 256, 64, 4096, 8, 8, 4), (128, 256, 64, 1024, 8, 8, 4),
+             (256, 128, 64, 2048, 8, 8, 4), (128, 256, 64, 2048, 4, 8, 4),
+             (128, 256, 64, 2048, 8, 8, 5), (128, 256, 128, 2048, 8, 8, 3))
 
 
 def timed(fn, device, repeats: int, warmup: int) -> tuple[float, float | None]:
@@ -1323,9 +1332,77 @@ def fp32_tau_case(rep: Report, sh: Shapes, device, deadline: Deadline) -> None:
             without=found[False], with_fma=found[True], chunked_dx=twin)
 
 
+# The tiles the training modes are timed at (kernels.logprob.Tiles fields): the bf16 table's before
+# 2026-11-28, today's (the forward sweep's best of the first H200 run: 634 TFLOP/s against 493),
+# and 256 x 128
+MODE_TILES = ((128, 128, 64, 2048, 8, 8, 3), (128, 256, 64, 2048, 8, 8, 4),
+              (256, 128, 64, 2048, 8, 8, 4))
+# (mode, workspace bytes, dW summed in fp32): the training pass's two paths at the default and
+# at smaller workspaces, the loss path also with dW summed in its own dtype
+MODE_CASES = (("fwd+bwd", 1 << 30, True), ("fwd+bwd", 1 << 28, True),
+              ("loss", 1 << 30, True), ("loss", 1 << 29, False), ("loss", 3 << 27, False),
+              ("loss", 1 << 28, False))
+
+
+def mode_sweep(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline) -> None:
+    """The two training paths of the head (fwd+bwd: the two-pass op; loss: the one-pass fused
+    loss of the on-policy update) at each of MODE_TILES and MODE_CASES, at part a's timed shape:
+    time, TFLOP/s (8THV or 6THV credited), extra memory, and dX, dW against the first tile's
+    result at the same case (relative to its largest entry: the tiles change only the order of
+    fp32 sums, and dW's dtype summing the token chunks)."""
+    from kernels import logprob as lp
+    T, H, V = sh.timed_T, sh.head_H, sh.head_V
+    x, w, y, g = bench_logprob.make_inputs(T, H, V, sh.dtype, device)
+    tiles = [lp.Tiles(*spec) for spec in MODE_TILES] if device.type == "cuda" else [
+        lp.pick_tiles(sh.dtype, T, H, V)]
+    rows = []
+    for mode, ws, dw_fp32 in MODE_CASES:
+        first = None
+        for t in tiles:
+            if not deadline.fits(sh.case_seconds["e"]):
+                break
+            if mode == "loss":
+                run = lambda t=t, ws=ws, f=dw_fp32: lp._loss_forward(  # noqa: E731
+                    x, w, y, g, 1.0, True, True, ws, t, dw_fp32=f)[2:]
+            else:
+                def run(t=t, ws=ws):
+                    _, ent, norm = lp._forward_stats(x, w, y, 1.0, t)
+                    return lp._backward(x, w, y, norm, ent, g, None, 1.0, True, True, ws, t)
+            try:
+                sec, extra = timed(run, device, sh.timed_repeats, sh.timed_warmup)
+                dx, dw = (a.float() for a in run())
+            except Exception as e:
+                rows.append(dict(mode=mode, ws=ws, dw_fp32=dw_fp32, tiles=tuple(vars(t).values()),
+                                 error=error_text(e)[:100]))
+                free_memory(device)
+                continue
+            first = first or (dx, dw)
+            diff = max(((a - b).abs().max() / b.abs().max()).item()
+                       for a, b in zip((dx, dw), first))
+            credit = 6 if mode == "loss" else 8
+            rows.append(dict(mode=mode, ws=ws, dw_fp32=dw_fp32, tiles=tuple(vars(t).values()),
+                             ms=sec * 1e3, tflops=credit * T * H * V / sec / 1e12,
+                             extra_gib=extra, vs_first_tiles=diff))
+            del dx, dw
+            free_memory(device)
+        del first
+        free_memory(device)
+    rep.add("e", "training modes", f"{len(rows)} runs",
+            "; ".join(f"{r['mode']} ws {r['ws'] >> 20} MiB dW "
+                      f"{'fp32' if r['dw_fp32'] else 'own'} {r['tiles'][:3]}x{r['tiles'][6]}: "
+                      + (r["error"] if "error" in r else
+                         f"{r['ms']:.1f} ms, {r['tflops']:.3g} TFLOP/s, "
+                         f"+{fmt(r['extra_gib'], 2)} GiB, vs first tiles "
+                         f"{fmt(r['vs_first_tiles'], 2)}") for r in rows),
+            None, rows=rows)
+    del x, w, y, g
+    free_memory(device)
+
+
 def part_tiles(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline) -> None:
     fp32_tau_case(rep, sh, device, deadline)
     tiles_sweep(rep, sh, device, peak, deadline)
+    mode_sweep(rep, sh, device, peak, deadline)
     loss_variants(rep, sh, device, peak, deadline)
 
 

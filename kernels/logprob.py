@@ -41,12 +41,14 @@ forward, as in on-policy GRPO (loss = sum_t coef_t logp_t), the gradient needs n
 token chunk the forward kernel also stores the fp32 logits in the workspace, the merge gives
 (M, log S), the backward kernel turns the stored logits into dZ (g = coef), and the two GEMMs give
 dX and dW right away. 6 T H V FLOPs; the backward only scales the stored dX, dW by the
-incoming scalar.
+incoming scalar. Over several token chunks dW is summed in its own dtype (one rounding a chunk,
+as Liger-Kernel does): an fp32 sum would hold V H 4 bytes more (2 GiB at Qwen2.5-7B's head) for
+one ulp of bf16 (measured: 3.9e-3 of dW's largest entry on an H200, 15 chunks).
 
 Limits: X and W fp32, fp16 or bf16 (same dtype), contiguous; y int64 in [0, V); tau > 0. fp32
 inputs use IEEE fp32 dots unless torch's float32 matmul precision allows TF32. All offsets are
 int64, so T V and V H beyond 2^31 are fine. Outputs logp and H are fp32. Deterministic given the
-tile table; dW of the loss path over several token chunks is accumulated in fp32.
+tile table.
 
 CPU: with TRITON_INTERPRET=1 (set by kernels/__init__.py when there is no CUDA) the same source
 runs on CPU tensors, one program at a time in numpy. The interpreter multiplies bf16 tiles as raw
@@ -76,8 +78,11 @@ from .reference import addmm_fp32_, check_inputs, fused_logprob_reference, opera
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Bytes the backward (and the loss path's forward) may use for logits/dZ scratch at once.
-DEFAULT_WORKSPACE_BYTES = 1 << 30
+# Bytes the backward (and the loss path's forward) may use for logits/dZ scratch at once. 384 MiB:
+# on an H200 at the Qwen2.5-7B head (T 16384, bf16) the loss path then holds 1.45 GiB beside its
+# inputs (4.14 at 1 GiB with dW summed in fp32) and runs in 113.8 ms (112.2 at 1 GiB); at 256 MiB
+# its token chunks halve to 256 and it slows to 146 ms (bench/RESULTS.md, 2026-11-28).
+DEFAULT_WORKSPACE_BYTES = 3 << 27
 
 # No fused multiply-add contraction in the kernels (Triton's enable_fp_fusion). With it the GPU
 # compiler may turn z - m = acc / tau - m into one fma(acc, 1/tau, -m), skipping z's rounding in
@@ -118,7 +123,11 @@ def pick_tiles(dtype: torch.dtype, num_tokens: int, hidden_size: int, vocab_size
         return Tiles(bm=bm, bn=bn, bk=bk, split=4 * bn, group_m=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return Tiles(bm=64, bn=128, bk=32, split=2048, group_m=8, num_warps=8, num_stages=3)
-    return Tiles(bm=128, bn=128, bk=64, split=2048, group_m=8, num_warps=8, num_stages=3)
+    # measured on an H200 (bench/gpu_check.py part e, 2026-11-28; bench/RESULTS.md): 128 x 256
+    # tiles in 4 stages against 128 x 128 in 3, the forward statistics 590-634 TFLOP/s against
+    # 481-493, the two-pass training op 606 against 553, the fused loss 478 against 453. 5
+    # stages, or a 128-wide K step, need more shared memory than a multiprocessor has.
+    return Tiles(bm=128, bn=256, bk=64, split=2048, group_m=8, num_warps=8, num_stages=4)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -433,9 +442,10 @@ def loss_chunk_tokens(T: int, V: int, elem_bytes: int, workspace_bytes: int, til
 
 
 def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, tiles,
-                  dw_fp32=True):
-    """logp, entropy, and dX, dW of sum_t coef_t logp_t,
-    from one pass over the vocabulary (6THV). dw_fp32: _grad_outputs."""
+                  dw_fp32=False):
+    """logp, entropy, and dX, dW of sum_t coef_t logp_t, from one pass over the vocabulary (6THV).
+    Over several token chunks dW is summed in its own dtype unless dw_fp32 (_grad_outputs); in
+    fp32 anyway where the GEMMs' operands are not in dW's dtype (16-bit inputs on a CPU)."""
     T, H = x.shape
     V = w.shape[0]
     logp = torch.empty(T, dtype=torch.float32, device=x.device)
@@ -444,7 +454,7 @@ def _loss_forward(x, w, y, coef, inv_tau, need_dx, need_dw, workspace_bytes, til
     tc = loss_chunk_tokens(T, V, torch.finfo(cdt).bits // 8, workspace_bytes, tiles)
     z_buf = torch.empty(tc * V, dtype=torch.float32, device=x.device)
     dz_buf = torch.empty(tc * V, dtype=cdt, device=x.device)
-    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, tc >= T, dw_fp32)
+    dx, dw, dw32 = _grad_outputs(x, w, need_dx, need_dw, tc >= T, dw_fp32 or cdt != w.dtype)
     one_chunk = tc >= T
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)

@@ -87,13 +87,16 @@ def dense_calls(monkeypatch) -> list:
 
 
 @pytest.mark.stack
-def test_flex_attention_stays_fused_over_ten_row_lengths(dense_calls):
+def test_flex_attention_stays_fused_over_ten_row_lengths(dense_calls, monkeypatch):
     """Ten row lengths, the no_grad pass then the update pass, in one process: every call fused
     (no dense call), at most 4 compiled variants of flex_attention whatever the lengths (grad on
     or off x one block or several), and each row's log-probs those of SDPA with the dense tree
     mask."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     flex, sdpa = tiny_llama(attn="flex_attention").to(device), tiny_llama().to(device)
+    # these models are plain fp32 on every device; on a GPU infra.mask_dtype builds SDPA's dense
+    # mask in bf16, the compute dtype of FSDP2's policy, which SDPA refuses beside fp32 queries
+    monkeypatch.setattr(infra, "mask_dtype", lambda device, weight_dtype: weight_dtype)
     backward = device.type == "cuda"  # torch 2.13: no FlexAttention backward on CPU
     flex.requires_grad_(backward)
     rows = [row(length, shared, seed) for seed, (length, shared) in enumerate(ROWS)]
@@ -150,15 +153,20 @@ def test_flex_past_its_recompile_limit_is_an_error(dense_calls, monkeypatch):
     1 and two head counts no other test uses: the second needs a variant past the limit."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    monkeypatch.setattr(infra, "FLEX_RECOMPILE_LIMIT", 1)
-    infra.compiled_flex.cache_clear()  # the next compile takes the limit above
+    # the mask first, under the real limit: before torch 2.13 the limit is dynamo's global one,
+    # which the builder's variants from other tests would meet too (compiled_flex)
     packed = row(301, True, 0)
     mask = infra.tree_attention_mask(packed, "flex_attention", torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(infra, "FLEX_RECOMPILE_LIMIT", 1)
+    infra.compiled_flex.cache_clear()  # the next compile takes the limit above
+    # dynamo's own setting is restored afterwards (compiled_flex sets it before torch 2.13)
+    limit = torch._dynamo.config.recompile_limit
     try:
-        with torch.no_grad(), pytest.raises(FailOnRecompileLimitHit):
+        with (torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad(),
+              pytest.raises(FailOnRecompileLimitHit)):
             for heads in (3, 5):
-                q = torch.randn(1, heads, 301, 64)  # (1, H, T, D)
-                infra.flex_attention_forward(None, q, q, q, mask)
+                q, k, v = torch.randn(3, 1, heads, 301, 64)  # (1, H, T, D) each
+                infra.flex_attention_forward(None, q, k, v, mask)
     finally:
         infra.compiled_flex.cache_clear()  # later calls compile under the real limit
     assert dense_calls == []
@@ -183,18 +191,18 @@ def test_the_compiled_flex_calls_run_under_torch_2_11s_compile(monkeypatch, dens
     Watched fail on 4bac87c's compiled_flex ("compile() got an unexpected keyword argument
     'recompile_limit'", the first GPU run's error). ~20 s: one CPU compile of flex."""
     monkeypatch.setattr(torch, "compile", compile_of_torch_2_11(torch.compile))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)  # restored afterwards
     assert not infra.compile_takes_recompile_limit()
     infra.compiled_flex.cache_clear()
     try:
-        packed = row(389, True, 0)
-        mask = infra.tree_attention_mask(packed, "flex_attention", torch.device("cpu"),
-                                         torch.float32)
-        q = torch.randn(1, 4, 389, 64)  # (1, H, T, D)
-        with torch.no_grad():
-            out, _ = infra.flex_attention_forward(None, q, q, q, mask)
-        assert out.shape == (1, 389, 4, 64) and out.isfinite().all()
-        assert torch._dynamo.config.recompile_limit == infra.FLEX_RECOMPILE_LIMIT
+        with torch._dynamo.config.patch(recompile_limit=3):  # restored afterwards
+            packed = row(389, True, 0)
+            mask = infra.tree_attention_mask(packed, "flex_attention", torch.device("cpu"),
+                                             torch.float32)
+            q, k, v = torch.randn(3, 1, 4, 389, 64)  # (1, H, T, D) each: inductor (2.11)
+            with torch.no_grad():                      # refuses one buffer as all three
+                out, _ = infra.flex_attention_forward(None, q, k, v, mask)
+            assert out.shape == (1, 389, 4, 64) and out.isfinite().all()
+            assert torch._dynamo.config.recompile_limit == infra.FLEX_RECOMPILE_LIMIT
     finally:
         infra.compiled_flex.cache_clear()  # later tests compile with torch's own compile
     assert dense_calls == []

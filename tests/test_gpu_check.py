@@ -28,7 +28,8 @@ EXPECTED = (
         "triton fwd", "triton fwd+bwd", "triton loss", "liger fwd", "liger fwd+bwd", "cce fwd",
         "cce fwd+bwd", "chunked fwd+bwd", "naive fwd+bwd")]
     + [("e. head tiles", case) for case in (
-        "fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "loss variants")]
+        "fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "training modes",
+        "loss variants")]
     + [("b. update", "start"), ("b. update", "update 128 tokens"), ("b. update", "profile 128"),
        ("b. update", "update 256 tokens"), ("b. update", "optimiser step"),
        ("c. shared prefix", "forward"), ("c. shared prefix", "gradients"),

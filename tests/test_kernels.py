@@ -264,7 +264,7 @@ def test_unknown_backend_is_rejected():
 
 LOSS_CASES = [
     ("triton", torch.float32, None),        # one token chunk
-    ("triton", torch.float32, 300_000),     # several token chunks: dW summed in fp32
+    ("triton", torch.float32, 300_000),     # several token chunks: dW summed in its dtype
     ("triton", torch.float16, 300_000),
     ("torch", torch.float32, 100_000),
 ]
