@@ -1480,7 +1480,10 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int,
                               gradients and the incoming (S, H) one, less down_proj's freed input;
                               without it every layer keeps its own: c = S a, a' = 4I + 2H
       lm_head      6VH + w    the head's backward: an fp32 dW, its bf16 cast, and the scratch w
-                              (the torch twin's chunk budget, or the Triton kernel's workspace)
+                              (the torch twin's chunk budget, or the Triton kernel's workspace,
+                              kernels.logprob.DEFAULT_WORKSPACE_BYTES); the one-pass head
+                              (spell.fused_head) holds less, its bf16 dW, w and dX, made in its
+                              forward: the bound covers both
       tree_mask    2 (k S)^2  the dense bf16 (T, T) mask of the whole row under SDPA, with
                               engine.shared_prefix (tree_attention_mask) or under sequence
                               parallelism, which gives every row one (full_row_mask; k =
@@ -1524,6 +1527,7 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int,
     tokens, foreach AdamW) the estimate reads -0.3 % and +1.0 % off the measured peak, and 1.0-1.4 %
     above bench/simulate_node.py's rows of two micro-batches (docs/gpu.md, "The memory model").
     """
+    from kernels.logprob import DEFAULT_WORKSPACE_BYTES
     from kernels.reference import DEFAULT_CHUNK_BYTES
 
     if optimizer not in ADAMW_STEP_BYTES:
@@ -1552,7 +1556,8 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int,
     else:
         c, a_peak = S * a, S * (4 * I + 2 * H)
     # kernels/logprob.py
-    head_scratch = DEFAULT_CHUNK_BYTES if cfg.engine.logprob_impl == "torch" else 1 << 30
+    head_scratch = (DEFAULT_CHUNK_BYTES if cfg.engine.logprob_impl == "torch"
+                    else DEFAULT_WORKSPACE_BYTES)
     gib = {
         "weights": 4 * P / shards,
         "grads": 4 * P / shards,

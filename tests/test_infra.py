@@ -465,9 +465,9 @@ def test_memory_estimate_qwen25_7b():
         "reduce": (2 * V * H + 6 * layer) / GiB,
         # 6.125 of checkpoints + 9.585 for the recomputed layer = 15.710
         "activations": (L * c + S * a_peak) / GiB,
-        # an fp32 and a bf16 dW, the Triton kernel's 1 GiB workspace (config.toml's
-        # logprob_impl = "triton"): 4.045
-        "lm_head": 6 * V * H / GiB + 1.0,
+        # an fp32 and a bf16 dW, the Triton kernel's 384 MiB workspace (config.toml's
+        # logprob_impl = "triton"; kernels.logprob.DEFAULT_WORKSPACE_BYTES): 3.420
+        "lm_head": 6 * V * H / GiB + 0.375,
         "tree_mask": 0.0,  # FlexAttention's BlockMask: no (T, T) tensor
         # 14.185 + 1.094 of KV cache
         "vllm_minimum": (2 * P + 2 * 2 * L * 512 * (16384 + 4096)) / GiB,
