@@ -1524,8 +1524,9 @@ def memory_estimate(cfg, mc, world: int, device_gib: float, longest: int,
     pool while it sleeps, and the allocator's fragmentation; nor the weight sync's buckets (~3 x
     engine.sync_bucket_mb, while vLLM's KV cache is still asleep). Against bench/gpu_check.py's
     update on one H200 (8 of Qwen2.5-7B's 28 layers, world 1, two micro-batches of 16K or 32K
-    tokens, foreach AdamW) the estimate reads -0.3 % and +1.0 % off the measured peak, and 1.0-1.4 %
-    above bench/simulate_node.py's rows of two micro-batches (docs/gpu.md, "The memory model").
+    tokens) the estimate reads -0.3 % and +1.0 % off the measured peaks with foreach AdamW, +1.1 %
+    and +1.0 % with fused, and 1.0-1.4 % above bench/simulate_node.py's rows of two micro-batches
+    (docs/gpu.md, "The memory model").
     """
     from kernels.logprob import DEFAULT_WORKSPACE_BYTES
     from kernels.reference import DEFAULT_CHUNK_BYTES

@@ -756,9 +756,11 @@ def print_table(rows: list[dict], group: int, answer: int) -> None:
 
 
 # bench/gpu_check.py's update rows on one H200 (8 of Qwen2.5-7B's layers, world 1): GiB allocated
-# at the peak, by AdamW implementation and T (../shared/notes/gpu-run-2026-11-28.md, issue #41)
+# at the peak, by AdamW implementation and T (issue #41; bench/RESULTS.md: foreach at 4bac87c,
+# fused at 7d7bb2e)
 H200_GIB = 139.8  # the H200's memory as torch reports it
-H200_UPDATE_PEAKS = {("foreach", 16384): 55.21, ("foreach", 32768): 59.97}
+H200_UPDATE_PEAKS = {("foreach", 16384): 55.21, ("foreach", 32768): 59.97,
+                     ("fused", 16384): 54.30, ("fused", 32768): 59.96}
 
 
 def print_gpu_check(rows: list[dict]) -> None:

@@ -170,7 +170,8 @@ def test_world_of_one_reproduces_the_h200_update_rows():
     H200 ran: the simulated peaks lie within 3 % of the measured 55.21 GiB (16K: the step, 20P)
     and 59.97 (32K: the second micro-batch's backward, beside the first's 4P of gradients), and
     memory_estimate within 3 % of the simulation. With the fused AdamW the step adds nothing and
-    the 16K peak moves to the backward's (54.17 GiB: the root's reduction)."""
+    the 16K peak moves to the backward's (54.17 GiB: the root's reduction), within 3 % of the
+    54.30 the H200 measured with it."""
     GiB, measured = 2**30, {16384: 55.21, 32768: 59.97}
     api = sn.project_api(1, device_gib=139.8, foreach=True)
     rows = {}
@@ -195,4 +196,5 @@ def test_world_of_one_reproduces_the_h200_update_rows():
     # garbage at its own times (two runs of one case here differed by 0.5 MB)
     assert abs(fused["peak"]["total"] - rows[16384]["before_step"]["total"]) < 2**20
     assert fused["peak"]["total"] < rows[16384]["peak"]["total"]  # 54.17 GiB, not 55.03
+    assert abs(fused["peak"]["total"] / GiB / 54.30 - 1) <= 0.03  # the H200 with fused AdamW
     assert abs(fused["estimate"] / fused["peak"]["total"] - 1) <= 0.03
