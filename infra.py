@@ -2740,6 +2740,27 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     return final
 
 
+def prune_checkpoints(folder: Path, keep: int, newest: Path) -> list[Path]:
+    """log.keep_checkpoints: keep `newest` (the one just saved) and the keep - 1 checkpoints of
+    `folder` (checkpoints/) before it, delete the older ones, oldest first; 0 keeps every one.
+    Only complete step_NNNNNN folders of earlier steps count: a .tmp being written, `latest`,
+    links and anything else stay (the HF export is not in this folder), and so do later steps
+    (left by a run resumed from an earlier `latest`, which overwrites them as it gets there).
+    Call it after save_atomically published `newest`: a crash before then leaves every older
+    one, a crash while deleting an older one leaves `newest` whole. Returns the folders deleted."""
+    if keep == 0:
+        return []
+    step = lambda p: int(p.name[5:])  # noqa: E731
+    older = sorted((p for p in folder.iterdir() if re.fullmatch(r"step_[0-9]{6,}", p.name)
+                    and p.is_dir() and not p.is_symlink() and step(p) < step(newest)), key=step)
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for path in doomed:
+        shutil.rmtree(path)
+    if doomed:
+        fsync_path(folder)
+    return doomed
+
+
 def meta_checksum(meta: dict) -> str:
     """CRC-32 of meta.json's record without its own checksum, as sorted JSON: a hand edit of the
     step, the world, the fingerprint or a file's record changes it. It catches a mistake, not a

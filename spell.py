@@ -305,6 +305,11 @@ class LogConfig:
     out_dir: str = bounded("runs/spell", "a folder name", ok=bool)  # metrics.jsonl, checkpoints/...
     # checkpoint every N steps (and at the end, and on SIGTERM)
     save_every: int = bounded(10, ">= 1")
+    # resumable checkpoints kept in <out_dir>/checkpoints: once a save is complete, the oldest
+    # beyond this many are deleted (never the one just written, never the HF export); 0 = keep
+    # every one. A checkpoint is 12 bytes a parameter (91 GB for a 7B model), and config.toml
+    # saves 100 of them; `spell.py preflight` compares what is kept with the free disk
+    keep_checkpoints: int = bounded(2, ">= 0 (0: keep every checkpoint)")
     # print a table of sample rollouts every N steps
     sample_every: int = bounded(5, ">= 0 (0: no sample tables)")
     # vLLM's own console log; INFO brings back its start-up report
@@ -3060,7 +3065,13 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
             "fingerprint": infra.run_fingerprint(cfg)}
     folder = infra.checkpoint_dir(cfg) / f"step_{step:06d}"
     path = infra.save_atomically(folder, write, meta, rank, world)
-    infra.print0(f"checkpoint: {path}")
+    # log.keep_checkpoints: the older ones go only now that this one is complete and `latest`
+    # names it, so a crash at any point leaves a whole checkpoint to resume from
+    removed = (infra.prune_checkpoints(path.parent, cfg.log.keep_checkpoints, path)
+               if rank == 0 else [])
+    infra.print0(f"checkpoint: {path}" + (f" (removed {', '.join(p.name for p in removed)}: "
+                                          f"log.keep_checkpoints = {cfg.log.keep_checkpoints})"
+                                          if removed else ""))
     return path
 
 

@@ -1391,6 +1391,85 @@ def test_checkpoint_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     assert ("fsync", str(final.parent)) in events[j:]
 
 
+def checkpoint_names(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+
+
+def test_pruning_keeps_exactly_n_checkpoints_and_resume_takes_the_newest(tmp_path):
+    """log.keep_checkpoints = 2 over five saves: the two newest stay, `latest` names the newest and
+    --resume continues from it. A folder being written (.tmp), a later step left by an earlier
+    branch of the run and the HF export are never candidates; 0 keeps every checkpoint.
+    Watched fail before pruning existed: five step folders."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}", "--log.keep_checkpoints=2"])
+    (out_dir / "hf").mkdir(parents=True)
+    (out_dir / "hf" / "config.json").write_text("{}")
+    (out_dir / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # another save's, midway
+    (out_dir / "checkpoints" / "step_000040").mkdir()  # a later step of an earlier branch
+    for step in range(1, 6):
+        tiny_checkpoint(out_dir, step, cfg)
+        # the first save has no older one to delete; every later one keeps two
+        kept = [f"step_{s:06d}" for s in range(max(1, step - 1), step + 1)]
+        assert checkpoint_names(out_dir) == sorted(["latest", *kept, "step_000009.tmp",
+                                                    "step_000040"])
+    assert (out_dir / "checkpoints" / "latest").read_text() == "step_000005"
+    assert (out_dir / "hf" / "config.json").read_text() == "{}"
+    assert infra.resume_checkpoint(cfg, True, 0, 1) == out_dir / "checkpoints" / "step_000005"
+    every = spell.load_config(None, [f"--log.out_dir={tmp_path / 'all'}",
+                                     "--log.keep_checkpoints=0"])
+    for step in range(1, 4):
+        tiny_checkpoint(tmp_path / "all", step, every)
+    assert checkpoint_names(tmp_path / "all") == ["latest", "step_000001", "step_000002",
+                                                  "step_000003"]
+
+
+class Killed(BaseException):
+    """A kill: nothing of the run's code catches it (not an Exception), as nothing runs after a
+    SIGKILL."""
+
+
+@pytest.mark.parametrize("where", ["mid-write", "mid-prune"])
+def test_a_kill_during_a_save_never_deletes_the_last_complete_checkpoint(tmp_path, monkeypatch,
+                                                                         where):
+    """log.keep_checkpoints = 1, the tightest: a kill while step 2 is written leaves step 1 whole
+    and named by `latest`; a kill while step 1 is deleted (step 2 published) leaves step 2 whole
+    and named. Either way --resume continues from a complete checkpoint. Watched fail with the
+    pruning moved before save_atomically (the kill mid-write then finds step 1 gone)."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}", "--log.keep_checkpoints=1"])
+    tiny_checkpoint(out_dir, 1, cfg)
+    if where == "mid-write":  # the rank's own state is the last file a save writes
+        real = torch.save
+
+        def kill(obj, f, *args, **kwargs):
+            if not isinstance(f, Path):  # DCP's own objects, into memory
+                return real(obj, f, *args, **kwargs)
+            f.write_bytes(b"torn")
+            raise Killed
+        monkeypatch.setattr(torch, "save", kill)
+        survivor = "step_000001"
+    else:
+        real = shutil.rmtree
+
+        def kill(path, *args, **kwargs):
+            if Path(path).name == "step_000001":  # one file gone, then the kill
+                (Path(path) / "meta.json").unlink()
+                raise Killed
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(shutil, "rmtree", kill)
+        survivor = "step_000002"
+    with pytest.raises(Killed):
+        tiny_checkpoint(out_dir, 2, cfg)
+    monkeypatch.undo()
+    assert (out_dir / "checkpoints" / "latest").read_text() == survivor
+    assert infra.check_checkpoint(out_dir / "checkpoints" / survivor, world=1)["step"] == \
+        int(survivor[5:])
+    assert infra.resume_checkpoint(cfg, True, 0, 1) == out_dir / "checkpoints" / survivor
+    # the next save cleans up: step 2 (again, or anew), then only it
+    tiny_checkpoint(out_dir, 2, cfg)
+    assert checkpoint_names(out_dir) == ["latest", "step_000002"]
+
+
 def test_trim_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     # torn by a crash
