@@ -47,7 +47,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -1673,6 +1673,77 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
             yield from finish_bucket_gather(pending.pop(0))
     for gather in pending:
         yield from finish_bucket_gather(gather)
+
+
+def full_weights(model) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of every weight a state-dict gather yields (gathered_state_dict,
+    bucketed_state_dict), in its order: state_dict's, tied aliases once. A DTensor's shape is the
+    full one, so every rank knows the sizes before anything is gathered."""
+    seen, out = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor.shape))
+    return out
+
+
+# A model's weights in one host buffer (reward.judge = "frozen" keeps the initial weights there).
+# Tensor.pin_memory() goes through CUDA's caching host allocator, which rounds each block up to a
+# power of two (ATen/core/CachingHostAllocator.h): ~27 GiB page-locked a rank for Qwen2.5-7B's
+# 14.2 GiB of bf16 weights, tensor by tensor, and one 14.2 GiB block from it would still take 16.
+# So the buffer is ordinary host memory of the exact size, page-locked where it lies
+# (cudaHostRegister), each weight a view into it starting at a multiple of HOST_ALIGN bytes.
+HOST_ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's size (each view needs one)
+
+
+def flat_layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of `nbytes` bytes laid one after another, each from a multiple of
+    HOST_ALIGN, and the bytes of the whole: the tensors' bytes, plus less than HOST_ALIGN of
+    padding before each tensor but the first."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(-(-end // HOST_ALIGN) * HOST_ALIGN)
+        end = offsets[-1] + n
+    return offsets, end
+
+
+def page_lock(buffer: torch.Tensor) -> bool:
+    """Page-lock a host tensor's memory as it is (cudaHostRegister: exactly its bytes), so a copy
+    to the GPU runs at full speed, and unlock it when the tensor is freed. False, with one line,
+    where CUDA refuses (a locked-memory limit, say): the copies then stay correct, only slower."""
+    import weakref
+
+    cudart, ptr = torch.cuda.cudart(), buffer.data_ptr()
+    try:
+        torch.cuda.check_error(cudart.cudaHostRegister(ptr, buffer.nbytes, 0))
+    except torch.cuda.CudaError as e:
+        print(f"page_lock: {buffer.nbytes / 2**30:.2f} GiB of host memory stay pageable "
+              f"(cudaHostRegister: {e}); copies from it to the GPU are slower", flush=True)
+        return False
+    weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
+    return True
+
+
+def host_weights(model, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 pin: bool) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The full weights a gather of `model` yields (`weights`: gathered_state_dict's or
+    bucketed_state_dict's sequence, in `dtype`), copied into one flat host buffer: (the buffer,
+    [(name, view into it)]). The layout comes from full_weights, so the buffer is made once, at
+    its final size, before the first tensor arrives; with `pin` it is page-locked (page_lock).
+    Its bytes: flat_layout's, the weights' own plus < HOST_ALIGN a weight."""
+    entries = full_weights(model)
+    nbytes = [math.prod(shape) * dtype.itemsize for _, shape in entries]
+    offsets, total = flat_layout(nbytes)
+    buffer = torch.empty(total, dtype=torch.uint8)  # (total,) bytes
+    if pin:
+        page_lock(buffer)
+    views = [(name, buffer[o:o + n].view(dtype).view(shape))
+             for (name, shape), o, n in zip(entries, offsets, nbytes)]
+    for (name, view), (got, tensor) in zip(views, weights, strict=True):
+        assert got == name and tensor.shape == view.shape, \
+            f"host_weights: {got} {tuple(tensor.shape)} where {name} {tuple(view.shape)} was due"
+        view.copy_(tensor)
+    return buffer, views
 
 
 def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:

@@ -754,6 +754,52 @@ def test_export_runs_in_vllm(embedded_dir, cpu_bf16):
 
 
 # ------------------------------------------------------------------------------------------------
+# A model's weights in one host buffer (the frozen judge's)
+# ------------------------------------------------------------------------------------------------
+
+def test_flat_layout_starts_each_tensor_at_a_multiple_of_64_bytes():
+    # 10 bytes, then 64 from 64, 3 from 128, 8 from 192 (131 rounded up): 200 in all
+    assert infra.flat_layout([10, 64, 3, 8]) == ([0, 64, 128, 192], 200)
+    assert infra.flat_layout([]) == ([], 0) and infra.flat_layout([0, 5]) == ([0, 0], 5)
+
+
+def test_host_weights_page_lock_the_buffer_once_at_its_exact_size(monkeypatch):
+    """On a GPU the buffer is page-locked where it lies (cudaHostRegister), once, for exactly its
+    bytes, and unlocked when it is freed; pin_memory() would have rounded it up to 2^k. Here CUDA's
+    two calls are recorded (this machine has none); the GPU test below makes them for real."""
+    calls = []
+    cudart = types.SimpleNamespace(
+        cudaHostRegister=lambda ptr, size, flags: calls.append(("lock", ptr, size)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unlock", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda result: None)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7, bias=False))
+    buffer, views = infra.host_weights(model, spell.gathered_state_dict(model, torch.bfloat16),
+                                       torch.bfloat16, pin=True)
+    # 30, 6 and 42 bytes of bf16, from 0, 64 and 128
+    assert buffer.nbytes == 170 and [v.data_ptr() - buffer.data_ptr() for _, v in views] == \
+        [0, 64, 128]
+    ptr = buffer.data_ptr()
+    assert calls == [("lock", ptr, 170)]
+    del buffer, views
+    assert calls == [("lock", ptr, 170), ("unlock", ptr)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_weights_on_a_gpu_are_page_locked_outside_the_caching_host_allocator():
+    """The buffer is page-locked (is_pinned), and CUDA's caching host allocator, which rounds each
+    block up to a power of two, holds none of it."""
+    model = torch.nn.Linear(1000, 3000).cuda()
+    held = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    buffer, views = infra.host_weights(model, spell.gathered_state_dict(model, torch.bfloat16),
+                                       torch.bfloat16, pin=True)
+    assert buffer.is_pinned() and all(v.is_pinned() for _, v in views)
+    assert buffer.nbytes == 6_000_000 + 6_000 and torch.equal(views[0][1].cuda(),
+                                                              model.weight.bfloat16())
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == held
+
+
+# ------------------------------------------------------------------------------------------------
 # Bucketed weight sync
 # ------------------------------------------------------------------------------------------------
 
