@@ -985,8 +985,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ChatML end of turn: the token that ends every assistant answer, hence our EOS and pad token.
 END_OF_TURN = "<|im_end|>"
 # What a finished HF model folder must hold; export_embedded_model checks these to skip work.
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json")
+EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# and the weights: one file, or the index of the shards (export_hf)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def resolve_model(cfg, rank: int) -> str:
@@ -1050,7 +1051,8 @@ def check_model_keys(cfg, model_dir: str) -> None:
 def export_is_complete(out_dir: str) -> bool:
     """True if `out_dir` holds a finished HF model folder (written atomically,
     so present = complete)."""
-    return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+    return (all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+            and any(os.path.isfile(os.path.join(out_dir, f)) for f in WEIGHT_FILES))
 
 
 def publish_dir(tmp_dir: str, out_dir: str) -> None:
@@ -3240,23 +3242,59 @@ def write_atomic(path: Path, text: str) -> None:
 # The HF export of the trained policy
 # ==================================================================================================
 
-def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
-    """Save an HF folder (config, safetensors, tokenizer) that vLLM and
-    transformers load directly."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
+# One safetensors file of the export at most this large (a larger tensor gets one of its own): what
+# rank 0 holds of the export at once is one shard and the tensor in flight (safetensors 0.8 writes
+# from the tensors themselves; an older one also holds the shard's bytes while it writes), where
+# before #41 it held the whole fp32 state dict and a second fp32 model
+EXPORT_SHARD_BYTES = 2 << 30
 
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
-    if rank == 0:  # the gather above is a collective; only rank 0 receives the tensors
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
+
+def export_hf(policy, tokenizer, out_dir: Path, rank: int,
+              weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+              shard_bytes: int = EXPORT_SHARD_BYTES) -> None:
+    """Save an HF folder (config, safetensors, tokenizer) that vLLM and transformers load directly,
+    the weights in `dtype`, from `weights`: a state-dict gather of the policy (spell's
+    gathered_state_dict: one full tensor at a time, cast before it travels). Every rank consumes it
+    (each tensor is a collective); rank 0 moves each to the host and writes the shards as they
+    fill: model.safetensors, or model-0000k-of-0000n.safetensors and their index where the weights
+    pass `shard_bytes` (the shards are planned from full_weights before anything is gathered).
+    Written into out_dir.tmp and renamed, so the folder is whole or absent."""
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    entries = full_weights(policy)
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape in entries]
+    shards = sync_buckets(sizes, shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    where = {entries[i][0]: files[k] for k, shard in enumerate(shards) for i in shard}
+    last = {entries[shard[-1]][0] for shard in shards}  # a shard is written once it is here
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        config = policy.config
-        model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(full)
-        model.to(config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
-        model.generation_config = policy.generation_config
-        model.save_pretrained(tmp)
+        tmp.mkdir(parents=True)
+    held: dict[str, torch.Tensor] = {}
+    for (name, shape), (got, tensor) in zip(entries, weights, strict=True):
+        assert got == name and tensor.shape == shape, f"export_hf: {got} where {name} was due"
+        if rank != 0:
+            continue
+        held[name] = tensor.to("cpu", dtype)
+        if name in last:
+            save_file(held, tmp / where[name], metadata={"format": "pt"})
+            held = {}
+    if rank == 0:
+        if len(files) > 1:
+            write_atomic(tmp / "model.safetensors.index.json", json.dumps(
+                {"metadata": {"total_size": sum(sizes)}, "weight_map": where}, indent=2))
+        config = copy.deepcopy(policy.config)
+        config.dtype = dtype  # the trainer loaded fp32 masters; the export holds `dtype`
+        # the model's HF class, as save_pretrained names it (FSDP2 made a subclass of its own)
+        config.architectures = [next(c.__name__ for c in type(policy).__mro__
+                                     if issubclass(c, PreTrainedModel)
+                                     and not issubclass(c, FSDPModule))]
+        config.save_pretrained(tmp)
+        policy.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # on disk before the rename makes the folder count as complete
         for p in [*tmp.iterdir(), tmp]:
@@ -3265,7 +3303,7 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
         os.rename(tmp, out_dir)
         fsync_path(out_dir.parent)
     barrier()
-    print0(f"HF export: {out_dir}")
+    print0(f"HF export: {out_dir} ({dtype}, {len(files)} file(s) of weights)")
 
 
 # ==================================================================================================

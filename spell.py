@@ -2518,7 +2518,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if stop:
             infra.print0("SIGTERM: checkpoint saved, exiting")
             break
-    infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank)
+    # in vLLM's dtype (bf16 on GPU), one tensor at a time (rank 0 holds a shard, not the model)
+    export = sync_dtype(cfg, device)
+    infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank,
+                    gathered_state_dict(policy, export), export)
     log.close()
 
 
