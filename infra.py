@@ -2159,6 +2159,12 @@ def compiled_flex(fn, backend: str | None = None):
     return torch.compile(fn, **options)
 
 
+def compiled_variants(fn) -> int:
+    """How many compiled variants dynamo holds for fn's code: what FLEX_RECOMPILE_LIMIT bounds."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
 def mask_builder(device: torch.device):
     """create_block_mask as the trainer calls it on `device`: compiled on every device, as on the
     GPU, so that a CPU run traces the same call (then runs it eagerly: inductor's CPU code for it
