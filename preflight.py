@@ -230,50 +230,65 @@ def rollout_roles(cfg: spell.Config) -> list[str]:
 # Beyond one of each: a whole round's time, the disk a run fills, what the update compiles
 # ==================================================================================================
 
-def round_requests(cfg: spell.Config, groups: int,
-                   timings: dict[str, Timing]) -> list[tuple[str, int, int, int, int, Timing]]:
-    """What one engine generates in a round (spell.rollout_round), all questions well formed and
-    every answer read: per phase (name, prompts, prompt tokens, samples each, budget, the measured
-    request it scales from). Prompts at their longest; the grounding check's (a question alone) at
-    the questioner's budget, scaled from the responder's request (its budget)."""
+class Requests(NamedTuple):
+    """A phase of a round on one engine: `count` requests of `prompt` tokens, of which `prefills`
+    are distinct (vLLM's prefix cache encodes a repeated prompt once), each `samples` samples of
+    `budget` tokens; scaled from the measured request `ref`."""
+    name: str
+    count: int
+    prefills: int
+    prompt: int
+    samples: int
+    budget: int
+    ref: Timing
+
+
+def round_requests(cfg: spell.Config, groups: int, timings: dict[str, Timing]) -> list[Requests]:
+    """What one engine generates in a round (spell.rollout_round), every question well formed and
+    every answer read. Prompts at their longest; the grounding check's (a question alone) at the
+    questioner's budget, scaled from the responder's request (its budget). Under verdict_order
+    "random" a request per vote, its prompt one of two (the two orders of the verdicts)."""
     r, k = cfg.rollout, max(1, cfg.rollout.clusters_per_round // groups)  # as main's per_round
     que, res = spell.max_new_tokens(cfg, "que"), spell.max_new_tokens(cfg, "res")
     out = []
     if "que" in timings:
-        out.append(("questioner", k, r.max_prompt_tokens, 1, que, timings["que"]))
+        out.append(Requests("questioner", k, k, r.max_prompt_tokens, 1, que, timings["que"]))
         if r.grounding_filter:
-            out.append(("grounding", k, que, 1, res, timings["res"]))
-    out.append(("responder", k, r.max_prompt_tokens, r.group_size, res, timings["res"]))
+            out.append(Requests("grounding", k, k, que, 1, res, timings["res"]))
+    out.append(Requests("responder", k, k, r.max_prompt_tokens, r.group_size, res, timings["res"]))
     if "ver" in timings:
-        ver, votes = timings["ver"], spell.votes_per_response(cfg)
-        # "random" verdict orders: a request per vote (spell.sample_answer_votes)
-        per = (1, votes) if cfg.bootstrap.verdict_order == "random" else (votes, 1)
-        out.append(("verifier", k * r.group_size * per[1], ver.prompt, per[0],
-                    spell.max_new_tokens(cfg, "ver"), ver))
+        ver, votes, answers = timings["ver"], spell.votes_per_response(cfg), k * r.group_size
+        budget = spell.max_new_tokens(cfg, "ver")
+        if cfg.bootstrap.verdict_order == "random":  # spell.sample_answer_votes
+            out.append(Requests("verifier", answers * votes, answers * min(votes, 2), ver.prompt,
+                                1, budget, ver))
+        else:
+            out.append(Requests("verifier", answers, answers, ver.prompt, votes, budget, ver))
     return out
 
 
-def phase_seconds(prompts: int, prompt: int, samples: int, budget: int, ref: Timing,
-                  kv_tokens: int | None, max_seqs: int, weight_tokens: float) -> float:
-    """A phase of a round from one measured request (`ref`), to first order. Prefill is compute:
-    `prompts` times the measured one, in proportion to the prompt's tokens. Decode runs in waves
-    of the prompts whose KV cache fits at once (kv_tokens, vLLM's cache; a prompt's samples share
-    its prompt: prompt + samples x budget tokens a prompt; at most max_seqs sequences; one prompt
-    at a time where the cache is unknown), each wave `budget` steps. A step reads the weights and
-    every running sequence's KV cache (memory-bound), so it costs the measured step times
-    (weights + this wave's cache) / (weights + the measured request's cache), the weights counted
-    in tokens of KV cache (weight_tokens) and a sequence's cache at its mean length."""
-    prefill = prompts * ref.prefill_s * prompt / ref.prompt
-    fits = kv_tokens // (prompt + samples * budget) if kv_tokens else 1
-    at_once = max(1, min(fits, max_seqs // samples, prompts))
-    waves = -(-prompts // at_once)
+def phase_seconds(req: Requests, kv_tokens: int | None, max_seqs: int,
+                  weight_tokens: float) -> float:
+    """A phase of a round from its measured request, to first order. Prefill is compute: the
+    measured one's time for each distinct prompt, in proportion to its tokens. Decode runs in waves
+    of the requests whose KV cache fits at once (kv_tokens, vLLM's cache; a request's samples share
+    its prompt: prompt + samples x budget tokens each; at most max_seqs sequences; one request at a
+    time where the cache is unknown), each wave `budget` steps. A step reads the weights and every
+    running sequence's KV cache (memory-bound), so it costs the measured step times (weights +
+    this wave's cache) / (weights + the measured request's cache), the weights counted in tokens
+    of KV cache (weight_tokens) and a sequence's cache at its mean length."""
+    ref = req.ref
+    prefill = req.prefills * ref.prefill_s * req.prompt / ref.prompt
+    fits = kv_tokens // (req.prompt + req.samples * req.budget) if kv_tokens else 1
+    at_once = max(1, min(fits, max_seqs // req.samples, req.count))
+    waves = -(-req.count // at_once)
 
     def read(seqs: int, prompt: int, budget: int) -> float:
         return weight_tokens + seqs * (prompt + budget / 2)
 
-    step = (ref.decode_s / ref.budget * read(at_once * samples, prompt, budget)
+    step = (ref.decode_s / ref.budget * read(at_once * req.samples, req.prompt, req.budget)
             / read(ref.samples, ref.prompt, ref.budget))
-    return prefill + waves * budget * step
+    return prefill + waves * req.budget * step
 
 
 def weight_tokens(model_config, parameters: int) -> float:
@@ -292,8 +307,8 @@ def round_line(cfg: spell.Config, groups: int, timings: dict[str, Timing],
     "frozen" two syncs more), against engine.collective_timeout_min: a rank whose round ends early
     (its questions all failed the format) waits in the all-reduce after it (spell.batch_is_full)
     for the others' whole round. A warning past half the timeout."""
-    phases = [(name, prompts, phase_seconds(prompts, p, n, b, ref, kv_tokens, max_seqs, weights))
-              for name, prompts, p, n, b, ref in round_requests(cfg, groups, timings)]
+    phases = [(req.name, req.count, phase_seconds(req, kv_tokens, max_seqs, weights))
+              for req in round_requests(cfg, groups, timings)]
     if cfg.reward.judge == "frozen":  # the initial weights in, the policy back (FrozenJudge)
         phases.append(("judge swaps", 2, 2 * sync_s))
     total, timeout = sum(s for *_, s in phases), cfg.engine.collective_timeout_min

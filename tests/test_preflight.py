@@ -299,31 +299,36 @@ REF = preflight.Timing(prefill_s=2.0, decode_s=40.0, prompt=1000, samples=1, bud
 
 
 def test_a_phase_of_a_round_scales_prefill_by_tokens_and_decode_by_waves_and_reads():
+    def seconds(count, prefills, prompt, samples, kv_tokens, max_seqs):
+        req = preflight.Requests("x", count, prefills, prompt, samples, 100, REF)
+        return preflight.phase_seconds(req, kv_tokens, max_seqs, 8950)
+
     # 10 prompts like the measured one: prefill 10 x 2 s. A cache of 4,400 tokens holds 4 of
     # them (1,100 each): 3 waves of 100 steps, each step reading 8,950 + 4 x 1,050 = 13,150
     # tokens' worth, 1.315 x the measured 0.4 s
-    assert preflight.phase_seconds(10, 1000, 1, 100, REF, 4400, 256, 8950) == \
-        pytest.approx(20 + 3 * 100 * 0.4 * 1.315)
+    assert seconds(10, 10, 1000, 1, 4400, 256) == pytest.approx(20 + 3 * 100 * 0.4 * 1.315)
     # an unknown cache: one prompt at a time, each step as measured
-    assert preflight.phase_seconds(10, 1000, 1, 100, REF, None, 256, 8950) == \
-        pytest.approx(20 + 10 * 100 * 0.4)
+    assert seconds(10, 10, 1000, 1, None, 256) == pytest.approx(20 + 10 * 100 * 0.4)
     # 8 samples a prompt and 16 sequences at most: 2 prompts a wave however large the cache; a
     # prompt of 500 tokens prefills in half the time
-    assert preflight.phase_seconds(4, 500, 8, 100, REF, 10**9, 16, 8950) == \
+    assert seconds(4, 4, 500, 8, 10**9, 16) == \
         pytest.approx(4 + 2 * 100 * 0.4 * (8950 + 16 * 550) / 10_000)
+    # 10 requests of 5 distinct prompts (the prefix cache has the rest): 5 prefills
+    assert seconds(10, 5, 1000, 1, None, 256) == pytest.approx(10 + 10 * 100 * 0.4)
 
 
 def test_a_rounds_requests_are_what_rollout_round_generates_on_one_engine():
     cfg = config()  # config.toml's: 480 clusters a round, G = 8, the grounding check, 8 votes
     t = {role: REF for role in ("que", "res", "ver")}
-    assert [r[:5] for r in preflight.round_requests(cfg, 8, t)] == [
-        ("questioner", 60, 16384, 1, 4096), ("grounding", 60, 4096, 1, 4096),
-        ("responder", 60, 16384, 8, 4096), ("verifier", 480, 1000, 8, 4096)]
-    # a request per vote, no grounding check; under RLVR (no questioner) no grounding either
+    assert [r[:6] for r in preflight.round_requests(cfg, 8, t)] == [
+        ("questioner", 60, 60, 16384, 1, 4096), ("grounding", 60, 60, 4096, 1, 4096),
+        ("responder", 60, 60, 16384, 8, 4096), ("verifier", 480, 480, 1000, 8, 4096)]
+    # a request per vote, of two prompts an answer; no grounding check; under RLVR (no
+    # questioner) no grounding either
     cfg = config(bootstrap__verdict_order="random", rollout__grounding_filter=False)
-    assert [r[:4] for r in preflight.round_requests(cfg, 8, t)][1:] == [
-        ("responder", 60, 16384, 8), ("verifier", 3840, 1000, 1)]
-    assert [r[0] for r in preflight.round_requests(config(), 8, {"res": REF})] == ["responder"]
+    assert [r[:5] for r in preflight.round_requests(cfg, 8, t)][1:] == [
+        ("responder", 60, 60, 16384, 8), ("verifier", 3840, 960, 1000, 1)]
+    assert [r.name for r in preflight.round_requests(config(), 8, {"res": REF})] == ["responder"]
 
 
 def test_a_round_past_half_the_collective_timeout_is_a_warning_naming_the_keys():
@@ -480,11 +485,12 @@ def test_demo_preflight_prints_every_phase_and_leaves_the_run_as_it_was(embedded
                         r"grounding 24 x [0-9.]+ s, responder 24 x [0-9.]+ s, verifier 384 x "
                         r"[0-9.]+ "
                         r"s; from the measured prefill and decode, [0-9,]+ tokens of KV cache\) "
-                        r"against engine.collective_timeout_min = 120: within half of it",
-                        round_time), round_time
+                        r"against engine.collective_timeout_min = 120: (within half of it|past "
+                        r"half of it\. .*)", round_time.removeprefix("WARNING: ")), round_time
     assert re.fullmatch(r"disk: 1 checkpoint\(s\) of \d\.\d\d GiB \(train.steps 2, "
                         r"log.save_every 2\), at most 1 on disk at once \(log.keep_checkpoints = "
-                        r"2\), and the HF export's 0.50 GiB: .* GiB free in log.out_dir", disk), disk
+                        r"2\), and the HF export's 0.50 GiB: .* GiB free in log.out_dir",
+                        disk), disk
     assert last.startswith("preflight: 12 phases passed in ")
     assert tree(out) == before  # the scratch checkpoint is gone, the run's untouched
 
