@@ -36,6 +36,7 @@ import random
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 import tomllib
@@ -72,6 +73,11 @@ class InputError(ValueError):
 
 class ConfigError(InputError):
     """A config file or command-line override that does not match the Config dataclasses."""
+
+
+class SetupError(InputError):
+    """A machine the installed packages cannot run on as asked (NVIDIA GPUs that torch's build
+    cannot use): the message says what to install or set."""
 
 
 class CorpusError(InputError):
@@ -850,6 +856,121 @@ def world_of_one_env() -> dict[str, str]:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+# ---- the machine: GPUs torch can use, the caching allocator's settings, versions
+
+NVIDIA_DRIVER_FILE = "/proc/driver/nvidia/version"  # there while NVIDIA's kernel driver is loaded
+NVIDIA_DEVICE_FILE = "/dev/nvidia0"  # the first GPU's device node
+# the oldest Linux driver branch each CUDA major version runs on (NVIDIA's table of minimum
+# drivers in the CUDA toolkit's release notes: 11.x 450.80.02, 12.x 525.60.13, 13.x 580.65.06);
+# torch 2.13 from the package index is built for CUDA 13.0
+CUDA_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
+GPU_ROUTES = 'README, "On 8 GPUs"'
+
+
+def nvidia_driver() -> str | None:
+    """The loaded NVIDIA kernel driver's version ("580.159.04"), from the first line of its
+    /proc file (NVIDIA_DRIVER_FILE); "unknown" when that line has none, None without the file."""
+    try:
+        first = Path(NVIDIA_DRIVER_FILE).read_text(errors="replace").split("\n", 1)[0]
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX [Open Kernel Module for] x86_64 Kernel Module  580.159.04  ..."
+    found = re.search(r"(?<!\S)(\d{3,}\.\d+(?:\.\d+)*)(?!\S)", first)
+    return found.group(1) if found else "unknown"
+
+
+def check_gpus_usable(cuda_available: bool) -> None:
+    """Stop with one line when the machine has NVIDIA GPUs that the installed torch cannot use,
+    instead of starting on gloo and the CPU: torch built for CUDA 13 on a CUDA 12 driver sees no
+    GPU, and a CPU build sees none either. CUDA_VISIBLE_DEVICES="" (or -1) hides them on purpose."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
+    driver = nvidia_driver()
+    if cuda_available or hidden or (driver is None and not os.path.exists(NVIDIA_DEVICE_FILE)):
+        return
+    here = f"driver {driver}" if driver else NVIDIA_DEVICE_FILE
+    built, why = torch.version.cuda, ""
+    if built is None:
+        why = f"is a CPU build: install requirements.txt ({GPU_ROUTES})"
+    else:
+        need = CUDA_DRIVER_BRANCH.get(int(built.split(".")[0]))
+        if need and driver and driver[0].isdigit() and int(driver.split(".")[0]) < need:
+            why = (f"is built for CUDA {built}, which needs driver {need} or newer: update the "
+                   f"driver, or install torch for CUDA 12 ({GPU_ROUTES})")
+        else:
+            why = (f"(CUDA {built}) finds none (torch.cuda.is_available() is False): check that "
+                   f"nvidia-smi lists them for this user and container")
+    raise SetupError(f"NVIDIA GPUs are here ({here}) but torch {torch.__version__} {why}; "
+                     f"CUDA_VISIBLE_DEVICES= runs on the CPU instead")
+
+
+# torch reads the caching allocator's settings from the first of these that is set: measured with
+# both set to different values, on torch 2.11 on an H200 (a segment's is_expandable) and on torch
+# 2.13 here (its live settings string). vLLM 0.32's device_allocator/alloc_conf.py assumes the
+# opposite order; allocator_lines names any disagreement with the live string
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"  # spell.init_distributed's default (the trainer's)
+
+
+def allocator_conf(environ: dict | None = None) -> tuple[str | None, str]:
+    """(the variable the CUDA caching allocator reads, its value), or (None, "") if none is set."""
+    environ = os.environ if environ is None else environ
+    return next(((name, environ[name]) for name in ALLOC_CONF_VARS if environ.get(name)),
+                (None, ""))
+
+
+def live_allocator_settings() -> str | None:
+    """The settings string torch's allocator parsed ("" for none; None where this torch cannot
+    say). torch reads the environment at the first call: make it once the variables are final."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return getter() if getter is not None else None
+
+
+def expandable_segments(conf: str) -> bool:
+    """Whether an allocator setting string turns expandable segments on (its last word on them
+    wins; off by default)."""
+    found = re.findall(r"expandable_segments\s*:\s*(\w+)", conf)
+    return bool(found) and found[-1] == "True"
+
+
+def allocator_lines(environ: dict | None = None, live: str | None = None) -> list[str]:
+    """What the caching allocator runs with: each variable as the process has it, which one torch
+    reads and the settings it parsed (`live`, from live_allocator_settings), and warnings: a
+    user's setting that leaves expandable segments off (what the update frees then stays in fixed
+    segments that vLLM's wake-up cannot reuse), live settings that are not the variable's."""
+    environ = os.environ if environ is None else environ
+    read, conf = allocator_conf(environ)
+    effective = conf if live is None else live
+    shown = ", ".join(f"{name}={environ[name]!r}" if environ.get(name) else f"{name} unset"
+                      for name in ALLOC_CONF_VARS)
+    lines = [f"allocator: {shown}; torch reads {read or 'neither (its defaults)'}"
+             + ("" if live is None else f" (live settings {live!r})")
+             + f", expandable segments {'on' if expandable_segments(effective) else 'off'}"]
+    if live is not None and live != conf:
+        lines.append(f"WARNING: torch's live allocator settings {live!r} are not "
+                     f"{read or 'the defaults'}'s: this torch reads the variables in another "
+                     f"order than {' > '.join(ALLOC_CONF_VARS)}, or something set them at run time")
+    if read is not None and not expandable_segments(effective):
+        lines.append(f"WARNING: {read}={conf!r} leaves the trainer's expandable segments off: "
+                     f"add {EXPANDABLE} to it, or unset it for spell's default")
+    return lines
+
+
+def version_line(device: torch.device) -> str:
+    """torch, its CUDA and NCCL, the NVIDIA driver and Triton, as this process has them."""
+    triton = importlib.util.find_spec("triton")
+    parts = [f"torch {torch.__version__}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if device.type == "cuda":
+        parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+    parts.append(f"driver {nvidia_driver() or 'none'}")
+    if triton is not None:
+        from importlib.metadata import version
+
+        parts.append(f"triton {version('triton')}")
+    return ", ".join(parts)
+
+
 def train_mode_without_dropout(model) -> None:
     """Put the policy in train mode, with every dropout at 0.
 
@@ -904,12 +1025,48 @@ def barrier() -> None:
         dist.barrier()
 
 
-def group_timeout(group=None) -> "datetime.timedelta":
+def group_timeout(group=None) -> "datetime.timedelta | None":
     """How long a collective of `group` (default: the world) waits for its slowest rank. torch has
-    no public getter: the backend's options hold it."""
+    no public getter: the backend's options hold it (None for a backend without options, such as
+    the fake one of bench/simulate_node.py)."""
     group = group or dist.group.WORLD
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    return group._get_backend(device).options._timeout
+    options = group._get_backend(device).options
+    return None if options is None else options._timeout
+
+
+def world_options():
+    """Backend options that carry the world's timeout (engine.collective_timeout_min) into a
+    group init_device_mesh makes: without them torch gives it its default, 10 minutes on NCCL.
+    NCCL: a copy of the world's own options, as torch's split_group copies them by default (the
+    class it requires); gloo reads nothing but the timeout from them."""
+    from torch._C._distributed_c10d import Backend as C10dBackend
+
+    if dist.get_backend() == "nccl":
+        return copy.deepcopy(dist.group.WORLD._get_backend(torch.device("cuda")).options)
+    return C10dBackend.Options(dist.get_backend(), group_timeout())
+
+
+def group_timeouts(policy=None) -> list[tuple[str, datetime.timedelta]]:
+    """(name, timeout) of every process group a run waits in: the world, the policy's mesh (a
+    group a dim, from its DTensor parameters), its Ulysses group (enable_sequence_parallel), and
+    vLLM's, a device and a CPU group each (once vLLM has started in this process)."""
+    found = [("world", group_timeout())]
+    if policy is not None:
+        mesh = next(p.device_mesh for p in policy.parameters() if hasattr(p, "device_mesh"))
+        found += [(f"policy mesh {name}", group_timeout(mesh.get_group(name)))
+                  for name in mesh.mesh_dim_names]
+        if getattr(policy, "sp_group", None) is not None:
+            found.append(("Ulysses", group_timeout(policy.sp_group)))
+    state = sys.modules.get("vllm.distributed.parallel_state")  # imported by vLLM's start-up
+    # its module's globals, one a parallel dim; some dims share one coordinator: listed once
+    coordinators = {id(c): c for c in (vars(state).values() if state else ())
+                    if isinstance(c, state.GroupCoordinator)}
+    for coordinator in coordinators.values():
+        found += [(f"vLLM {coordinator.unique_name} {kind}",
+                   group_timeout(getattr(coordinator, f"{kind}_group")))
+                  for kind in ("device", "cpu")]
+    return found
 
 
 def all_gather_objects(obj: Any, group=None) -> list[Any]:
@@ -1607,11 +1764,20 @@ def mesh_shape(cfg, world: int) -> tuple[int, ...]:
 
 
 def policy_mesh(cfg, device_type: str, world: int):
-    """init_device_mesh of mesh_shape."""
+    """init_device_mesh of mesh_shape, every group of it waiting as long as the world's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(cfg, world)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    names = ("replicate", "shard")[-len(shape):]
+    # a dim of the whole world is the world's own group; torch makes each other dim's groups with
+    # its default timeout (NCCL: 10 minutes, issue #41) unless their options carry the world's
+    override = {name: world_options() for name, size in zip(names, shape) if size < world}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=override or None)
+    for name in names:
+        assert group_timeout(mesh.get_group(name)) == group_timeout(), \
+            f"the mesh's {name} group waits {group_timeout(mesh.get_group(name))}, not the world's"
+    return mesh
 
 
 # ==================================================================================================
@@ -2290,14 +2456,15 @@ def sp_layout(rank: int, k: int) -> tuple[int, int]:
 
 
 def sp_group(world: int, k: int):
-    """This rank's SP process group. dist.new_group is collective over the world, so every rank
-    creates every group, in the same order, and keeps its own."""
+    """This rank's SP process group, waiting as long as the world (torch's default is 10 minutes
+    on NCCL). dist.new_group is collective over the world, so every rank creates every group, in
+    the same order, and keeps its own."""
     if k < 1 or world % k:
         raise ConfigError(f"engine.sequence_parallel = {k} must divide the number of ranks, "
                           f"{world}")
     rank, mine = dist.get_rank(), None
     for start in range(0, world, k):
-        group = dist.new_group(list(range(start, start + k)))
+        group = dist.new_group(list(range(start, start + k)), timeout=group_timeout())
         if start <= rank < start + k:
             mine = group
     return mine

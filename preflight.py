@@ -34,6 +34,10 @@ infra.FLEX_RECOMPILE_LIMIT; a round of one engine (every prompt it holds between
 extrapolated from each role's measured prefill and decode (round_line), against
 engine.collective_timeout_min, a warning past half of it; and the checkpoints kept
 (log.keep_checkpoints) and the HF export against the free disk of log.out_dir (disk_line).
+Before the phases it prints the versions (torch, CUDA, NCCL, the NVIDIA driver, Triton) and the
+caching allocator's settings (which variable torch reads; a warning when a user's setting turns
+expandable segments off); once the policy is loaded, each process group's timeout (a warning for
+any shorter than engine.collective_timeout_min).
 
 When a phase fails (out of memory, a vLLM error, a length beyond the context, a bad key), the
 preflight stops there: rank 0 prints the table so far and one line naming the key to change, and
@@ -497,6 +501,20 @@ def failure_line(phase: str, what: str, error: BaseException, cfg: spell.Config,
                    "".join(traceback.format_exception(error)))
 
 
+def timeout_lines(found: Sequence[tuple[str, datetime.timedelta]], minutes: float) -> list[str]:
+    """Each process group's timeout (infra.group_timeouts), the groups of one timeout on one
+    line, and a warning naming those that wait less than engine.collective_timeout_min."""
+    by_timeout: dict[float, list[str]] = {}
+    for name, timeout in found:
+        by_timeout.setdefault(timeout.total_seconds() / 60, []).append(name)
+    lines = [f"groups waiting {wait:g} min for their slowest rank: {', '.join(names)}"
+             for wait, names in sorted(by_timeout.items())]
+    if short := [name for name, timeout in found if timeout.total_seconds() < 60 * minutes]:
+        lines.append(f"WARNING: {', '.join(short)} wait less than engine.collective_timeout_min = "
+                     f"{minutes:g} min")
+    return lines
+
+
 # ==================================================================================================
 # Measuring a phase, and the table
 # ==================================================================================================
@@ -752,6 +770,9 @@ def main(argv: Sequence[str]) -> None:
                  f"prompts of {cfg.rollout.max_prompt_tokens:,} tokens, budgets "
                  f"{', '.join(f'{r} {spell.max_new_tokens(cfg, r):,}' for r in spell.ROLES)}, "
                  f"update rows of {row_tokens(cfg):,} tokens")
+    live = infra.live_allocator_settings()  # after init_distributed's default
+    for line in [infra.version_line(device), *infra.allocator_lines(live=live)]:
+        infra.print0(f"preflight: {line}")
     with run.phase("launch checks", f"{world} ranks, the data, log.out_dir"):
         corpus = spell.load_data(cfg)
         if (folder := infra.local_model_dir(cfg)) is not None:  # the lengths, if the model is here
@@ -766,6 +787,10 @@ def main(argv: Sequence[str]) -> None:
     with run.phase("load policy", Path(model_dir).name):
         policy, optimizer = spell.load_policy(cfg, model_dir, device, world)
         infra.check_same_rope(llm, policy)
+    # every group exists now: the policy's mesh and Ulysses groups, vLLM's, the pre-flight's own
+    timeouts = [*infra.group_timeouts(policy), ("preflight", infra.group_timeout(run.control))]
+    for line in timeout_lines(timeouts, cfg.engine.collective_timeout_min):
+        infra.print0(f"preflight: {line}")
     timings = {}
     for role in rollout_roles(cfg):
         budget = spell.max_new_tokens(cfg, role)

@@ -2541,17 +2541,23 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         os.environ.update(infra.world_of_one_env())
     local_rank = int(os.environ["LOCAL_RANK"])
     timeout = datetime.timedelta(minutes=cfg.engine.collective_timeout_min)
+    # the ranks of a machine share its cores (torchrun leaves each 1 thread): the fp32 load, the
+    # checkpoints' CRCs and the export run on them on GPU nodes too; oversubscribed, all slow down
+    torch.set_num_threads(infra.cores_per_rank())
     if torch.cuda.is_available():
         # the trainer's memory in segments that grow and shrink, so what the update frees goes back
-        # whole to vLLM's wake-up (vLLM turns them off inside its own pool); before any allocation
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # whole to vLLM's wake-up (vLLM turns them off inside its own pool); before any allocation.
+        # A setting of the user's is kept (warned about below if it turns them off)
+        if infra.allocator_conf()[0] is None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = infra.EXPANDABLE
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        for line in infra.allocator_lines(live=infra.live_allocator_settings())[1:]:
+            infra.print0(f"init_distributed: {line}")
     else:
+        infra.check_gpus_usable(False)  # GPUs torch cannot use (driver vs wheel): one line, stop
         device = torch.device("cpu")
-        # ranks on one CPU machine share its cores; oversubscribed threads slow everyone down
-        torch.set_num_threads(infra.cores_per_rank())
         dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -2688,6 +2694,11 @@ def start_vllm(model_dir: str, *, max_model_len: int, seed: int, dtype: str,
     # default for decoders, asked for here. It changes the batches' layout, hence their rounding
     # only: in fp32 the same tokens; in bf16 a tenth of bf16's own gap to fp32 (docs/gpu.md)
     engine_kwargs.setdefault("enable_prefix_caching", True)
+    # vLLM's own groups (a device and a CPU group for each of its parallel dims) wait as long as
+    # the world does (engine.collective_timeout_min); unset, torch's defaults: 10 minutes on NCCL
+    wait = math.ceil(infra.group_timeout().total_seconds())
+    engine_kwargs.setdefault("distributed_timeout_seconds", wait)
+    engine_kwargs.setdefault("cpu_distributed_timeout_seconds", wait)
     t0 = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,

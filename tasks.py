@@ -25,6 +25,7 @@ import json
 import math
 import re
 import string
+import sys
 import unicodedata
 from decimal import Decimal
 from typing import Any, Callable, NamedTuple, Sequence
@@ -224,10 +225,73 @@ def _space_if_punctuation(m: re.Match) -> str:
     return "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in m[0])
 
 
+# One text, however it is encoded (normalize_unicode), for every reader both a gold and an answer go
+# through: a right answer that differs from the gold by NFD / NFC, fullwidth forms or a soft hyphen
+# inside a word, or a number whose minus is an en dash, was read as another text or another sign.
+# After NFKC (which folds the fullwidth and small hyphen-minus into '-', the small em dash into an
+# em dash and the superscript minus into U+2212), every dash a sign is written with becomes '-'
+# (hyphen, figure dash, en and em dash, horizontal bar, minus sign, heavy and modifier minus), and
+# the fraction slash NFKC writes for "½" (and the division slash) a '/'
+_MINUS_SIGNS = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\u2796\u02d7"
+_FOLDS = {**dict.fromkeys(_MINUS_SIGNS, "-"), "\u2044": "/", "\u2215": "/"}
+# a superscript or subscript right after a digit is a footnote or an exponent, not one more digit:
+# NFKC alone would read "10\u00b2" as 102 and "12.5\u00b9" as 12.51
+_INDEX = "[\u00b2\u00b3\u00b9\u2070-\u209f]"
+_AN_INDEX, _DIGIT_THEN_INDEX = re.compile(_INDEX), re.compile(rf"(?<=\d)(?={_INDEX})")
+# UAX #15's stream-safe limit: NFKC sorts a run of combining marks by insertion (quadratic in the
+# run: 40,000 alternating marks took 5 s), and no written text holds more than 30 in a row
+MAX_MARKS = 30
+
+
+def normalize_unicode(s: str) -> str:
+    """s in NFKC, without format characters (Unicode category Cf: soft hyphen, zero-width space and
+    joiners, byte-order mark, bidi controls), every minus sign and dash a '-', runs of combining
+    marks cut at MAX_MARKS. Linear in len(s); ASCII comes back as it is."""
+    if s.isascii():  # ASCII is NFKC already and holds no Cf
+        return s
+    # a class of characters beyond the BMP costs re a test per range: 5x slower than the BMP's
+    format_chars, long_marks = _unicode_classes(beyond_bmp=max(s) > "\uffff")
+    s = format_chars.sub("", s)
+    if _AN_INDEX.search(s):  # the lookbehind scan costs 10x a class's: only where one may match
+        s = _DIGIT_THEN_INDEX.sub(" ", s)
+    s = long_marks.sub(lambda m: m[0][:MAX_MARKS], s)
+    s = unicodedata.normalize("NFKC", s)
+    for ch, folded in _FOLDS.items():  # str.translate looks up every character: 100x slower
+        if ch in s:
+            s = s.replace(ch, folded)
+    return s
+
+
+@functools.cache
+def _unicode_classes(beyond_bmp: bool) -> tuple[re.Pattern, re.Pattern]:
+    """(a format character, a run of more than MAX_MARKS non-starters), of the BMP or of all of
+    Unicode: built on first use, from a scan of the code points (about 0.3 s, so importing this
+    file stays fast)."""
+    def is_non_starter(ch: str) -> bool:  # a mark NFKC reorders, or one it decomposes into
+        return bool(unicodedata.combining(ch)
+                    or unicodedata.combining(unicodedata.normalize("NFKD", ch)[:1] or "a"))
+    chars = [chr(c) for c in range(sys.maxunicode + 1 if beyond_bmp else 0x10000)]
+    format_chars = _char_class([ch for ch in chars if unicodedata.category(ch) == "Cf"])
+    non_starters = _char_class([ch for ch in chars if is_non_starter(ch)])
+    return re.compile(f"{format_chars}+"), re.compile(f"{non_starters}{{{MAX_MARKS + 1},}}")
+
+
+def _char_class(chars: list[str]) -> str:
+    """A regex class of the given characters (ascending), as ranges."""
+    ranges: list[list[str]] = []
+    for ch in chars:
+        if ranges and ord(ch) == ord(ranges[-1][1]) + 1:
+            ranges[-1][1] = ch
+        else:
+            ranges.append([ch, ch])
+    return "[" + "".join(re.escape(a) + ("-" + re.escape(b) if b != a else "")
+                         for a, b in ranges) + "]"
+
+
 def normalize_text(s: str) -> str:
     """Lower-case, drop punctuation and English articles, collapse spaces (SQuAD-style,
     Unicode-aware)."""
-    s = _THOUSANDS_COMMA.sub("", s.lower())  # "1,500" == "1500"
+    s = _THOUSANDS_COMMA.sub("", normalize_unicode(s).lower())  # "1,500" == "1500"
     s = _NON_DECIMAL_DOT.sub("", s)  # "U.S." == "US", but a decimal point stays: "3.5" is not "35"
     # quotes, dashes and apostrophes split words: “Paris”., Paris—, Paris’s all hold "paris"
     s = _ASCII_PUNCTUATION.sub(" ", s)
@@ -303,7 +367,7 @@ def parse_number(text: Any) -> float | None:
         except OverflowError:  # an integer beyond the float range (JSON integers are unbounded)
             return None
         return value if math.isfinite(value) else None
-    s = number_region(str(text).replace("\u2212", "-")).replace(",", "")
+    s = number_region(normalize_unicode(str(text))).replace(",", "")
     m = answer_number(s)
     if m is None:
         return None
@@ -368,13 +432,23 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _MATH_PAIR = re.compile(r"\$(.*)\$|\\\((.*)\\\)|\\\[(.*)\\\]", re.S)
 
 
+# Parentheses around a whole answer are the prompt's "(insert answer here)", copied, except around a
+# number: "(12.5)" is the accounting negative, the reading financial documents give it, in a gold
+# and in an answer alike (a gold "(12.5)" was -12.5 and an answer "(12.5)" 12.5, so the same number
+# could never match). The price: a responder that keeps the prompt's parentheses around a positive
+# number writes a negative one. A sign inside them ("(-12.5)") makes them the prompt's again.
+_NUMBER_IN_PARENTHESES = re.compile(r"\(\s*(?:[$€£¥₹＄￡￥]\s*)?(?:\d|\.\d)")
+
+
 def clean_answer(line: str) -> str | None:
     """An answer line without markdown, quotes, trailing dots, TeX math delimiters and the
-    template's parentheses; None when empty or still the template's placeholder."""
+    template's parentheses (not those around a number); None when empty or still the template's
+    placeholder."""
     line = line.replace("*", "").strip().strip('"\u201c\u201d\'').strip().rstrip(".").strip()
     if m := _MATH_PAIR.fullmatch(line):
         line = next(g for g in m.groups() if g is not None).strip()
-    if line.startswith("(") and line.endswith(")"):  # the model copied the template's parentheses
+    if (line.startswith("(") and line.endswith(")")
+            and not _NUMBER_IN_PARENTHESES.match(line)):  # the template's parentheses, copied
         line = line[1:-1].strip()
     if not line or _PLACEHOLDER_ANSWER in line.lower():
         return None
@@ -461,7 +535,7 @@ MAX_GOLD = 1000  # characters; a doc_qa gold is a short span (rollout.max_answer
 def answer_units(text: str) -> list[str]:
     """The words and runs of punctuation of an answer, in its own case, its edges stripped
     (strip_edges): '**"U.S. Army"**.' -> ['US', 'Army'], 'AC / DC' -> ['AC', '/', 'DC']."""
-    s = strip_edges(text).replace("_", " ")
+    s = strip_edges(normalize_unicode(text)).replace("_", " ")
     s = _ABBREVIATION_DOT.sub(r"\1", s)
     s = _GROUPED.sub(lambda m: m[0].replace(",", ""), s)
     return [u if _is_word(u) else "".join(u.split()) for u in _UNIT.findall(s)]
@@ -545,17 +619,21 @@ PREFIX_WORDS = frozenset(("approximately", "approx", "about", "around", "roughly
 SUFFIX_WORDS = SCALE_WORDS | PERCENT_WORDS | UNIT_WORDS | CURRENCY_WORDS
 MAX_WORDS = 4  # on each side of the number
 _NUMBER_PIECE = re.compile(
-    r"(?P<num>(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(?P<exp>e[+-]?[0-9]+)?"
+    r"(?P<num>(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
+    r"(?:(?P<exp>e[+-]?[0-9]+)|/(?P<den>[0-9]+))?"
     r"(?P<glued>[^\W_]*)|(?P<word>[^\W_]+)|(?P<mark>\S)")
+# a plain fraction anywhere in a statement, for numbers_hold_gold
+_FRACTION = re.compile(r"(?<![0-9])[0-9]+/[0-9]+")  # from a run's start: no quadratic retries
 
 
 def number_region(text: str) -> str:
     """The part of a text that states its number: after the last 'answer is' marker, else the last
-    non-empty line."""
+    non-empty line; cleaned alike (clean_answer), so a gold reads as the same words after a marker
+    would."""
     if (region := after_last_marker(text)) is not None or _MARKER.search(text):
         return region or ""
     text = text.rstrip()
-    return text[text.rfind("\n") + 1:]
+    return clean_answer(text[text.rfind("\n") + 1:]) or ""
 
 
 def answer_value(text: Any) -> float | None:
@@ -571,7 +649,7 @@ def answer_value(text: Any) -> float | None:
         return None
     if isinstance(text, (int, float)):
         return parse_number(text)  # a JSON number: exact, finite
-    s = number_region(str(text)).replace("\u2212", "-")  # the Unicode minus sign is a minus
+    s = number_region(normalize_unicode(str(text)))  # every minus sign a '-'
     s = strip_edges(s, _NUMBER_OPEN_EDGE, _NUMBER_CLOSE_EDGE).lower()
     number, colon_due, words, before, after = None, False, 0, "", []
     # read lazily: the first piece refused ends the reading, so a long text costs one regex scan
@@ -614,10 +692,23 @@ def answer_value(text: Any) -> float | None:
     # "(1.2 million)"; "(12.5%)" may be an aside or a negative share, so it states nothing
     if accounting and ("%" in after or after.index(")") > int(after[0] in SCALE_WORDS)):
         return None
-    value = float(number["num"].replace(",", "") + (number["exp"] or ""))
-    if not math.isfinite(value):  # "1e999"
+    if number["den"] is not None:
+        # a plain fraction, two integers ("1/4" is 0.25), as the authors' normaliser evaluates it;
+        # "(1/4)" may be a grouping or a negative, so it states nothing
+        if not number["num"].isdigit() or accounting:
+            return None
+        value = _fraction_value(number["num"], number["den"])
+    else:
+        value = float(number["num"].replace(",", "") + (number["exp"] or ""))
+    if value is None or not math.isfinite(value):  # "1e999"
         return None
     return -value if "-" in before or accounting else value
+
+
+def _fraction_value(numerator: str, denominator: str) -> float | None:
+    """numerator / denominator, two runs of digits; None for a zero or unbounded denominator."""
+    den = float(denominator)  # float, not int: int() refuses more than 4300 digits
+    return float(numerator) / den if 0 < den < math.inf else None
 
 
 def values_match(p: float, g: float, rel_tol: float = 0.0015) -> bool:
@@ -642,13 +733,18 @@ def numbers_match(prediction: str, gold: str, rel_tol: float = 0.0015) -> bool:
 def numbers_hold_gold(body: str, gold: str) -> bool:
     """Whether any number of the answer statement, with its sign, is the gold's (values_match):
     "5 or 6" and "about $5 million, up from 4" hold a gold of 5; "6" does not."""
-    predicted, g = extract_text_answer(body), answer_value(gold)
+    predicted, g = extract_text_answer(normalize_unicode(body)), answer_value(gold)
     if predicted is None or g is None:
         return False
-    s = predicted.replace("\u2212", "-").replace(",", "")
+    s = predicted.replace(",", "")
     for m in NUMBER.finditer(s):
         value = float(m[0])
         if math.isfinite(value) and values_match(-value if number_is_negative(s, m) else value, g):
+            return True
+    for m in _FRACTION.finditer(s):  # "about 1/4 of it" holds 0.25
+        value = _fraction_value(*m[0].split("/"))
+        if value is not None and math.isfinite(value) and values_match(
+                -value if number_is_negative(s, m) else value, g):
             return True
     return False
 
@@ -665,6 +761,22 @@ _OPTION_LINE = re.compile(r"[ \t*#>]*(?i:option|choice)[ \t]*\(?[A-Da-d]\)?(?![A
 _LETTER_START = re.compile(r"(?:\\boxed\{\s*)?"
                            r"(?:(?i:option|choice)[ \t]*\(?[A-Da-d]\)?|\(?[A-D]\)?)(?![A-Za-z0-9])")
 _LETTER = re.compile(r"(?i:option|choice)[ \t]*\(?([A-Da-d])\)?|\(?([A-D])\)?")
+# a letter named anywhere in a statement (letters_hold_gold) is a token of its own: no letter or
+# digit touches it, so "Cash" names no C and "Adoption" holds no "option"; brackets may ("(C)Cash")
+_LETTER_TOKEN = re.compile(r"(?<![^\W_])(?:(?i:option|choice)[ \t]*\(?([A-Da-d])|([A-D]))"
+                           r"(?![^\W_])")
+# An "A" before a lower-case word or a digit is read as the English article ("A bank loan", "A 10%
+# rise"), not as option A: a no-document answer that spells an option's text out would otherwise
+# name A and make a grounded question look answered (§4.1). The words below can follow an option
+# letter but never the article (they join letters or state something of one: "A or B", "A is
+# correct"), so before them "A" stays a letter; an "A" before a capital ("A B") stays one too. The
+# price: "A fits best" reads as the article, so a response that says so for a gold of A is labelled
+# wrong rather than left undecided (rule_label).
+LETTER_FOLLOWERS = frozenset((
+    "or", "and", "nor", "but", "vs", "versus", "plus", "then", "to", "through", "is", "was", "has",
+    "seems", "appears", "looks", "would", "could", "should", "might", "because", "since", "as",
+    "if"))
+_NEXT_LOWER_WORD = re.compile(r"\s+([a-z0-9][^\W_]*)")
 MAX_LETTER_LINE = 200  # characters: a statement of one letter in any allowed wrapping is shorter
 
 
@@ -687,6 +799,7 @@ def _letter_of(region: str) -> str | None:
 def extract_letter_answer(body: str) -> str | None:
     """The option a multiple-choice response settles on (SPEC §3): its last answer statement, when
     that states one letter and nothing else ("A or B", "A good choice", "(B) and (C)": None)."""
+    body = normalize_unicode(body)  # "(\uff22)" is "(B)"
     last = (-1, -1)  # the last statement: where it stands, where its text starts (to the line end)
     for pattern in (_MARKER, _ANSWER_LABEL):
         for m in pattern.finditer(body):
@@ -709,14 +822,25 @@ def letters_hold_gold(body: str, gold: str) -> bool:
     """Whether the gold's letter is among the letters the last answer statement names ("A or B",
     "either (A) or (C)", "\\boxed{A} or \\boxed{B}"): the line after the last 'answer is' or
     'Answer:' (from its first visible character on), else the last line."""
+    body, gold = normalize_unicode(body), normalize_unicode(gold)
     marks = [m for m in (last_match(_MARKER, body), last_match(_ANSWER_LABEL, body)) if m]
     if marks:
         start = _OPEN_EDGE.match(body, max(m.end() for m in marks)).end()
     else:
         start = body.rstrip().rfind("\n") + 1
     region = _BOXED.sub(r" \1 ", rest_of_line(body, start))
-    named = {(m[1] or m[2]).upper() for m in _LETTER.finditer(region)}
+    named = {(m[1] or m[2]).upper() for m in _LETTER_TOKEN.finditer(region)
+             if not _is_article(region, m)}
     return gold.strip().strip("()").upper() in named
+
+
+def _is_article(text: str, m: re.Match) -> bool:
+    """Whether a bare "A" is the article: a lower-case word or a digit follows it, and the word is
+    none of LETTER_FOLLOWERS."""
+    if m[2] != "A":
+        return False
+    nxt = _NEXT_LOWER_WORD.match(text, m.end())
+    return nxt is not None and nxt[1] not in LETTER_FOLLOWERS
 
 
 # ==================================================================================================
@@ -740,7 +864,9 @@ def _matchable_gold(answer: str) -> bool:
 
 def check_fin_math(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
     """A financial-math question: the reference is one non-zero number, kept in plain digits."""
-    value = parse_number(answer)
+    # the strict reader, the one the rule reads a response with: a range or a list ("5 or 6",
+    # "10 to 12") is a format error, not its first number, and "1/4" is 0.25, not 1
+    value = answer_value(answer)
     if value is None or value == 0:  # the prompt asks for a non-zero number
         return None
     return {"question": question, "answer": format_number(value)}
@@ -755,7 +881,7 @@ def check_doc_mc(question: str, answer: str, obj: dict, letter, max_words: int) 
     texts = {k: _scalar_text(options[k]) for k in LETTERS}
     if not all(t is not None and t.strip() and not is_template_text(t) for t in texts.values()):
         return None
-    given = answer.strip().strip("()").strip().upper()
+    given = normalize_unicode(answer).strip().strip("()").strip().upper()
     if given not in LETTERS or (letter is not None and given != letter):
         return None
     return {"question": question, "options": {k: t.strip() for k, t in texts.items()},

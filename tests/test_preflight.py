@@ -4,6 +4,7 @@ the demo preset's preflight end to end, a failure that names its key, and the ra
 failure (one rank failing inside a collective must not leave the other waiting).
 """
 
+import datetime
 import errno
 import os
 import re
@@ -161,6 +162,21 @@ def test_a_rank_gone_is_a_hedged_line_naming_the_phases_keys():
         "preflight: update (2,048 tokens per row): a rank left (its own line is above if it "
         "failed; torchrun's report says SIGKILL if the host ran out of memory: lower "
         "engine.micro_batch_tokens or raise engine.sequence_parallel)")
+
+
+def test_each_groups_timeout_is_printed_and_a_shorter_one_warned_about():
+    minutes = lambda m: datetime.timedelta(minutes=m)  # noqa: E731
+    found = [("world", minutes(120)), ("policy mesh shard", minutes(120)),
+             ("vLLM ep:0 cpu", minutes(30)), ("vLLM ep:0 device", minutes(10)),
+             ("preflight", minutes(120))]
+    assert preflight.timeout_lines(found, 120) == [
+        "groups waiting 10 min for their slowest rank: vLLM ep:0 device",
+        "groups waiting 30 min for their slowest rank: vLLM ep:0 cpu",
+        "groups waiting 120 min for their slowest rank: world, policy mesh shard, preflight",
+        "WARNING: vLLM ep:0 cpu, vLLM ep:0 device wait less than "
+        "engine.collective_timeout_min = 120 min"]
+    assert preflight.timeout_lines(found[:2], 7.5) == [
+        "groups waiting 120 min for their slowest rank: world, policy mesh shard"]
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])
@@ -433,6 +449,8 @@ SHORT = ["--engine.cpu_bf16=false", "--rollout.max_prompt_tokens=768",
          "--rollout.max_new_tokens=16", "--rollout.role_max_new_tokens=que:0,res:0,ver:0",
          "--engine.micro_batch_tokens=768", "--engine.gradient_checkpointing=true",
          "--engine.kv_cache_gb=1"]
+# the lines main prints before the table besides the header: versions, allocator, timeouts
+ENVIRONMENT_LINES = ("torch ", "allocator: ", "groups waiting ", "WARNING: ")
 PHASES = ["launch checks", "start vLLM", "load policy", "questioner", "responder", "verifier",
           "sleep", "update", "compile", "sync", "save", "load"]
 
@@ -475,6 +493,15 @@ def test_demo_preflight_prints_every_phase_and_leaves_the_run_as_it_was(embedded
     assert re.search(r"verifier\s+\d{3},?\d* \+ 4 x 16 tokens", rows["verifier"])
     assert "784 tokens per row" in rows["update"] and "off" in rows["sleep"]
     assert re.search(r"save\s+\d\.\d\d GiB", rows["save"])
+    # the versions, the allocator's settings and each group's timeout, before the table
+    said = [line.removeprefix("preflight: ") for line in proc.stdout.splitlines()
+            if line.startswith("preflight: ")]
+    assert said[1] == infra.version_line(torch.device("cpu"))
+    assert said[2] == infra.allocator_lines({}, "")[0]  # nothing set on CPU
+    groups = re.fullmatch(r"groups waiting 120 min for their slowest rank: (.*)", said[3])
+    assert groups and len(said) == 5, said  # one timeout for all, no warning; the last line
+    assert {"world", "policy mesh shard", "preflight", "vLLM world:0 device",
+            "vLLM world:0 cpu", "vLLM tp:0 device"} <= set(groups.group(1).split(", "))
     assert re.search(r"compile\s+nothing\s", rows["compile"])
     *_, compiled, round_time, disk, last = proc.stdout.rstrip().splitlines()
     assert compiled == ("compile: nothing (attention sdpa: the project compiles only "
@@ -525,7 +552,8 @@ def test_a_prompt_beyond_the_models_context_stops_at_the_launch_checks(embedded_
                     f"--data.corpus={corpus_file}", f"--log.out_dir={out}",
                     "--rollout.max_prompt_tokens=8000", check=False)
     print(proc.stdout[-3000:])
-    lines = [line for line in proc.stdout.splitlines() if "preflight: " in line]
+    lines = [line for line in proc.stdout.splitlines() if "preflight: " in line
+             and not line.startswith(tuple(f"preflight: {w}" for w in ENVIRONMENT_LINES))]
     assert proc.returncode != 0 and len(lines) == 2  # the header, then the failure
     assert re.fullmatch(
         r"preflight: launch checks \(2 ranks, the data, log.out_dir\): rollout.max_prompt_tokens "

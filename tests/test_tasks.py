@@ -14,6 +14,7 @@ The linear-time tests bound time, not values: each bound carries its measurement
 """
 
 import contextlib
+import json
 import signal
 import time
 
@@ -117,6 +118,44 @@ def test_the_gold_occurs_once():
     assert tasks.rule_doc_qa("in", "in") is True
 
 
+# ---- One text, however it is encoded: NFKC, no format characters, every minus sign a '-'
+
+@pytest.mark.parametrize("text, expected", [
+    ("\u2013\u2012\u2014\u2015\u2212\uff0d\ufe63\ufe58\u207b", "-" * 9),  # dashes, minus signs
+    ("Cafe\u0301", "Caf\u00e9"), ("\uff30\uff41\uff52\uff49\uff53", "Paris"),  # NFD, fullwidth
+    ("Pa\u00adr\u200bi\u2060s\ufeff", "Paris"),                   # soft hyphen and other Cf
+    ("\u00bd", "1/2"), ("10\u00b2", "10 2"), ("m\u00b2", "m2"),      # 10\u00b2 is no 102
+    ("a" + "\u0316" * 40, "a" + "\u0316" * 30),                      # a run of marks is cut at 30
+    ("plain ASCII (12.5) - 3", "plain ASCII (12.5) - 3"), ("\ud83d", "\ud83d"),
+])
+def test_normalize_unicode(text, expected):
+    assert tasks.normalize_unicode(text) == expected
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("Cafe\u0301 de Flore", "Caf\u00e9 de Flore"),                       # NFD against NFC
+    ("Caf\u00e9 de Flore", "Cafe\u0301 de Flore"),
+    ("\uff30\uff41\uff52\uff49\uff53", "Paris"),                                  # fullwidth
+    ("Paris", "\uff30\uff41\uff52\uff49\uff53"),
+    ("Pa\u00adris", "Paris"), ("Par\u200bis", "Paris"), ("Paris", "Pa\u00adris"),  # format chars
+    ("Rolls\u2013Royce", "Rolls-Royce"), ("\ufb01nance", "finance"),  # en dash, ligature
+])
+def test_a_right_doc_qa_answer_in_another_encoding_is_right(answer, gold):
+    """#42 §4: these were labelled 0 (747 of 12,462 right answers in the audit's probe)."""
+    assert spell.rule_reward(reply(answer), gold, "doc_qa") == 1.0
+    assert spell.rule_label(reply(answer), gold, "doc_qa") == 1
+    assert cover_exact_match(answer, gold)
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("Paris\u00adBerlin", "Paris"), ("Paris\u200b Berlin", "Berlin"),
+    ("Paris\u2014Berlin", "Berlin"),
+    ("\uff30\uff41\uff52\uff49\uff53 or Berlin", "Paris"),
+])
+def test_normalising_pays_no_hedge(answer, gold):
+    assert spell.rule_reward(reply(answer), gold, "doc_qa") == 0.0
+
+
 # ---- fin_math: one number, with its currency, sign, scale and percent, and a few harmless words
 
 @pytest.mark.parametrize("text, expected", [
@@ -128,6 +167,36 @@ def test_the_gold_occurs_once():
 ])
 def test_answer_value(text, expected):
     assert tasks.answer_value(text) == expected
+
+
+# The questioner's fin_math gold (tasks.check_fin_math), as spell.parse_question stores it: the one
+# number the strict reader (answer_value) finds, a plain fraction evaluated as the authors'
+# normaliser evaluates it; a range or a list is a format error (Eq. 7's -1), not its first number
+@pytest.mark.parametrize("gold, stored", [
+    ("1/4", "0.25"), ("2/3", "0.6666666666666666"), ("-1/4", "-0.25"),     # were 1, 2, -1
+    ("$3/4 million", "0.75"), ("The correct answer is 1/4.", "0.25"),      # were 3, 1
+    ("5 or 6", None), ("10 to 12", None), ("5-6", None), ("1, 2", None),   # were 5, 10, 5, 1
+    ("1/0", None), ("(1/4)", None), ("1/4/2023", None), ("1.5/3", None),   # were 1, 1, 1, 1.5
+    ("1,000/4", None), ("1 / 4", None),                                    # were 1000, 1
+    ("$1,234.5 million", "1234.5"), ("FY2023: 1.5", "1.5"), ("$(1,234)", "-1234"),
+    (42.5, "42.5"), ("9" * 400 + "/3", None),
+])
+def test_fin_math_gold_is_read_by_the_strict_reader(gold, stored):
+    parsed = parse_question(json.dumps({"question": "Q?", "answer": gold}), "fin_math")
+    assert (parsed and parsed["answer"]) == stored
+
+
+def test_a_fraction_gold_pays_its_value_not_its_numerator():
+    """#42: "1/4" was stored as 1, so "1" earned R_rule = 1 and the right 0.25 earned 0."""
+    gold = parse_question('{"question": "Q?", "answer": "1/4"}', "fin_math")["answer"]
+    assert rule_reward(reply("0.25"), gold, "fin_math") == 1.0
+    assert rule_reward(reply("25%"), gold, "fin_math") == 1.0
+    assert rule_reward(reply("1/4"), gold, "fin_math") == 1.0  # both sides read a fraction
+    assert rule_reward(reply("1"), gold, "fin_math") == 0.0
+    assert rule_reward(reply("5/6"), "5", "fin_math") == 0.0  # a fraction is one value, not 5
+    # §4.3's label: a sentence holding the fraction holds the gold (undecided), not wrong
+    assert spell.rule_label(reply("about 1/4 of the total"), gold, "fin_math") is None
+    assert spell.rule_label(reply("about 1/3 of the total"), gold, "fin_math") == 0
 
 
 @pytest.mark.parametrize("pred, gold, expected", [
@@ -158,6 +227,41 @@ def test_numbers_match(pred, gold, expected):
 ])
 def test_numbers_match_huge_golds_without_overflow(prediction, gold, expected):
     assert numbers_match(prediction, gold) is expected
+
+
+# every minus sign a questioner or responder may write: en dash, figure dash, em dash, fullwidth and
+# small hyphen-minus, U+2212, superscript minus
+MINUS_SIGNS = ["\u2013", "\u2012", "\u2014", "\uff0d", "\ufe63", "\u2212", "\u207b"]
+
+
+@pytest.mark.parametrize("minus", MINUS_SIGNS)
+def test_every_minus_sign_keeps_its_sign_on_both_sides(minus):
+    """#42 §4: the gold lost its sign (609 of 20,000 questioner outputs), and the wrong sign was
+    then paid; an answer lost it too."""
+    gold = parse_question(json.dumps({"question": "Q?", "answer": f"{minus}12.5"}), "fin_math")
+    assert gold["answer"] == "-12.5"
+    assert rule_reward(reply("-12.5"), gold["answer"], "fin_math") == 1.0
+    assert rule_reward(reply("12.5"), gold["answer"], "fin_math") == 0.0
+    assert rule_reward(reply(f"{minus}12.5"), "-12.5", "fin_math") == 1.0
+    assert rule_reward(reply(f"{minus}12.5"), "12.5", "fin_math") == 0.0
+    assert tasks.answer_value(f"{minus}$1.5 million") == -1.5
+
+
+# Accounting parentheses are a negative number on both sides, also when they wrap the whole answer:
+# "(12.5)" was -12.5 as a gold and 12.5 as an answer (the prompt's "(insert answer here)" was
+# stripped from it). A sign inside them ("(-12.5)") is the prompt's parentheses around a number.
+@pytest.mark.parametrize("written, value", [
+    ("(12.5)", "-12.5"), ("($1,234)", "-1234"), ("$(1,234)", "-1234"), ("(1.2) million", "-1.2"),
+    ("(\uff11\uff12.5)", "-12.5"), ("\uff08\uff11\uff12.5\uff09", "-12.5"),  # fullwidth forms
+    ("(-12.5)", "-12.5"), ("(+12.5)", "12.5"), ("(\u221212.5)", "-12.5"), ("12.5", "12.5"),
+    ("(12.5%)", None),                       # an aside or a negative share: states nothing
+])
+def test_parentheses_read_the_same_in_a_gold_and_an_answer(written, value):
+    for gold_text in (written, f"The correct answer is {written}."):
+        parsed = parse_question(json.dumps({"question": "Q?", "answer": gold_text}), "fin_math")
+        assert (parsed and parsed["answer"]) == value, gold_text
+    for gold in ("12.5", "-12.5", "1234", "-1234", "1.2", "-1.2"):
+        assert rule_reward(reply(written), gold, "fin_math") == float(gold == value), gold
 
 
 # ---- doc_mc: the last answer statement is one letter and nothing else
@@ -202,6 +306,49 @@ def test_multiple_choice_ignores_letters_in_prose(text):
 ])
 def test_multiple_choice_reads_the_last_statement(text, expected):
     assert tasks.extract_answer(text, "doc_mc") == expected
+
+
+def test_a_letter_in_another_encoding_is_the_letter():
+    assert extract_answer("The correct answer is (\uff22).", "doc_mc") == "B"  # fullwidth
+    assert extract_answer("The correct answer is B\u200b.", "doc_mc") == "B"    # a format char
+    assert spell.rule_label("The correct answer is \uff22 or C.", "B", "doc_mc") is None
+    assert parse_question('{"question": "Q?", "options": {"A": "a", "B": "b", "C": "c", "D": "d"}, '
+                          '"answer": "\uff23"}', "doc_mc", "C")["answer"] == "C"
+
+
+# what the last statement names, gold by gold: a letter is a token of its own, never the first
+# letter of a word ("Cash" is no C, "Deposits" no D), and an "A" before a lower-case word is the
+# article ("A bank loan"), unless that word joins or states ("A or B", "A is correct")
+@pytest.mark.parametrize("text, named", [
+    ("The answer is Cash flow.", ""), ("The answer is Deposits.", ""),       # were C, D
+    ("The answer is A bank loan.", ""), ("Answer: A lot of cash", ""),       # were A, A and C
+    ("The answer is Bank deposits (D).", "D"),                               # was B and D
+    ("The answer is Adoption costs", ""), ("The answer is CD", ""),          # were A, C and D
+    ("The answer is A 10% rise", ""),                                        # was A
+    ("The answer is A) Cash", "A"), ("Answer: (A)Cash", "A"),                # were A and C
+    # what was read before and still is
+    ("The answer is (C)", "C"), ("The answer is (C) Cash flow.", "C"),
+    ("The answer is C or D.", "CD"),
+    ("The answer is A or B", "AB"), ("The answer is A.", "A"), ("The answer is A", "A"),
+    ("Answer: A is correct", "A"), ("The answer is A, since the text says so", "A"),
+    ("The answer is either (A) or (C)", "AC"), ("Answer: Option C", "C"),
+    ("The answer is option (b) or D", "BD"),
+    ("So \\boxed{A} or \\boxed{B}", "AB"), ("The answer is B: Paris, or C", "BC"),
+    ("The answer is a", ""),                                                 # a lower-case article
+])
+def test_letters_hold_gold_reads_letters_as_tokens(text, named):
+    held = "".join(g for g in tasks.LETTERS if tasks.letters_hold_gold(text, g))
+    assert held == named
+
+
+def test_a_no_document_answer_that_spells_an_option_out_keeps_the_question_grounded():
+    """§4.1's check (spell.gold_in_answer): an answer naming another option by its text does not
+    answer a question whose gold is C or D just because the text starts with that capital."""
+    assert not spell.gold_in_answer("The correct answer is Cash reserves.", "C", "doc_mc")
+    assert not spell.gold_in_answer("The correct answer is Deposits.", "D", "doc_mc")
+    assert not spell.gold_in_answer("The correct answer is A bank loan.", "A", "doc_mc")
+    assert spell.gold_in_answer("The correct answer is (C) Cash reserves.", "C", "doc_mc")
+    assert spell.gold_in_answer("The correct answer is C or D.", "D", "doc_mc")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +496,13 @@ ADVERSARIAL = {
     "tags": "[[YES]]" * 28_572, "brackets": "[[" * 100_000,
     "punctuation": "\u201c\u2014.,\u2019" * 40_000, "combining": "a" + "\u0301\u0316" * 100_000,
     "surrogates": "\ud83d" * 200_000,
+    # what normalize_unicode reads: NFKC sorts a run of marks by insertion (40,000 alternating marks
+    # took 5 s), also marks that only their decomposition makes (U+FF9E is U+3099); and NFKC writes
+    # 18 characters for U+FDFA, so 11,112 of them are 200k characters to every reader after it
+    "voiced_marks": "a" + "\uff9e\u0316" * 100_000,
+    "astral_marks": "a" + "\U0001d167\u0316" * 100_000,
+    "format_chars": "5" + "\u00ad\u200b" * 100_000, "superscripts": "1\u00b2" * 100_000,
+    "dashes": "\u2013\u2014\uff0d" * 66_667, "expanding": "\ufdfa" * 11_112,
     "listing": "The correct answer is " + "Paris, " * 28_572,
 }
 
@@ -371,6 +525,9 @@ HOSTILE_PIECES = [
     "\u0301", "\ud83d", "\udfff", "\x00", "\U0001F642", "\u0663", "\u00bd", "\u0130", "Paris",
     "Berlin", "NaN", "Infinity", "1e999", "\\ud83d", "\\u0000",
     '{"question": "Q?", "answer": ', '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}, ',
+    "A bank", "Cash", "Adoption", "Option (b)", "A or ", "1/4", "/0", "/",
+    "\u2013", "\u2012", "\uff0d", "\ufe63", "\u00ad", "\u200b", "\ufeff", "\uff9e", "\u0316",
+    "\uff22", "\uff11", "\u00b2", "\u2044", "\u00bd", "\ufdfa", "\U0001d167", "(12.5)", "(",
 ]
 
 
@@ -397,7 +554,9 @@ def test_fuzz_parsers_never_raise():
     """4000 generated outputs plus three of 300 kB through every parser and reward: no exception,
     all within 120 s and none over 15 s. Measured on the shared 2-core CPU box (2026-11-24): 5 s in
     all, the slowest output (300 kB) 0.7 s; 1 MB outputs took 1.9 s, linear in the length (the
-    adversarial inputs of test_parsers_run_in_linear_time check the growth itself)."""
+    adversarial inputs of test_parsers_run_in_linear_time check the growth itself). With the pieces
+    of 2026-11-28 and every reader normalising its text (tasks.normalize_unicode): 4.9 s of CPU
+    (3.7 s before the normalising), the slowest output 0.48 s (0.35 s)."""
     slowest, start = 0.0, time.perf_counter()
     with time_limit(120.0, "fuzz"):
         for text in hostile_outputs(4000):
@@ -465,6 +624,15 @@ RULE_GROWTH = {  # the shapes that made parsers cubic or quadratic
     # one long run inside an answer: a search for "run then end" retries at every start in it
     "inner_quotes": ("5", ' "', "x"), "inner_spaces": ("5", " ", "x"),
     "inner_marks": ("B", "*", ")"),
+    # letters read as tokens, the article "A" told from option A (letters_hold_gold)
+    "articles": "A bank ", "letter_words": "Cash (D) ", "article_spaces": ("A", " ", "bank"),
+    "option_spaces": ("option", " ", "b"),
+    "fractions": "1/4 ", "fraction_chain": "1/", "long_fraction": ("1/", "9", ""),
+    # normalize_unicode: one run of marks (also from a decomposition), format characters, dashes
+    "mark_run": ("a", "\u0301\u0316", "x"), "voiced_run": ("a", "\uff9e\u0316", "x"),
+    "soft_hyphens": "Pa\u00adris ", "fullwidth": "\uff30\uff41\uff52\uff49\uff53 ",
+    "en_dashes": "\u2013 5 ", "superscripts": "10\u00b2 ", "accounting_wraps": "((5) ",
+    "expanding": "\ufdfa" + "x" * 17,  # 18 characters that NFKC makes 35: 2e5 is 3.9e5 to read
 }
 
 
@@ -512,8 +680,8 @@ def test_every_parser_on_a_million_characters():
 
 
 def test_rules_and_prompts_never_raise_on_hostile_outputs():
-    """The generator of hostile outputs above: 500 short ones and three of 300 kB, about 0.6 s of
-    CPU here (the linear-time shapes are RULE_GROWTH's)."""
+    """The generator of hostile outputs above: 500 short ones and three of 300 kB, about 1.7 s of
+    CPU here (1.4 s before tasks.normalize_unicode; the linear-time shapes are RULE_GROWTH's)."""
     with time_limit(60.0, "hostile"):
         for text in hostile_outputs(500, seed=1):
             every_new_parser(text)
