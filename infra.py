@@ -48,7 +48,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -1142,8 +1142,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ChatML end of turn: the token that ends every assistant answer, hence our EOS and pad token.
 END_OF_TURN = "<|im_end|>"
 # What a finished HF model folder must hold; export_embedded_model checks these to skip work.
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json")
+EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# and the weights: one file, or the index of the shards (export_hf)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def resolve_model(cfg, rank: int) -> str:
@@ -1207,7 +1208,8 @@ def check_model_keys(cfg, model_dir: str) -> None:
 def export_is_complete(out_dir: str) -> bool:
     """True if `out_dir` holds a finished HF model folder (written atomically,
     so present = complete)."""
-    return all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+    return (all(os.path.isfile(os.path.join(out_dir, f)) for f in EXPORT_FILES)
+            and any(os.path.isfile(os.path.join(out_dir, f)) for f in WEIGHT_FILES))
 
 
 def publish_dir(tmp_dir: str, out_dir: str) -> None:
@@ -1900,6 +1902,77 @@ def bucketed_state_dict(model, dtype: torch.dtype, bucket_bytes: int,
         yield from finish_bucket_gather(gather)
 
 
+def full_weights(model) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of every weight a state-dict gather yields (gathered_state_dict,
+    bucketed_state_dict), in its order: state_dict's, tied aliases once. A DTensor's shape is the
+    full one, so every rank knows the sizes before anything is gathered."""
+    seen, out = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor.shape))
+    return out
+
+
+# A model's weights in one host buffer (reward.judge = "frozen" keeps the initial weights there).
+# Tensor.pin_memory() goes through CUDA's caching host allocator, which rounds each block up to a
+# power of two (ATen/core/CachingHostAllocator.h): ~27 GiB page-locked a rank for Qwen2.5-7B's
+# 14.2 GiB of bf16 weights, tensor by tensor, and one 14.2 GiB block from it would still take 16.
+# So the buffer is ordinary host memory of the exact size, page-locked where it lies
+# (cudaHostRegister), each weight a view into it starting at a multiple of HOST_ALIGN bytes.
+HOST_ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's size (each view needs one)
+
+
+def flat_layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of `nbytes` bytes laid one after another, each from a multiple of
+    HOST_ALIGN, and the bytes of the whole: the tensors' bytes, plus less than HOST_ALIGN of
+    padding before each tensor but the first."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(-(-end // HOST_ALIGN) * HOST_ALIGN)
+        end = offsets[-1] + n
+    return offsets, end
+
+
+def page_lock(buffer: torch.Tensor) -> bool:
+    """Page-lock a host tensor's memory as it is (cudaHostRegister: exactly its bytes), so a copy
+    to the GPU runs at full speed, and unlock it when the tensor is freed. False, with one line,
+    where CUDA refuses (a locked-memory limit, say): the copies then stay correct, only slower."""
+    import weakref
+
+    cudart, ptr = torch.cuda.cudart(), buffer.data_ptr()
+    try:
+        torch.cuda.check_error(cudart.cudaHostRegister(ptr, buffer.nbytes, 0))
+    except torch.cuda.CudaError as e:
+        print(f"page_lock: {buffer.nbytes / 2**30:.2f} GiB of host memory stay pageable "
+              f"(cudaHostRegister: {e}); copies from it to the GPU are slower", flush=True)
+        return False
+    weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
+    return True
+
+
+def host_weights(model, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 pin: bool) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The full weights a gather of `model` yields (`weights`: gathered_state_dict's or
+    bucketed_state_dict's sequence, in `dtype`), copied into one flat host buffer: (the buffer,
+    [(name, view into it)]). The layout comes from full_weights, so the buffer is made once, at
+    its final size, before the first tensor arrives; with `pin` it is page-locked (page_lock).
+    Its bytes: flat_layout's, the weights' own plus < HOST_ALIGN a weight."""
+    entries = full_weights(model)
+    nbytes = [math.prod(shape) * dtype.itemsize for _, shape in entries]
+    offsets, total = flat_layout(nbytes)
+    buffer = torch.empty(total, dtype=torch.uint8)  # (total,) bytes
+    if pin:
+        page_lock(buffer)
+    views = [(name, buffer[o:o + n].view(dtype).view(shape))
+             for (name, shape), o, n in zip(entries, offsets, nbytes)]
+    for (name, view), (got, tensor) in zip(views, weights, strict=True):
+        assert got == name and tensor.shape == view.shape, \
+            f"host_weights: {got} {tuple(tensor.shape)} where {name} {tuple(view.shape)} was due"
+        view.copy_(tensor)
+    return buffer, views
+
+
 def start_bucket_gather(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict:
     """Issue one async all-gather of the dim-0 shards of a bucket's DTensors
     (see bucketed_state_dict)."""
@@ -2309,6 +2382,12 @@ def compiled_flex(fn, backend: str | None = None):
         return torch.compile(fn, recompile_limit=FLEX_RECOMPILE_LIMIT, **options)
     torch._dynamo.config.recompile_limit = FLEX_RECOMPILE_LIMIT
     return torch.compile(fn, **options)
+
+
+def compiled_variants(fn) -> int:
+    """How many compiled variants dynamo holds for fn's code: what FLEX_RECOMPILE_LIMIT bounds."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(fn.__code__))
 
 
 def mask_builder(device: torch.device):
@@ -2966,6 +3045,27 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     return final
 
 
+def prune_checkpoints(folder: Path, keep: int, newest: Path) -> list[Path]:
+    """log.keep_checkpoints: keep `newest` (the one just saved) and the keep - 1 checkpoints of
+    `folder` (checkpoints/) before it, delete the older ones, oldest first; 0 keeps every one.
+    Only complete step_NNNNNN folders of earlier steps count: a .tmp being written, `latest`,
+    links and anything else stay (the HF export is not in this folder), and so do later steps
+    (left by a run resumed from an earlier `latest`, which overwrites them as it gets there).
+    Call it after save_atomically published `newest`: a crash before then leaves every older
+    one, a crash while deleting an older one leaves `newest` whole. Returns the folders deleted."""
+    if keep == 0:
+        return []
+    step = lambda p: int(p.name[5:])  # noqa: E731
+    older = sorted((p for p in folder.iterdir() if re.fullmatch(r"step_[0-9]{6,}", p.name)
+                    and p.is_dir() and not p.is_symlink() and step(p) < step(newest)), key=step)
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for path in doomed:
+        shutil.rmtree(path)
+    if doomed:
+        fsync_path(folder)
+    return doomed
+
+
 def meta_checksum(meta: dict) -> str:
     """CRC-32 of meta.json's record without its own checksum, as sorted JSON: a hand edit of the
     step, the world, the fingerprint or a file's record changes it. It catches a mistake, not a
@@ -3374,23 +3474,59 @@ def write_atomic(path: Path, text: str) -> None:
 # The HF export of the trained policy
 # ==================================================================================================
 
-def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
-    """Save an HF folder (config, safetensors, tokenizer) that vLLM and
-    transformers load directly."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
+# One safetensors file of the export at most this large (a larger tensor gets one of its own): what
+# rank 0 holds of the export at once is one shard and the tensor in flight (safetensors 0.8 writes
+# from the tensors themselves; an older one also holds the shard's bytes while it writes), where
+# before #41 it held the whole fp32 state dict and a second fp32 model
+EXPORT_SHARD_BYTES = 2 << 30
 
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
-    if rank == 0:  # the gather above is a collective; only rank 0 receives the tensors
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
+
+def export_hf(policy, tokenizer, out_dir: Path, rank: int,
+              weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+              shard_bytes: int = EXPORT_SHARD_BYTES) -> None:
+    """Save an HF folder (config, safetensors, tokenizer) that vLLM and transformers load directly,
+    the weights in `dtype`, from `weights`: a state-dict gather of the policy (spell's
+    gathered_state_dict: one full tensor at a time, cast before it travels). Every rank consumes it
+    (each tensor is a collective); rank 0 moves each to the host and writes the shards as they
+    fill: model.safetensors, or model-0000k-of-0000n.safetensors and their index where the weights
+    pass `shard_bytes` (the shards are planned from full_weights before anything is gathered).
+    Written into out_dir.tmp and renamed, so the folder is whole or absent."""
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    entries = full_weights(policy)
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape in entries]
+    shards = sync_buckets(sizes, shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    where = {entries[i][0]: files[k] for k, shard in enumerate(shards) for i in shard}
+    last = {entries[shard[-1]][0] for shard in shards}  # a shard is written once it is here
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        config = policy.config
-        model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(full)
-        model.to(config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
-        model.generation_config = policy.generation_config
-        model.save_pretrained(tmp)
+        tmp.mkdir(parents=True)
+    held: dict[str, torch.Tensor] = {}
+    for (name, shape), (got, tensor) in zip(entries, weights, strict=True):
+        assert got == name and tensor.shape == shape, f"export_hf: {got} where {name} was due"
+        if rank != 0:
+            continue
+        held[name] = tensor.to("cpu", dtype)
+        if name in last:
+            save_file(held, tmp / where[name], metadata={"format": "pt"})
+            held = {}
+    if rank == 0:
+        if len(files) > 1:
+            write_atomic(tmp / "model.safetensors.index.json", json.dumps(
+                {"metadata": {"total_size": sum(sizes)}, "weight_map": where}, indent=2))
+        config = copy.deepcopy(policy.config)
+        config.dtype = dtype  # the trainer loaded fp32 masters; the export holds `dtype`
+        # the model's HF class, as save_pretrained names it (FSDP2 made a subclass of its own)
+        config.architectures = [next(c.__name__ for c in type(policy).__mro__
+                                     if issubclass(c, PreTrainedModel)
+                                     and not issubclass(c, FSDPModule))]
+        config.save_pretrained(tmp)
+        policy.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # on disk before the rename makes the folder count as complete
         for p in [*tmp.iterdir(), tmp]:
@@ -3399,7 +3535,7 @@ def export_hf(policy, tokenizer, out_dir: Path, rank: int) -> None:
         os.rename(tmp, out_dir)
         fsync_path(out_dir.parent)
     barrier()
-    print0(f"HF export: {out_dir}")
+    print0(f"HF export: {out_dir} ({dtype}, {len(files)} file(s) of weights)")
 
 
 # ==================================================================================================

@@ -17,6 +17,8 @@ overrides, starts what the run starts, and runs through spell.py's and infra.py'
   sleep           spell.sleep_engine: vLLM frees its memory for the update (GPU)
   update          spell.update_policy on one micro-batch of the largest packed row
                   (largest_row), an optimiser step included: AdamW's state is made here
+  compile         with FlexAttention, what else a run compiles (compile_like_a_run): the dummy
+                  row, a row not a multiple of 128 tokens and the largest, with and without grad
   sync            spell.wake_and_sync: the new weights into vLLM
   save, load      spell.save_checkpoint, infra.resume_checkpoint and spell.load_checkpoint, in
                   <log.out_dir>/preflight.tmp, removed after: a run's own checkpoints are never
@@ -26,7 +28,12 @@ Every generation runs to its whole budget (vLLM's min_tokens and ignore_eos: Ful
 rollouts are as long as the config lets them be, whatever the model writes. Each phase is timed
 (its slowest rank) and measured before and after (its largest rank): host memory (this process's
 resident set and its peak in the phase) and on GPU device memory (torch's peak and the device's
-use), beside infra.memory_estimate's figure for the phase. Rank 0 prints one table at the end.
+use), beside infra.memory_estimate's figure for the phase. Rank 0 prints one table at the end,
+then three lines on what a whole run needs: the compiled variants against
+infra.FLEX_RECOMPILE_LIMIT; a round of one engine (every prompt it holds between two all-reduces)
+extrapolated from each role's measured prefill and decode (round_line), against
+engine.collective_timeout_min, a warning past half of it; and the checkpoints kept
+(log.keep_checkpoints) and the HF export against the free disk of log.out_dir (disk_line).
 Before the phases it prints the versions (torch, CUDA, NCCL, the NVIDIA driver, Triton) and the
 caching allocator's settings (which variable torch reads; a warning when a user's setting turns
 expandable segments off); once the policy is loaded, each process group's timeout (a warning for
@@ -42,9 +49,10 @@ Launch (the run's own launch line, with `preflight` after spell.py):
   torchrun --nproc_per_node=8 spell.py preflight
   torchrun --nproc_per_node=2 spell.py preflight --config presets/demo.toml      # CPU, minutes
 
-Not exercised: a whole round of rollouts (one prompt a role here: the longest, not the most), the
-grounding check (the responder's budget on a shorter prompt), the weight swaps of reward.judge =
-"frozen", the held-out verifier check and the HF export. On CPU the kernel kills a process that
+Not exercised: a whole round of rollouts (one prompt a role here: the longest, not the most; the
+round's time is extrapolated), the grounding check (the responder's budget on a shorter prompt),
+the weight swaps of reward.judge = "frozen" (counted in the round as two syncs), the held-out
+verifier check and the HF export. On CPU the kernel kills a process that
 runs out of host memory (SIGKILL in torchrun's report), which no Python code sees; the surviving
 rank says which phase it was in.
 """
@@ -54,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import shutil
 import socket
@@ -170,10 +179,21 @@ class FullBudget:
         return self.llm.generate(prompts, params, **kwargs)
 
 
+class Timing(NamedTuple):
+    """One request as measured: its prefill's seconds, its decode's (all its samples at once), its
+    prompt's tokens, its samples and their budget."""
+    prefill_s: float
+    decode_s: float
+    prompt: int
+    samples: int
+    budget: int
+
+
 def rollout(llm, cfg: spell.Config, role: str, prompt: list[int],
-            group: int) -> list[spell.Completion]:
+            group: int) -> tuple[list[spell.Completion], Timing]:
     """One prompt of a role through spell's generation, its samples each at the role's budget: 1
-    for the questioner, G for the responder, the votes of spell.sample_votes for the verifier."""
+    for the questioner, G for the responder, the votes of spell.sample_votes for the verifier; and
+    its Timing (the prefill alone first, then the samples on the cached prompt)."""
     budget, engine = spell.max_new_tokens(cfg, role), FullBudget(llm)
     if len(prompt) + budget > spell.longest_sequence(cfg):
         raise infra.ConfigError(
@@ -184,6 +204,12 @@ def rollout(llm, cfg: spell.Config, role: str, prompt: list[int],
             + (" or the questioner's budget, which bounds the question"
                if role == "ver" and not cfg.data.qa else ""))
     seeds = spell.request_seeds(cfg.train.seed, "preflight", group, role, count=1)
+    # the prompt's prefill alone (and one token), timed; vLLM's prefix cache keeps it, so the
+    # samples below start from it and their time is the decode's
+    t0 = time.perf_counter()
+    spell.generate(llm, [prompt], n=1, seeds=seeds, desc=f"{spell.ROLES[role]} prefill",
+                   **{**spell.sampling(cfg, role), "max_tokens": 1})
+    prefill = time.perf_counter() - t0
     if role == "ver":
         [outs] = spell.sample_votes(engine, cfg, [prompt], seeds, desc=spell.ROLES[role])
     else:
@@ -193,7 +219,8 @@ def rollout(llm, cfg: spell.Config, role: str, prompt: list[int],
     if short := [len(c.token_ids) for c in outs if len(c.token_ids) < budget]:
         raise RuntimeError(f"vLLM ended {len(short)} of {len(outs)} samples before the budget "
                            f"of {budget} tokens (at {min(short)}): min_tokens was not honoured")
-    return outs
+    return outs, Timing(prefill, time.perf_counter() - t0 - prefill, len(prompt), len(outs),
+                        budget)
 
 
 def rollout_roles(cfg: spell.Config) -> list[str]:
@@ -201,6 +228,172 @@ def rollout_roles(cfg: spell.Config) -> list[str]:
     under RLVR (data.qa), no verifier under reward.judge = "rule"."""
     return [r for r in spell.ROLES if not (r == "que" and cfg.data.qa)
             and not (r == "ver" and cfg.reward.judge == "rule")]
+
+
+# ==================================================================================================
+# Beyond one of each: a whole round's time, the disk a run fills, what the update compiles
+# ==================================================================================================
+
+class Requests(NamedTuple):
+    """A phase of a round on one engine: `count` requests of `prompt` tokens, of which `prefills`
+    are distinct (vLLM's prefix cache encodes a repeated prompt once), each `samples` samples of
+    `budget` tokens; scaled from the measured request `ref`."""
+    name: str
+    count: int
+    prefills: int
+    prompt: int
+    samples: int
+    budget: int
+    ref: Timing
+
+
+def round_requests(cfg: spell.Config, groups: int, timings: dict[str, Timing]) -> list[Requests]:
+    """What one engine generates in a round (spell.rollout_round), every question well formed and
+    every answer read. Prompts at their longest; the grounding check's (a question alone) at the
+    questioner's budget, scaled from the responder's request (its budget). Under verdict_order
+    "random" a request per vote, its prompt one of two (the two orders of the verdicts)."""
+    r, k = cfg.rollout, max(1, cfg.rollout.clusters_per_round // groups)  # as main's per_round
+    que, res = spell.max_new_tokens(cfg, "que"), spell.max_new_tokens(cfg, "res")
+    out = []
+    if "que" in timings:
+        out.append(Requests("questioner", k, k, r.max_prompt_tokens, 1, que, timings["que"]))
+        if r.grounding_filter:
+            out.append(Requests("grounding", k, k, que, 1, res, timings["res"]))
+    out.append(Requests("responder", k, k, r.max_prompt_tokens, r.group_size, res, timings["res"]))
+    if "ver" in timings:
+        ver, votes, answers = timings["ver"], spell.votes_per_response(cfg), k * r.group_size
+        budget = spell.max_new_tokens(cfg, "ver")
+        if cfg.bootstrap.verdict_order == "random":  # spell.sample_answer_votes
+            out.append(Requests("verifier", answers * votes, answers * min(votes, 2), ver.prompt,
+                                1, budget, ver))
+        else:
+            out.append(Requests("verifier", answers, answers, ver.prompt, votes, budget, ver))
+    return out
+
+
+def phase_seconds(req: Requests, kv_tokens: int | None, max_seqs: int,
+                  weight_tokens: float) -> float:
+    """A phase of a round from its measured request, to first order. Prefill is compute: the
+    measured one's time for each distinct prompt, in proportion to its tokens. Decode runs in waves
+    of the requests whose KV cache fits at once (kv_tokens, vLLM's cache; a request's samples share
+    its prompt: prompt + samples x budget tokens each; at most max_seqs sequences; one request at a
+    time where the cache is unknown), each wave `budget` steps. A step reads the weights and every
+    running sequence's KV cache (memory-bound), so it costs the measured step times (weights +
+    this wave's cache) / (weights + the measured request's cache), the weights counted in tokens
+    of KV cache (weight_tokens) and a sequence's cache at its mean length."""
+    ref = req.ref
+    prefill = req.prefills * ref.prefill_s * req.prompt / ref.prompt
+    fits = kv_tokens // (req.prompt + req.samples * req.budget) if kv_tokens else 1
+    at_once = max(1, min(fits, max_seqs // req.samples, req.count))
+    waves = -(-req.count // at_once)
+
+    def read(seqs: int, prompt: int, budget: int) -> float:
+        return weight_tokens + seqs * (prompt + budget / 2)
+
+    step = (ref.decode_s / ref.budget * read(at_once * req.samples, req.prompt, req.budget)
+            / read(ref.samples, ref.prompt, ref.budget))
+    return prefill + waves * req.budget * step
+
+
+def weight_tokens(model_config, parameters: int) -> float:
+    """How many tokens of KV cache (keys and values of every layer) weigh as much as the weights
+    (both in vLLM's dtype)."""
+    text = model_config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return parameters / (2 * text.num_hidden_layers * kv_heads * head_dim)
+
+
+def round_line(cfg: spell.Config, groups: int, timings: dict[str, Timing],
+               kv_tokens: int | None, max_seqs: int, weights: float, sync_s: float) -> str:
+    """The time of a round on one engine (round_requests, phase_seconds; under reward.judge =
+    "frozen" two syncs more), against engine.collective_timeout_min: a rank whose round ends early
+    (its questions all failed the format) waits in the all-reduce after it (spell.batch_is_full)
+    for the others' whole round. A warning past half the timeout."""
+    phases = [(req.name, req.count, phase_seconds(req, kv_tokens, max_seqs, weights))
+              for req in round_requests(cfg, groups, timings)]
+    if cfg.reward.judge == "frozen":  # the initial weights in, the policy back (FrozenJudge)
+        phases.append(("judge swaps", 2, 2 * sync_s))
+    total, timeout = sum(s for *_, s in phases), cfg.engine.collective_timeout_min
+    cache = f"{kv_tokens:,} tokens of KV cache" if kv_tokens else "KV cache unknown"
+    line = (f"a round of one engine: ~{total / 60:.1f} min ("
+            + ", ".join(f"{name} {prompts} x {s / prompts:.1f} s" for name, prompts, s in phases)
+            + f"; from the measured prefill and decode, {cache}) against "
+            f"engine.collective_timeout_min = {timeout:g}")
+    if total > timeout * 60 / 2:
+        return (f"WARNING: {line}: past half of it. A rank whose round ends early waits that long "
+                "in the all-reduce after it: raise engine.collective_timeout_min, or lower "
+                "rollout.clusters_per_round")
+    return f"{line}: within half of it"
+
+
+def disk_line(cfg: spell.Config, checkpoint: int, export: int, free: int) -> str:
+    """What a run writes into log.out_dir against the disk's free bytes: the checkpoints on disk
+    at once (train.steps / log.save_every saves; log.keep_checkpoints of them, and the one being
+    written beside them until it is complete) and the HF export. A warning where it does not
+    fit."""
+    t, log = cfg.train, cfg.log
+    saves = t.steps // log.save_every + (t.steps % log.save_every != 0)  # and one at the end
+    kept = min(saves, log.keep_checkpoints + 1) if log.keep_checkpoints else saves
+    need = kept * checkpoint + export
+    line = (f"disk: {saves} checkpoint(s) of {checkpoint / GiB:.2f} GiB (train.steps {t.steps}, "
+            f"log.save_every {log.save_every}), at most {kept} on disk at once "
+            f"(log.keep_checkpoints = {log.keep_checkpoints}"
+            + (", and the one being written" if log.keep_checkpoints and kept > 1 else "")
+            + f"), and the HF export's {export / GiB:.2f} GiB: {need / GiB:.1f} GiB of the "
+            f"{free / GiB:.1f} GiB free in log.out_dir")
+    if need <= free:
+        return line
+    keys = "lower log.keep_checkpoints" if log.keep_checkpoints else "set log.keep_checkpoints"
+    return f"WARNING: {line}: it does not fit: {keys}, or choose a log.out_dir with more room"
+
+
+def free_bytes(path: Path) -> int:
+    """The free bytes of the disk that holds `path`, or would hold it once made."""
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def compile_rows(cfg: spell.Config, vocab: int) -> list[tuple[list[spell.Seq], bool]]:
+    """The rows an update trains with compiled FlexAttention, each without and with grad
+    (update_policy's no-grad pass, then its update): the 2-token dummy of a rank without data
+    (one 128-token block), a row not a multiple of the block (several), and the largest row
+    without grad (the update phase trained it with grad)."""
+    rng = np.random.default_rng(0)
+    odd = [spell.Seq(prompt=rng.integers(vocab, size=ODD_ROW - 129).tolist(),
+                     completion=rng.integers(vocab, size=129).tolist(), advantage=1.0,
+                     weight=1.0 / 129)]
+    return [([spell.dummy_sequence()], False), ([spell.dummy_sequence()], True), (odd, False),
+            (odd, True), (largest_row(cfg, vocab), False)]
+
+
+ODD_ROW = 3 * 128 + 1  # tokens: several of FlexAttention's 128-token blocks, and not a multiple
+
+
+def compile_like_a_run(policy, cfg: spell.Config, device: torch.device, vocab: int) -> str:
+    """Run compile_rows through the update's own loss (spell.micro_batch_loss, and its backward
+    with grad; no optimiser step), so the compiled variants a run makes are made now, not hours
+    in; say how many each compiled function holds against infra.FLEX_RECOMPILE_LIMIT. Only
+    FlexAttention is compiled by the project: with another attention, nothing is."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    impl = infra.attention_implementation(cfg, device.type == "cuda")
+    if impl != "flex_attention":
+        return f"compile: nothing (attention {impl}: the project compiles only FlexAttention)"
+    for seqs, grad in compile_rows(cfg, vocab):
+        with torch.set_grad_enabled(grad):
+            loss = spell.micro_batch_loss(policy, seqs, None, cfg, device)[0]
+            # (a frozen model makes the same variants forward: how the CPU, whose FlexAttention
+            # has no backward in torch 2.13, tests this)
+            if grad and loss.requires_grad:
+                loss.backward()
+        policy.zero_grad(set_to_none=True)
+    return (f"compile: flex_attention {infra.compiled_variants(flex_attention)} variant(s), the "
+            f"BlockMask builder {infra.compiled_variants(create_block_mask)}, of "
+            f"infra.FLEX_RECOMPILE_LIMIT = {infra.FLEX_RECOMPILE_LIMIT} each (rows of 2, "
+            f"{ODD_ROW} and {row_tokens(cfg):,} tokens, with and without grad)")
 
 
 # ==================================================================================================
@@ -228,7 +421,7 @@ def remedies(cfg: spell.Config, on_gpu: bool) -> dict[str, str]:
         "sleep": ("set engine.sleep_level = 2 (vLLM drops its weights instead of copying them to "
                   "host memory; the sync restores them)" if cfg.engine.sleep_level == 1
                   else f"lower {share}"),
-        "update": " or ".join(row),
+        "update": " or ".join(row), "compile": " or ".join(row),
         "sync": "lower engine.sync_bucket_mb (about three buckets are alive at once)"
                 + (f" or {share} (vLLM's KV cache wakes up here)" if on_gpu else ""),
         "save": shard, "load": shard,
@@ -341,6 +534,8 @@ class Row:
     device_after: float = 0.0
     torch_peak: float = 0.0
     estimate: float | None = None  # infra.memory_estimate's GiB for the phase (GPU)
+    prefill: float = 0.0  # a rollout's seconds of prefill and of decode (rollout: Timing)
+    decode: float = 0.0
 
 
 def host_memory() -> tuple[float, float]:
@@ -424,6 +619,7 @@ class Preflight:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.rows: list[Row] = []
         self.estimates: dict[str, float] = {}
+        self.lines: list[str] = []  # what rank 0 prints under the table: beyond one of each
         # its waits as long as the run's collectives' (a rank still in a phase is not a failure)
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(
             minutes=cfg.engine.collective_timeout_min))
@@ -544,9 +740,10 @@ class Preflight:
             dist.barrier(group=self.control)
 
     def report(self, seconds: float) -> None:
-        """Rank 0: the table, then one line."""
+        """Rank 0: the table, the lines on what a whole run needs, then one line."""
         if self.rank == 0:
             print(format_table(self.rows, self.device.type == "cuda"), flush=True)
+            print("\n".join(self.lines), flush=True)
             print(f"preflight: {len(self.rows)} phases passed in {seconds:.0f} s at the config's "
                   f"largest sizes", flush=True)
 
@@ -596,23 +793,38 @@ def main(argv: Sequence[str]) -> None:
     timeouts = [*infra.group_timeouts(policy), ("preflight", infra.group_timeout(run.control))]
     for line in timeout_lines(timeouts, cfg.engine.collective_timeout_min):
         infra.print0(f"preflight: {line}")
+    timings = {}
     for role in rollout_roles(cfg):
         budget = spell.max_new_tokens(cfg, role)
         with run.phase(spell.ROLES[role], f"samples of {budget:,} tokens") as row:
             prompt = (verifier_prompt_ids(tok, cfg, corpus) if role == "ver" else
                       long_prompt(tok, corpus, cfg.rollout.max_prompt_tokens))
             row.what = f"{len(prompt):,} + samples of {budget:,} tokens"
-            outs = rollout(llm, cfg, role, prompt, group)
+            outs, timings[role] = rollout(llm, cfg, role, prompt, group)
             row.what = f"{len(prompt):,} + {len(outs)} x {budget:,} tokens"
+            row.prefill, row.decode = timings[role].prefill_s, timings[role].decode_s
+    # the slowest rank's prefill and decode of each role (combine)
+    timings = {role: timings[role]._replace(prefill_s=r.prefill, decode_s=r.decode)
+               for role, r in zip(timings, run.rows[-len(timings):])}
+    vllm_config = llm.llm_engine.vllm_config  # vLLM 0.32 records its KV cache's size there
+    kv_tokens = getattr(vllm_config.cache_config, "kv_cache_size_tokens", None)
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
     level = spell.sleep_level(cfg, device)
     with run.phase("sleep", f"level {level}" if level else "off"):
         spell.sleep_engine(llm, cfg, device)
+    vocab = min(len(tok), policy.config.vocab_size)
     with run.phase("update", f"{row_tokens(cfg):,} tokens per row"):
-        vocab = min(len(tok), policy.config.vocab_size)
         spell.update_policy(policy, optimizer, largest_row(cfg, vocab), cfg, world, device)
+    with run.phase("compile", f"rows of 2, {ODD_ROW}, {row_tokens(cfg):,} tokens") as row:
+        run.lines.append(compile_like_a_run(policy, cfg, device, vocab))
+        if run.lines[-1].startswith("compile: nothing"):
+            row.what = "nothing"
     mb = cfg.engine.sync_bucket_mb
     with run.phase("sync", f"buckets of {mb} MiB" if mb else "a tensor at a time"):
         spell.wake_and_sync(llm, policy, cfg, device, updated=True)
+    parameters = sum(math.prod(shape) for _, shape in infra.full_weights(policy))
+    run.lines.append(round_line(cfg, groups, timings, kv_tokens, max_seqs,
+                                weight_tokens(policy.config, parameters), run.rows[-1].seconds))
     with run.phase("save") as row:
         rng = spell.generator(cfg, "engine", group)
         sampler = spell.ClusterSampler(cfg, corpus, list(range(group, len(corpus), groups)), rng,
@@ -620,11 +832,14 @@ def main(argv: Sequence[str]) -> None:
         state = spell.run_state(1, sampler, spell.HistoryMemory(cfg.rollout.history_size), rng,
                                 recipes.AEPO(*cfg.train.aepo))
         path = spell.save_checkpoint(run.scratch, 1, policy, optimizer, state, rank, world)
-        size = sum(f.stat().st_size for f in path.iterdir()) / GiB
-        row.what = f"{size:.2f} GiB"
-    with run.phase("load", f"{size:.2f} GiB"):
+        size = sum(f.stat().st_size for f in path.iterdir())
+        row.what = f"{size / GiB:.2f} GiB"
+    with run.phase("load", f"{size / GiB:.2f} GiB"):
         # as --resume finds and checks it, then reads it
         found = infra.resume_checkpoint(run.scratch, True, rank, world)
         spell.load_checkpoint(found, policy, optimizer, rank, world)
     run.clean_up()
+    # the disk once the scratch checkpoint is gone; the export in the sync's dtype (spell.main)
+    export = parameters * spell.sync_dtype(cfg, device).itemsize
+    run.lines.append(disk_line(cfg, size, export, free_bytes(Path(cfg.log.out_dir))))
     run.report(time.perf_counter() - t0)

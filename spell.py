@@ -305,6 +305,11 @@ class LogConfig:
     out_dir: str = bounded("runs/spell", "a folder name", ok=bool)  # metrics.jsonl, checkpoints/...
     # checkpoint every N steps (and at the end, and on SIGTERM)
     save_every: int = bounded(10, ">= 1")
+    # resumable checkpoints kept in <out_dir>/checkpoints: once a save is complete, the oldest
+    # beyond this many are deleted (never the one just written, never the HF export); 0 = keep
+    # every one. A checkpoint is 12 bytes a parameter (91 GB for a 7B model), and config.toml
+    # saves 100 of them; `spell.py preflight` compares what is kept with the free disk
+    keep_checkpoints: int = bounded(2, ">= 0 (0: keep every checkpoint)")
     # print a table of sample rollouts every N steps
     sample_every: int = bounded(5, ">= 0 (0: no sample tables)")
     # vLLM's own console log; INFO brings back its start-up report
@@ -2513,7 +2518,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if stop:
             infra.print0("SIGTERM: checkpoint saved, exiting")
             break
-    infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank)
+    # in vLLM's dtype (bf16 on GPU), one tensor at a time (rank 0 holds a shard, not the model)
+    export = sync_dtype(cfg, device)
+    infra.export_hf(policy, tok, Path(cfg.log.out_dir) / "hf", rank,
+                    gathered_state_dict(policy, export), export)
     log.close()
 
 
@@ -2817,18 +2825,18 @@ class FrozenJudge:
     into vLLM, leaving syncs the policy back (two syncs per round; the prefix cache is dropped with
     each). A second engine would hold the same weights but take half of vLLM's GPU memory, and two
     per rank do not fit the CPU demo's two ranks on a 24 GiB machine. Host memory: one copy of the
-    model per rank (a 7B model in bf16: 15 GB a rank). Every rank enters and leaves at the same
-    point: leaving gathers the sharded policy (a collective).
+    model per rank, in one buffer of exactly its size (a 7B model in bf16: 14.2 GiB a rank; a
+    page-locked copy per tensor took 27: infra.host_weights). Every rank enters and leaves at the
+    same point: leaving gathers the sharded policy (a collective).
     """
 
     def __init__(self, llm, policy, cfg: Config, device: torch.device):
         self.llm, self.policy, self.cfg, self.device = llm, policy, cfg, device
-        # on GPU in page-locked memory: each swap copies them to the device at full speed
-        pin = device.type == "cuda"
-        self.initial = [(name, tensor.to("cpu", copy=True).pin_memory() if pin else
-                         tensor.to("cpu", copy=True))
-                        for name, tensor in weights_to_sync(policy, sync_dtype(cfg, device),
-                                                            cfg.engine.sync_bucket_mb)]
+        dtype = sync_dtype(cfg, device)
+        # on GPU page-locked, so that each swap copies them to the device at full speed
+        self.buffer, self.initial = infra.host_weights(
+            policy, weights_to_sync(policy, dtype, cfg.engine.sync_bucket_mb), dtype,
+            pin=device.type == "cuda")
 
     def __enter__(self) -> "FrozenJudge":
         sync_weights(self.llm, self.initial)
@@ -3071,7 +3079,13 @@ def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict,
             "fingerprint": infra.run_fingerprint(cfg)}
     folder = infra.checkpoint_dir(cfg) / f"step_{step:06d}"
     path = infra.save_atomically(folder, write, meta, rank, world)
-    infra.print0(f"checkpoint: {path}")
+    # log.keep_checkpoints: the older ones go only now that this one is complete and `latest`
+    # names it, so a crash at any point leaves a whole checkpoint to resume from
+    removed = (infra.prune_checkpoints(path.parent, cfg.log.keep_checkpoints, path)
+               if rank == 0 else [])
+    infra.print0(f"checkpoint: {path}" + (f" (removed {', '.join(p.name for p in removed)}: "
+                                          f"log.keep_checkpoints = {cfg.log.keep_checkpoints})"
+                                          if removed else ""))
     return path
 
 

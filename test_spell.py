@@ -1532,6 +1532,28 @@ def test_frozen_judge_swaps_the_initial_weights_in_and_the_policy_back(monkeypat
         raise RuntimeError("a vLLM failure")
     assert len(sent) == 3  # entered (the initial weights), never synced back
 
+def test_frozen_judge_keeps_its_weights_in_one_host_buffer_of_their_size():
+    """Issue #41 (G3): the initial weights wait in one flat host buffer, each weight a view into
+    it, holding the weights' bytes plus less than infra.HOST_ALIGN (64) bytes of padding before
+    each (every view starts at a multiple of 64), where a copy per tensor (pinned one by one on
+    GPU, each rounded up to a power of two) took up to twice that. Watched fail with the copy per
+    tensor: a storage of its own for every weight."""
+    policy = tiny_llama()  # tied embeddings: the LM head is sent once, as the embedding
+    judge = spell.FrozenJudge(None, policy, spell.Config(), torch.device("cpu"))
+    weights = list(spell.gathered_state_dict(policy, torch.float32))
+    assert [name for name, _ in judge.initial] == [name for name, _ in weights]
+    base = judge.buffer.data_ptr()
+    for (_, view), (_, weight) in zip(judge.initial, weights):
+        assert torch.equal(view, weight) and view.data_ptr() != weight.data_ptr()  # a copy
+        assert view.untyped_storage().data_ptr() == base
+    own = [view.nbytes for _, view in judge.initial]
+    starts = [view.data_ptr() - base for _, view in judge.initial]
+    # each right after the one before, at the next multiple of 64
+    assert starts == [0] + [-(-(s + n) // 64) * 64 for s, n in zip(starts, own)][:-1]
+    assert judge.buffer.nbytes == starts[-1] + own[-1]
+    assert sum(own) <= judge.buffer.nbytes < sum(own) + 64 * len(own)
+
+
 def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     """presets/spice.toml: the Challenger's prompt holds exactly one of the cluster's documents, the
     Reasoner's none; no grounding check and no verifier run; r_que is SPICE's variance reward."""

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,7 +183,7 @@ def test_each_groups_timeout_is_printed_and_a_shorter_one_warned_about():
 def test_every_phase_of_main_has_its_remedy(on_gpu):
     source = Path(preflight.__file__).read_text()
     phases = set(re.findall(r'run\.phase\("([^"]+)"', source)) | set(spell.ROLES.values())
-    assert len(phases) == 11 and set(preflight.remedies(config(), on_gpu)) == phases
+    assert len(phases) == 12 and set(preflight.remedies(config(), on_gpu)) == phases
 
 
 def test_the_estimate_beside_each_phase_is_infras_for_that_phase(tmp_path, monkeypatch):
@@ -305,6 +306,140 @@ def test_clean_up_removes_the_scratch_folder_and_an_out_dir_it_made(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# Beyond one of each: a round's time, the disk, the compiled variants
+# ------------------------------------------------------------------------------------------------
+
+# a request of 1,000 prompt tokens and 1 sample of 100: 2 s of prefill, 40 s of decode (0.4 s a
+# step), on a model whose weights weigh as much as 8,950 tokens of KV cache: the measured step
+# read 8,950 + 1,000 + 100 / 2 = 10,000 tokens' worth
+REF = preflight.Timing(prefill_s=2.0, decode_s=40.0, prompt=1000, samples=1, budget=100)
+
+
+def test_a_phase_of_a_round_scales_prefill_by_tokens_and_decode_by_waves_and_reads():
+    def seconds(count, prefills, prompt, samples, kv_tokens, max_seqs):
+        req = preflight.Requests("x", count, prefills, prompt, samples, 100, REF)
+        return preflight.phase_seconds(req, kv_tokens, max_seqs, 8950)
+
+    # 10 prompts like the measured one: prefill 10 x 2 s. A cache of 4,400 tokens holds 4 of
+    # them (1,100 each): 3 waves of 100 steps, each step reading 8,950 + 4 x 1,050 = 13,150
+    # tokens' worth, 1.315 x the measured 0.4 s
+    assert seconds(10, 10, 1000, 1, 4400, 256) == pytest.approx(20 + 3 * 100 * 0.4 * 1.315)
+    # an unknown cache: one prompt at a time, each step as measured
+    assert seconds(10, 10, 1000, 1, None, 256) == pytest.approx(20 + 10 * 100 * 0.4)
+    # 8 samples a prompt and 16 sequences at most: 2 prompts a wave however large the cache; a
+    # prompt of 500 tokens prefills in half the time
+    assert seconds(4, 4, 500, 8, 10**9, 16) == \
+        pytest.approx(4 + 2 * 100 * 0.4 * (8950 + 16 * 550) / 10_000)
+    # 10 requests of 5 distinct prompts (the prefix cache has the rest): 5 prefills
+    assert seconds(10, 5, 1000, 1, None, 256) == pytest.approx(10 + 10 * 100 * 0.4)
+
+
+def test_a_rounds_requests_are_what_rollout_round_generates_on_one_engine():
+    cfg = config()  # config.toml's: 480 clusters a round, G = 8, the grounding check, 8 votes
+    t = {role: REF for role in ("que", "res", "ver")}
+    assert [r[:6] for r in preflight.round_requests(cfg, 8, t)] == [
+        ("questioner", 60, 60, 16384, 1, 4096), ("grounding", 60, 60, 4096, 1, 4096),
+        ("responder", 60, 60, 16384, 8, 4096), ("verifier", 480, 480, 1000, 8, 4096)]
+    # a request per vote, of two prompts an answer; no grounding check; under RLVR (no
+    # questioner) no grounding either
+    cfg = config(bootstrap__verdict_order="random", rollout__grounding_filter=False)
+    assert [r[:5] for r in preflight.round_requests(cfg, 8, t)][1:] == [
+        ("responder", 60, 60, 16384, 8), ("verifier", 3840, 960, 1000, 1)]
+    assert [r.name for r in preflight.round_requests(config(), 8, {"res": REF})] == ["responder"]
+
+
+def test_a_round_past_half_the_collective_timeout_is_a_warning_naming_the_keys():
+    cfg = config(rollout__clusters_per_round=16, rollout__max_prompt_tokens=1000,
+                 rollout__max_new_tokens=100, rollout__group_size=1,
+                 rollout__grounding_filter=False, reward__judge="rule")
+    t = {"que": REF, "res": REF}
+    # 2 engines: 8 questioner prompts and 8 responder prompts, one at a time, 42 s each: 11.2 min
+    line = preflight.round_line(cfg, 2, t, None, 256, 8950, sync_s=3.0)
+    assert line == ("a round of one engine: ~11.2 min (questioner 8 x 42.0 s, responder 8 x "
+                    "42.0 s; from the measured prefill and decode, KV cache unknown) against "
+                    "engine.collective_timeout_min = 120: within half of it")
+    # 4 prompts a wave in a cache of 4,400 tokens (test above): 2 x 121.2 s, and two syncs more
+    # a round under the frozen judge: 4.1 min, past half of 8
+    cfg.engine.collective_timeout_min = 8.0
+    cfg.reward.judge = "frozen"
+    line = preflight.round_line(cfg, 2, t, 4400, 256, 8950, sync_s=3.0)
+    assert line.startswith("WARNING: a round of one engine: ~") and line.endswith(
+        "judge swaps 2 x 3.0 s; from the measured prefill and decode, 4,400 tokens of KV cache) "
+        "against engine.collective_timeout_min = 8: past half of it. A rank whose round ends "
+        "early waits that long in the all-reduce after it: raise "
+        "engine.collective_timeout_min, or lower rollout.clusters_per_round"), line
+
+
+def test_the_disk_line_counts_the_checkpoints_kept_and_the_export_against_the_free_disk():
+    """config.toml: 1000 steps, a save every 10 (100 saves), 2 kept and a third being written; a
+    7B checkpoint is 12 bytes a parameter (91 GB), its bf16 export 2 (15 GB)."""
+    cfg, gb = config(), 10**9
+    fits = preflight.disk_line(cfg, 91 * gb, 15 * gb, 500 * gb)
+    assert fits == ("disk: 100 checkpoint(s) of 84.75 GiB (train.steps 1000, log.save_every 10), "
+                    "at most 3 on disk at once (log.keep_checkpoints = 2, and the one being "
+                    "written), and the HF export's 13.97 GiB: 268.2 GiB of the 465.7 GiB free in "
+                    "log.out_dir")
+    assert preflight.disk_line(cfg, 91 * gb, 15 * gb, 200 * gb).endswith(
+        "of the 186.3 GiB free in log.out_dir: it does not fit: lower log.keep_checkpoints, or "
+        "choose a log.out_dir with more room")
+    every = preflight.disk_line(config(log__keep_checkpoints=0, train__steps=1001), 91 * gb, 0,
+                                500 * gb)  # 101 saves: the last step's too
+    assert every.startswith("WARNING: disk: 101 checkpoint(s) of 84.75 GiB (train.steps 1001, "
+                            "log.save_every 10), at most 101 on disk at once "
+                            "(log.keep_checkpoints = 0), ") and "set log.keep_checkpoints" in every
+
+
+def test_without_flex_attention_nothing_is_compiled():
+    assert preflight.compile_like_a_run(None, config(), torch.device("cpu"), 1000) == (
+        "compile: nothing (attention sdpa: the project compiles only FlexAttention)")
+
+
+def test_the_compile_rows_are_the_dummy_an_odd_row_and_the_largest_with_and_without_grad():
+    cfg = config(rollout__max_prompt_tokens=100, rollout__max_new_tokens=30,
+                 engine__micro_batch_tokens=1005)
+    rows = preflight.compile_rows(cfg, 1000)
+    lengths = [spell.pack_sequences([(s.prompt, s.completion) for s in seqs],
+                                    shared=True)["input_ids"].shape[1] for seqs, _ in rows]
+    assert lengths == [2, 2, 385, 385, 1005] and [g for _, g in rows] == [False, True] * 2 + [False]
+    assert 385 % 128 and rows[0][0] == [spell.dummy_sequence()]
+
+
+@pytest.mark.stack
+def test_after_the_preflights_compile_a_runs_rows_compile_nothing_new(monkeypatch):
+    """Issue #41 (G8): the update's compiled variants are made by the preflight, not first inside
+    a real step: after the update phase's row (with grad) and compile_like_a_run, rows of other
+    lengths, with and without grad, as a run trains them, find every variant they need. A tiny
+    FlexAttention Llama, frozen (torch 2.13 has no FlexAttention backward on CPU; grad mode is what
+    dynamo guards on). Watched fail with the dummy row left out of compile_rows: the 1-block
+    variants were compiled later, by the run's 97-token row."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from conftest import tiny_llama
+
+    cfg = config(engine__attn_implementation="flex_attention", rollout__max_prompt_tokens=200,
+                 rollout__max_new_tokens=60, engine__micro_batch_tokens=700)
+    policy = tiny_llama(attn="flex_attention").requires_grad_(False)
+    device = torch.device("cpu")
+    with torch.enable_grad():  # the update phase: the largest row, with grad
+        spell.micro_batch_loss(policy, preflight.largest_row(cfg, 1000), None, cfg, device)
+    line = preflight.compile_like_a_run(policy, cfg, device, 1000)
+    made = (infra.compiled_variants(flex_attention), infra.compiled_variants(create_block_mask))
+    assert line == (f"compile: flex_attention {made[0]} variant(s), the BlockMask builder "
+                    f"{made[1]}, of infra.FLEX_RECOMPILE_LIMIT = {infra.FLEX_RECOMPILE_LIMIT} "
+                    f"each (rows of 2, 385 and 700 tokens, with and without grad)")
+    g = np.random.default_rng(1)
+    for length in (97, 129, 640):
+        seqs = [spell.Seq(prompt=g.integers(1000, size=length - 20).tolist(),
+                          completion=g.integers(1000, size=20).tolist(), advantage=1.0,
+                          weight=0.05)]
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                spell.micro_batch_loss(policy, seqs, None, cfg, device)
+    assert (infra.compiled_variants(flex_attention),
+            infra.compiled_variants(create_block_mask)) == made
+
+
+# ------------------------------------------------------------------------------------------------
 # On the stack: the demo preset end to end, a failure that names its key, the ranks' agreement
 # ------------------------------------------------------------------------------------------------
 
@@ -318,7 +453,7 @@ SHORT = ["--engine.cpu_bf16=false", "--rollout.max_prompt_tokens=768",
 # the lines main prints before the table besides the header: versions, allocator, timeouts
 ENVIRONMENT_LINES = ("torch ", "allocator: ", "groups waiting ", "WARNING: ")
 PHASES = ["launch checks", "start vLLM", "load policy", "questioner", "responder", "verifier",
-          "sleep", "update", "sync", "save", "load"]
+          "sleep", "update", "compile", "sync", "save", "load"]
 
 
 def tree(root: Path) -> dict[str, bytes | int]:
@@ -333,7 +468,7 @@ def table_rows(output: str) -> dict[str, str]:
     """The printed table's rows by phase (the line after the header)."""
     lines = output.splitlines()
     start = lines.index(next(line for line in lines if line.startswith("phase   ")))
-    return {line.split("  ")[0]: line for line in lines[start + 1:start + 12]
+    return {line.split("  ")[0]: line for line in lines[start + 1:start + 1 + len(PHASES)]
             if line.split("  ")[0] in PHASES}
 
 
@@ -368,7 +503,23 @@ def test_demo_preflight_prints_every_phase_and_leaves_the_run_as_it_was(embedded
     assert groups and len(said) == 5, said  # one timeout for all, no warning; the last line
     assert {"world", "policy mesh shard", "preflight", "vLLM world:0 device",
             "vLLM world:0 cpu", "vLLM tp:0 device"} <= set(groups.group(1).split(", "))
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("preflight: 11 phases passed in ")
+    assert re.search(r"compile\s+nothing\s", rows["compile"])
+    *_, compiled, round_time, disk, last = proc.stdout.rstrip().splitlines()
+    assert compiled == ("compile: nothing (attention sdpa: the project compiles only "
+                        "FlexAttention)")
+    # the demo's 48 clusters a round over 2 engines: 24 questions, their grounding checks, 24
+    # prompts of 4 answers, and a request per vote (verdict_order "random"): 24 x 4 x 4
+    assert re.fullmatch(r"a round of one engine: ~\d+\.\d min \(questioner 24 x [0-9.]+ s, "
+                        r"grounding 24 x [0-9.]+ s, responder 24 x [0-9.]+ s, verifier 384 x "
+                        r"[0-9.]+ "
+                        r"s; from the measured prefill and decode, [0-9,]+ tokens of KV cache\) "
+                        r"against engine.collective_timeout_min = 120: (within half of it|past "
+                        r"half of it\. .*)", round_time.removeprefix("WARNING: ")), round_time
+    assert re.fullmatch(r"disk: 1 checkpoint\(s\) of \d\.\d\d GiB \(train.steps 2, "
+                        r"log.save_every 2\), at most 1 on disk at once \(log.keep_checkpoints = "
+                        r"2\), and the HF export's 0.50 GiB: .* GiB free in log.out_dir",
+                        disk), disk
+    assert last.startswith("preflight: 12 phases passed in ")
     assert tree(out) == before  # the scratch checkpoint is gone, the run's untouched
 
 
