@@ -2649,6 +2649,9 @@ RESUMABLE_KEYS = frozenset((
     "engine.rollout_dtype", "engine.cpu_bf16",  # vLLM's precision, as rollout_dtype
     "engine.sequence_parallel",  # how a row splits over ranks: the same gradient up to rounding
     "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+    # how long a rank waits for the slowest in a collective: a longer one is the remedy after a
+    # run stopped on a timeout, and nothing it samples or trains depends on it
+    "engine.collective_timeout_min",
     "data.verify_set",  # held-out items the verifier is measured on; nothing trains on them
 ))
 

@@ -1340,6 +1340,8 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
     assert resume("--train.steps=5000", "--log.sample_every=0", "--eval.n=2",
                   "--engine.gpu_memory_utilization=0.3", "--engine.micro_batch_tokens=1024",
                   "--rollout.max_rounds=3", "--engine.logprob_impl=triton") == step
+    # the remedy after a collective's timeout: wait longer for the slowest rank
+    assert resume("--engine.collective_timeout_min=600") == step
     assert resume(f"--data.corpus={moved}") == step
     for extra, change in [
             (["--rollout.group_size=3"], "rollout.group_size (saved 4, now 3)"),
