@@ -501,6 +501,22 @@ def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], 
                           "eval.max_output_len, or choose a judge with a longer context")
 
 
+# what an eval writes into eval.out_dir (write_eval_results)
+RESULT_FILES = ("eval_results.md", "eval_results.json", "eval_samples.jsonl")
+
+
+def check_no_results(out_dir: Path) -> None:
+    """eval.out_dir must not hold another eval's results: the default folder is the same for every
+    model under one config, and a second eval would replace the first's samples and table. A
+    refusal rather than a folder named after the model: two exports are both called `hf`, the same
+    model is evaluated on other files, and an explicit eval.out_dir would still be overwritten."""
+    for name in RESULT_FILES:
+        if os.path.lexists(out_dir / name):
+            raise infra.ConfigError(f"eval.out_dir {infra.shown(str(out_dir))} already holds an "
+                                    f"eval's results ({name}); give this eval its own folder "
+                                    "(--eval.out_dir=DIR), or move those files away")
+
+
 def eval_main(argv: Sequence[str]) -> None:
     """`spell.py eval --model DIR --data FILE [--data FILE ...] [--section.key=value ...]`."""
     args, model, data = [], None, []
@@ -530,6 +546,7 @@ def eval_main(argv: Sequence[str]) -> None:
     infra.check_out_dir(Path(out_dir), rank, "eval.out_dir")
     if rank == 0:
         infra.hold_out_dir(Path(out_dir), "eval.out_dir")
+    check_no_results(Path(out_dir))
     rank, world, device = spell.init_distributed(cfg)
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?

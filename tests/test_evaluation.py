@@ -663,6 +663,26 @@ def test_a_second_eval_into_a_live_evals_out_dir_stops_before_anything_starts(mo
     assert started == ["group", "eval"]
 
 
+@pytest.mark.parametrize("left", ["eval_results.json", "eval_results.md", "eval_samples.jsonl"])
+def test_an_eval_into_a_folder_that_holds_results_stops_before_anything_starts(monkeypatch,
+                                                                              tmp_path, left):
+    """The default eval.out_dir, <log.out_dir>/eval-<max_input_len>, is the same for every model
+    evaluated under one config: a second eval (the base model after the trained one) replaced the
+    first's samples and table without a word. Now it stops at launch, naming the key, the folder
+    and the file, and the first eval's files stay as they were."""
+    monkeypatch.chdir(tmp_path)
+    out_dir = Path("runs/spell-qwen2.5-7b/eval-16384")  # config.toml's, for every --model
+    out_dir.mkdir(parents=True)
+    (out_dir / left).write_text("the first eval's\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["eval", "--model", "other/model", "--data", "a.jsonl"])
+    assert str(e.value) == (
+        f"eval.out_dir {infra.shown(str(out_dir))} already holds an eval's results ({left}); "
+        "give this eval its own folder (--eval.out_dir=DIR), or move those files away"), e.value
+    assert (out_dir / left).read_text() == "the first eval's\n"
+
+
 def context_model(tmp_path) -> Path:
     """A model folder holding only a config.json: a Llama of 512 positions."""
     from transformers import LlamaConfig
