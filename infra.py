@@ -2876,7 +2876,8 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
                               f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint "
                               "and file records cannot be trusted")
     folder_step = re.fullmatch(r"step_([0-9]+)", path.name)
-    if meta["step"] < 1 or (folder_step and int(folder_step[1]) != meta["step"]):
+    # step 0: the state before the first update (SIGTERM during step 1, spell.stop_check)
+    if meta["step"] < 0 or (folder_step and int(folder_step[1]) != meta["step"]):
         raise CheckpointError(f"{path}: meta.json says step {meta['step']}, not the step of its "
                               "folder's name")
     verify_files(path, files, ranks, also)

