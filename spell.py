@@ -1017,14 +1017,15 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
             fits = len(ids) <= cfg.rollout.max_prompt_tokens
             if fits or not history.forget_oldest(cluster.id, task):
                 break
-        if not fits:
-            continue  # m documents alone are too long: skip this draw, no penalty
+        # m documents alone too long: the draw is skipped, no penalty (counted in que/skipped)
         rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
-                                new_doc_ids=new, evicted=evicted))
+                                new_doc_ids=new, evicted=evicted,
+                                status="format" if fits else "skipped"))
         letters.append(letter)
-    outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
+    todo = [(r, letter) for r, letter in zip(rollouts, letters) if r.status != "skipped"]
+    outs = generate(llm, [r.que_prompt for r, _ in todo], n=1, seeds=seeds[:len(todo)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
-    for r, letter, (c,) in zip(rollouts, letters, outs):
+    for (r, letter), (c,) in zip(todo, outs):
         r.que_output = c
         r.question = (parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
                       if finished(c, cfg) else None)
@@ -2384,7 +2385,9 @@ def log_line(step: int, steps: int, m: dict) -> str:
     return (f"step {step}/{steps} {que}"
             f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
             f"len {m['res/length']:.0f} {ver}{gold_summary(m)}"
-            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
+            # draws whose prompt outgrew rollout.max_prompt_tokens: played by no role
+            + (f"| skipped {m['que/skipped']} (prompt too long) " if m["que/skipped"] else "")
+            + f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
             f"gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
             f"sync {m['perf/sync_s']:.1f}s")
@@ -2466,9 +2469,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
     gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
+    infra.check_model_path(cfg.model.path)  # a model's folder (not a run's), or a hub name
+    # vLLM's engines: groups of engine.tensor_parallel_size ranks (the world torchrun starts)
+    _, groups = infra.engine_groups(cfg, int(os.environ.get("RANK", "0")),
+                                    int(os.environ.get("WORLD_SIZE", "1")))
     if (folder := infra.local_model_dir(cfg)) is not None:  # what it bounds, if its folder is here
         check_lengths(cfg, folder)
         check_aepo_bound(cfg, folder)
+        infra.check_weights(folder)
+        tok = infra.load_tokenizer(folder)
+        check_clusters_fit(cfg, corpus, tok, groups)  # each engine's share of the data fits
+        evaluation.fitting_gold_prompts(tok, cfg, gold)  # and some held-out verifier item
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed(cfg)
@@ -2477,6 +2488,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # one vLLM engine per tensor-parallel group of ranks
     group, groups = infra.engine_groups(cfg, rank, world)
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
+    if folder is None:  # a hub name: its tokenizer is here only now
+        check_clusters_fit(cfg, corpus, tok, groups)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
     infra.check_same_rope(llm, policy)  # the rollouts' positions are the trainer's
     # reward.judge = "frozen": the initial weights, kept before any resume, vote in every round
@@ -2608,8 +2621,6 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     """The model folder, its tokenizer, and this rank's vLLM engine (its share of one under tensor
     parallelism), room for the longest prompt plus the longest generation. For training, the
     start-up memory estimate runs first on GPU, and vLLM can sleep during the update."""
-    from transformers import AutoTokenizer
-
     model_dir = infra.resolve_model(cfg, rank)
     e = cfg.engine
     check_lengths(cfg, model_dir)  # vLLM's max_model_len, below
@@ -2618,7 +2629,8 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if training:  # what its config.json bounds, had its folder not been here at launch (a hub name)
         infra.check_model_keys(cfg, model_dir)
         check_aepo_bound(cfg, model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    infra.check_weights(model_dir)
+    tok = infra.load_tokenizer(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
@@ -2950,6 +2962,45 @@ def load_data(cfg: Config) -> list[Cluster]:
         return load_qa_set(cfg.data.qa)
     return load_corpus(cfg.data.corpus)
 
+
+
+def cluster_fits(tok, cfg: Config, cluster: Cluster) -> bool:
+    """Whether any draw of a cluster can be played: its shortest prompts within
+    rollout.max_prompt_tokens, the responder's with every document and an empty question (longer,
+    run_responder skips the draw), and the questioner's with its m documents fewest in characters
+    and no history (longer, run_questioner skips it), for some task it may be drawn with. A
+    question of RLVR's set (Cluster.qa) is known: its own responder prompt."""
+    r, budget = cfg.rollout, cfg.rollout.max_prompt_tokens
+    if cluster.qa is not None:
+        return len(chat_ids(tok, responder_prompt(cluster.task, cluster.documents, cluster.qa,
+                                                  r.responder_template))) <= budget
+    fewest = sorted(cluster.documents, key=len)[:r.docs_per_question]
+    blank = {"question": "", "options": dict.fromkeys(tasks.LETTERS, "")}
+    drawable = [cluster.task] if cluster.task else [t for t, w in cfg.data.task_weights.items()
+                                                    if w > 0]
+    return any(len(chat_ids(tok, responder_prompt(task, cluster.documents, blank,
+                                                  r.responder_template))) <= budget
+               and len(chat_ids(tok, questioner_prompt(task, fewest, [], "A",
+                                                       r.questioner_template))) <= budget
+               for task in drawable)
+
+
+def check_clusters_fit(cfg: Config, corpus: list[Cluster], tok, groups: int) -> None:
+    """Stop at launch when some vLLM engine's share of the data (ClusterSampler's shard) holds no
+    cluster that fits rollout.max_prompt_tokens (cluster_fits): each of its draws would be skipped,
+    and the run would train on nothing at every step and export the untrained model. Tries the
+    clusters shortest first and stops at the first that fits (one tokenisation per engine when the
+    data fits; all of them when it does not)."""
+    for g in range(groups):
+        shard = sorted(corpus[g::groups], key=lambda c: sum(map(len, c.documents)))
+        if not shard or any(cluster_fits(tok, cfg, c) for c in shard):
+            continue  # (an empty share: infra.check_launch names it)
+        where = f" ({len(shard)} of them for vLLM engine {g} of {groups})" if groups > 1 else ""
+        raise infra.CorpusError(
+            f"{cfg.data.qa or cfg.data.corpus}: no cluster{where} fits rollout.max_prompt_tokens "
+            f"= {cfg.rollout.max_prompt_tokens}: each prompt, before its question, is longer, so "
+            "every draw would be skipped and the run would train on nothing (raise "
+            "rollout.max_prompt_tokens, or give the data shorter clusters)")
 
 
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:

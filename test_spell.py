@@ -50,11 +50,11 @@ import infra
 import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
-                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args,
-                      end_worker, gold_items, held_out_metrics, logged_inputs, logged_metrics,
-                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics, reply,
-                      role_sequences, run_worker, snapshot, start_torchrun, stop_torchrun,
-                      tiny_llama, torchrun, worker_mesh)
+                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, add_model_files,
+                      batch_counts, deadline, demo_args, end_worker, gold_items, held_out_metrics,
+                      logged_inputs, logged_metrics, make_tiny_model, metrics, protocol_corpus,
+                      qa_record, read_metrics, reply, role_sequences, run_worker, snapshot,
+                      start_torchrun, stop_torchrun, tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -1872,6 +1872,94 @@ def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(mo
     assert spell.summarize(r).evicted == 2
 
 
+def test_a_draw_too_long_for_the_questioner_is_counted_and_shown(monkeypatch):
+    """A draw whose m documents alone outgrow rollout.max_prompt_tokens is skipped without penalty,
+    as before; it used to vanish without a trace, so a corpus of such clusters trained on nothing
+    at every step with nothing said. Now it is a rollout of status "skipped" (never generated),
+    counted in que/skipped and on the step's line."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.docs_per_question, cfg.reward.judge = 4, 1, "rule"
+    long = spell.Cluster("long", "doc_qa", ["word " * 400, "word " * 400])
+    short = spell.Cluster("short", "doc_qa", ["The north gate was blue."])
+    cfg.rollout.max_prompt_tokens = len(spell.chat_ids(CharTokenizer(), spell.questioner_prompt(
+        "doc_qa", short.documents, [], None))) + 100  # "word " * 400 is 2,000 characters
+    calls = []
+
+    def generate(llm, prompts, *, n, desc="", **kw):
+        calls.append((desc, len(prompts)))
+        return [[spell.Completion([7], GATE_QUESTION, None, "stop")] * n for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    rollouts = spell.run_questioner(None, CharTokenizer(), cfg, [(long, "doc_qa"),
+                                                                 (short, "doc_qa")],
+                                    HistoryMemory(3), np.random.default_rng(0), [1, 2])
+    assert [r.status for r in rollouts] == ["skipped", "ok"] and calls == [("questioner", 1)]
+    assert rollouts[1].question is not None
+    m = spell.questioner_metrics([spell.summarize(r, 0, i) for i, r in enumerate(rollouts)],
+                                 batch_counts())
+    assert m["que/skipped"] == 1 and m["que/questions"] == 2
+    assert "| skipped 1 (prompt too long) |" in spell.log_line(1, 2, {**logged_metrics(1), **m})
+    assert "skipped" not in spell.log_line(1, 2, logged_metrics(1))
+
+
+def fit_config(budget: int, **rollout) -> spell.Config:
+    cfg = spell.Config()
+    cfg.rollout.max_prompt_tokens = budget
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    return cfg
+
+
+def test_a_corpus_whose_clusters_never_fit_stops_at_launch():
+    """Every draw of a cluster whose responder prompt (every document, the question still empty) or
+    questioner prompt (its m shortest documents) outgrows rollout.max_prompt_tokens is skipped: a
+    corpus of only such clusters trained on nothing for every step and exported the untrained
+    model. check_clusters_fit stops it at launch, for every vLLM engine's share of the corpus."""
+    tok = CharTokenizer()
+    short = spell.Cluster("s", "doc_qa", ["The north gate was blue.", "The keeper kept goats."])
+    long = spell.Cluster("l", "doc_qa", ["word " * 300, "word " * 300])
+    responder = len(spell.chat_ids(tok, spell.responder_prompt(
+        "doc_qa", short.documents, {"question": ""})))
+    questioner = len(spell.chat_ids(tok, spell.questioner_prompt(  # the shorter document
+        "doc_qa", short.documents[1:], [], None)))
+    need = max(responder, questioner)
+    assert spell.cluster_fits(tok, fit_config(need, docs_per_question=1), short)
+    assert not spell.cluster_fits(tok, fit_config(need - 1, docs_per_question=1), short)
+    assert not spell.cluster_fits(tok, fit_config(need, docs_per_question=1), long)
+    cfg = fit_config(need, docs_per_question=1)
+    spell.check_clusters_fit(cfg, [long, short], tok, groups=1)
+    with pytest.raises(infra.CorpusError) as e:
+        spell.check_clusters_fit(cfg, [long, long], tok, groups=1)
+    assert str(e.value) == (
+        f"{cfg.data.corpus}: no cluster fits rollout.max_prompt_tokens = {need}: each prompt, "
+        "before its question, is longer, so every draw would be skipped and the run would train "
+        "on nothing (raise rollout.max_prompt_tokens, or give the data shorter clusters)")
+    # engine 1 of 2 draws from the clusters 1, 3, ...: all long
+    with pytest.raises(infra.CorpusError, match=re.escape(
+            "no cluster (2 of them for vLLM engine 1 of 2) fits")):
+        spell.check_clusters_fit(cfg, [short, long, short, long], tok, groups=2)
+    # a cluster without a task fits if some task it may be drawn with fits
+    untasked = spell.Cluster("u", None, short.documents)
+    assert spell.cluster_fits(tok, cfg, untasked)
+    cfg.data.task_weights = {"doc_qa": 0.0, "fin_math": 0.0, "doc_mc": 1.0}
+    assert spell.cluster_fits(tok, fit_config(10**6), untasked)
+    assert not spell.cluster_fits(tok, cfg, untasked)  # doc_mc's prompts are longer
+
+
+def test_a_corpus_that_never_fits_stops_before_anything_starts(monkeypatch, tmp_path):
+    """The whole launch: the corpus checked against the model's tokenizer before the process group,
+    vLLM or the model start, one line naming the file and the key."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "task": "doc_qa", "documents": ["word " * 400]})
+                      + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.CorpusError, match=re.escape(
+            f"{corpus}: no cluster fits rollout.max_prompt_tokens = 256: ")):
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={tmp_path / 'run'}", "--rollout.max_prompt_tokens=256",
+                    "--rollout.max_new_tokens=16", "--rollout.role_max_new_tokens=que:0,res:0,"
+                    "ver:0"])
+
+
 def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeypatch):
     """Under SPICE's mapping a question all four responses solved earns 0.044 > 0; it is still not
     solvable, so it stays out of history memory."""
@@ -3424,6 +3512,24 @@ def test_the_held_out_check_with_no_item_that_fits_is_an_error():
     assert [it.candidate for it in check.items] == ["25 percent", "25%", "35 percent", "150,000"]
 
 
+def test_a_verify_set_that_never_fits_stops_before_anything_starts(tmp_path, monkeypatch):
+    """The held-out check's "none fits" was found only once vLLM had started (HeldOutCheck needs
+    the tokenizer): now at launch, before any process, engine or file, when the model's folder (and
+    so its tokenizer) is here."""
+    verify = tmp_path / "verify.jsonl"
+    verify.write_text(json.dumps({"question": "Which? " + "word " * 3000, "reference": "x",
+                                  "candidate": "x", "label": "YES", "kind": "exact"}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            "data.verify_set: none of its 1 items fits rollout.max_prompt_tokens = 2048 as a "
+            "verifier prompt")):
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={tmp_path / 'run'}", f"--data.verify_set={verify}",
+                    "--log.verify_every=1", "--rollout.max_prompt_tokens=2048"])
+
+
 def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypatch):
     """Engine 0 of 2 judges items 0, 2, 4 with their own seeds (the same whatever the number of
     engines), G votes each, and scores all six with the majorities engine 1 sent (all_gather)."""
@@ -4127,6 +4233,66 @@ def test_a_role_budget_beyond_the_models_context_stops_before_anything_starts(tm
     assert not out_dir.exists() and not torch.distributed.is_initialized()
 
 
+def model_folder_lacking(root: Path, what: str) -> tuple[Path, str]:
+    """A model.path that is not a whole HF model folder, and the line it must stop with."""
+    from transformers import LlamaConfig
+
+    folder = root / what
+    if what == "run":  # a run's log.out_dir: our config.json, metrics, checkpoints, its export
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model": {"path": "embedded"}}))
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+        return folder, (f"a run's folder (log.out_dir), not an HF model folder; the model it "
+                        f"trained is its export, {infra.shown(str(folder / 'hf'))}")
+    LlamaConfig(max_position_embeddings=8192).save_pretrained(folder)
+    add_model_files(folder)
+    if what == "no_model_type":
+        (folder / "config.json").write_text(json.dumps({"hidden_size": 64}))
+        return folder, "its config.json names no model_type, not an HF model's config"
+    if what == "no_weights":
+        (folder / "model.safetensors").unlink()
+        return folder, ("a folder without weights (.safetensors, .bin, .pt files), not a whole HF "
+                        "model folder")
+    if what == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (folder / name).unlink()
+        return folder, "its tokenizer cannot be loaded ("
+    assert what == "no_chat_template"
+    (folder / "chat_template.jinja").unlink()
+    return folder, "its tokenizer has no chat template (every prompt is a chat turn)"
+
+
+@pytest.mark.parametrize("what", ["run", "no_model_type", "no_weights", "no_tokenizer",
+                                  "no_chat_template"])
+def test_a_model_path_that_is_no_whole_model_stops_before_anything_starts(tmp_path, monkeypatch,
+                                                                          what):
+    """model.path naming a run's folder (its config.json is the run's), a folder whose config.json
+    names no model type, or one without weights, tokenizer or chat template: before, transformers'
+    or vLLM's traceback, some after the process group had started; now one line naming the key and
+    the folder, before anything starts and before anything is written."""
+    folder, message = model_folder_lacking(tmp_path, what)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--model.path={folder}",
+                    f"--data.corpus={corpus}", f"--log.out_dir={tmp_path / 'out'}"])
+    assert str(e.value).startswith(f"model.path {infra.shown(str(folder))}: {message}"), e.value
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_an_eval_judge_that_is_not_there_stops_before_anything_starts(tmp_path, monkeypatch):
+    """eval.judge_model naming no folder and no hub name: one line at launch (before, the
+    tokenizer's traceback, after the process group had started)."""
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    judge = tmp_path / "no" / "judge"
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["eval", "--model", str(SMOLLM2), "--data", "a.jsonl",
+                    f"--eval.out_dir={tmp_path / 'eval'}", f"--eval.judge_model={judge}"])
+    assert str(e.value) == (f"eval.judge_model {infra.shown(str(judge))}: no such folder, nor a "
+                            "model hub name (owner/name)")
+
+
 def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
     """An out_dir with a `latest` checkpoint made of `files`; returns every file's
     bytes for comparison."""
@@ -4386,10 +4552,12 @@ def test_attention_implementation_choices(monkeypatch):
 
 
 def model_config_dir(path: Path, context: int) -> str:
-    """A model folder holding only a config.json, of a model with a context of `context` tokens."""
+    """A model folder holding a config.json, of a model with a context of `context` tokens, and an
+    empty weights file (its presence is checked; the tests stub what would read it)."""
     from transformers import LlamaConfig
 
     LlamaConfig(max_position_embeddings=context).save_pretrained(path)
+    (path / "model.safetensors").touch()
     return str(path)
 
 

@@ -560,7 +560,8 @@ def judge_folder(path: Path, *, chat_template: bool = True, context: int = 4096,
 
 
 @pytest.mark.parametrize("judge, settings, message", [
-    ({"chat_template": False}, {}, "eval.judge_model {judge}: its tokenizer has no chat template"),
+    ({"chat_template": False}, {}, "eval.judge_model '{judge}': its tokenizer has no chat "
+                                   "template"),
     ({"context": 512}, {}, "eval.judge_model {judge}: its context of 512 tokens cannot hold a "
                            "judge prompt of up to"),
     ({"heads": 3}, {"tensor_parallel_size": 2},

@@ -27,9 +27,9 @@ import torch
 import infra
 import spell
 import tasks
-from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
-                      deadline, end_worker, held_out_metrics, logged_metrics, metrics,
-                      mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
+from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, add_model_files,
+                      all_fixture_items, deadline, end_worker, held_out_metrics, logged_metrics,
+                      metrics, mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1664,13 +1664,35 @@ def launch(tmp_path: Path, monkeypatch, *args: str, clusters: int = 1) -> None:
 
 
 def model_folder(tmp_path: Path, **config) -> Path:
-    """A model folder holding only a config.json (a Llama of 8,192 positions): what the launch
-    checks read."""
+    """A model folder holding a config.json (a Llama of 8,192 positions), a tokenizer and an empty
+    weights file: what the launch checks read."""
     from transformers import LlamaConfig
 
     folder = tmp_path / "model"
     LlamaConfig(max_position_embeddings=8192, **config).save_pretrained(folder)
-    return folder
+    return add_model_files(folder)
+
+
+def test_a_kv_cache_beyond_host_memory_stops_before_anything_starts(tmp_path, monkeypatch):
+    """On CPU every rank's vLLM takes engine.kv_cache_gb GiB of host memory once its model has
+    loaded; past the machine's memory, vLLM stopped in a ValueError traceback after the process
+    group and the model had started. Now one line at launch, for the ranks on this machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    have = infra.host_memory_gib()
+    gb = int(have // 2) + 1  # two ranks of it are beyond this machine, one is not
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(infra.ConfigError) as e:
+        launch(tmp_path, monkeypatch, f"--engine.kv_cache_gb={gb}", clusters=2)
+    assert str(e.value) == (f"engine.kv_cache_gb = {gb} GiB of KV cache a rank, {2 * gb} GiB for "
+                            f"the 2 rank(s) on this machine, beyond its {have:.1f} GiB of memory; "
+                            "lower engine.kv_cache_gb")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(Started):
+        launch(tmp_path, monkeypatch, f"--engine.kv_cache_gb={gb}", clusters=2)
 
 
 # a live run's rank 0, as far as the lock goes: an exclusive flock on <out_dir>/.lock, its holder
@@ -2108,6 +2130,40 @@ def test_layout_and_volume_formula():
     # no GQA: exactly 4 T hidden / k; a row of 9 on k = 2 pays for 10
     assert infra.exchange_elements(1024, 2, 2, 2, 64) == 4 * 1024 * 128 // 2
     assert infra.exchange_elements(9, 2, 2, 2, 64) == infra.exchange_elements(10, 2, 2, 2, 64)
+
+
+@pytest.mark.parametrize("stored, message", [
+    (None, "log.wandb: W&B did not start the run (No API key configured. Use `wandb login` to log "
+           "in.); `wandb login`, or WANDB_MODE=offline to keep it on disk, or log.wandb = false"),
+    ("a/b\n", "log.wandb: {id_file} holds 'a/b', not a W&B run id (the id this run's first start "
+               "kept; remove the file to start a new W&B run)"),
+    ("\n", "log.wandb: {id_file} holds '', not a W&B run id"),
+])
+def test_wandb_that_cannot_start_its_run_stops_in_one_line(tmp_path, monkeypatch, stored,
+                                                           message):
+    """log.wandb without a login (online, no API key) or with a stored run id W&B refuses: before,
+    wandb's UsageError traceback; now one line naming the key (and the file), what is wrong and
+    how to go on. Nothing is written to the run's files."""
+    pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    if stored is not None:
+        monkeypatch.setenv("WANDB_MODE", "offline")  # the id is refused before W&B sees it
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.wandb = str(tmp_path / "run"), True
+    id_file = tmp_path / "run" / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True)
+    if stored is not None:
+        id_file.write_text(stored)
+    before = snapshot(tmp_path / "run")
+    with deadline(60), pytest.raises(infra.ConfigError) as e:
+        infra.RunLog(cfg, ["config.toml"], 0, 1, torch.device("cpu"))
+    assert str(e.value).startswith(message.format(id_file=id_file)), e.value
+    assert snapshot(tmp_path / "run") == before
 
 
 # ------------------------------------------------------------------------------------------------
