@@ -146,12 +146,26 @@ def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str
             yield lineno, where, value
 
 
+def not_a_plain_file(path: Path) -> str | None:
+    """What `path` is, when it is not a plain file (a link to one is): "a FIFO", "a folder"... or
+    None for a plain file. Reading a FIFO waits for a writer for ever, and /dev/zero is one line
+    that never ends: a data file is checked with this before it is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"not found ({e.strerror})" if e.errno != errno.ENOENT else "not found"
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device or socket") + ", not a plain file"
+
+
 def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, list[str]]]:
     """(id, task or "", documents) of each line of a JSON Lines corpus, checked: a unique non-empty
     id, a task among `tasks` if given, a non-empty list of non-empty documents, no lone surrogate
     (caught here, not when a rollout first tokenises it). A CorpusError names file and line."""
-    if not path.is_file():
-        raise CorpusError(f"{path}: corpus file not found")
+    if (kind := not_a_plain_file(path)) is not None:
+        raise CorpusError(f"{path}: corpus file {kind}")
     records, seen = [], {}
     for lineno, where, obj in jsonl_records(path, CorpusError):
         if not isinstance(obj, dict):
@@ -175,8 +189,8 @@ def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, l
                                   "characters (zero-width, format or control characters)")
             if not is_utf8(d):
                 raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
-        if task is not None and task not in tasks:
-            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
+        if task is not None and (not isinstance(task, str) or task not in tasks):
+            raise CorpusError(f"{where}: field 'task' is {shown(task)}, expected one of "
                               f"{', '.join(tasks)}")
         seen[cid] = lineno
         records.append((cid, task or "", docs))
@@ -2788,27 +2802,56 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     a .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size
     and CRC-32 in meta.json, renames the folder once all ranks are done, and points `latest` at it.
     A crash mid-write leaves the previous checkpoint (and `latest`) untouched, and a crash after it
-    (even a power cut) leaves a complete one."""
+    (even a power cut) leaves a complete one. A write that fails on any rank (a full disk, a quota)
+    fails on all of them alike: the .tmp folder goes, so it holds no space, and CheckpointError
+    says so in one line, the previous checkpoint and `latest` as they were."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    write(tmp)
-    barrier()
-    mine = seal_files(tmp, rank)  # in parallel: each rank reads back only its own share
-    files = {}
-    for part in all_gather_objects(mine) if world > 1 else [mine]:
-        files.update(part)
-    if rank == 0:
-        write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_path(final.parent)  # the rename itself
-        fsync_path(final.parent.parent)  # checkpoints/ may be new
-        write_atomic(final.parent / "latest", final.name)
-    barrier()
+    failure, mine = None, {}
+    try:
+        write(tmp)
+        mine = seal_files(tmp, rank)  # in parallel: each rank reads back only its own share
+    # DCP's own failure (every rank's, gathered) is a BaseException, not an Exception
+    except (OSError, CheckpointException) as e:
+        failure = save_failure(e)
+    failures = all_gather_objects((failure, mine)) if world > 1 else [(failure, mine)]
+    failure = next((f for f, _ in failures if f is not None), None)
+    if rank == 0 and failure is None:
+        files = {name: record for _, part in failures for name, record in part.items()}
+        try:
+            write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            fsync_path(final.parent)  # the rename itself
+            fsync_path(final.parent.parent)  # checkpoints/ may be new
+            write_atomic(final.parent / "latest", final.name)
+        except OSError as e:
+            failure = save_failure(e)
+    if world > 1:  # every rank learns how rank 0's part went
+        failure = next((f for f in all_gather_objects(failure) if f is not None), None)
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final}: cannot be saved ({failure}; {free_space(final.parent)}); "
+                              f"its temporary folder is removed, and {final.parent / 'latest'} "
+                              "still names the last checkpoint saved")
     return final
+
+
+def save_failure(e: BaseException) -> str:
+    """Why a checkpoint's write failed, in a few words: the OSError's reason (DCP gathers each
+    rank's (exception, traceback) into its CheckpointException: the first OSError among them)."""
+    found = [e] + [pair[0] for pair in getattr(e, "failures", {}).values()]
+    error = next((f for f in found if isinstance(f, OSError)), e)
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def meta_checksum(meta: dict) -> str:
@@ -2916,8 +2959,11 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
         files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
                  if "files" in meta else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
+    # OverflowError: a number too large for a float (1e999 reads as inf), which int() refuses
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            OverflowError) as e:
+        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: "
+                              f"{unreadable(e) if isinstance(e, RecursionError) else e})") from None
     if saved_world != world:
         raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
                               "the per-rank samplers and history memories need the same number "
@@ -3101,8 +3147,10 @@ def trim_metrics(path: Path, step: int) -> int:
     def logged_step(line: str) -> float:
         try:
             s = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            return math.inf  # torn by a crash mid-write, or not ours: not a step to keep
+        # torn by a crash mid-write, or not ours (nested past the recursion limit, a list...): not
+        # a step to keep
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            return math.inf
         # an int, not a bool (True is an int equal to 1, and would survive as step 1)
         return s if type(s) is int else math.inf
 
@@ -3165,7 +3213,11 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         meta = check_checkpoint(path, world, ranks=[rank])
         saved = meta.get("config", {})
         # under [engine] since the machine's keys moved there (MOVED_KEYS), before in [rollout]
-        saved_tp = saved.get("engine", saved.get("rollout", {})).get("tensor_parallel_size", 1)
+        section = saved.get("engine", saved.get("rollout", {})) if isinstance(saved, dict) else None
+        if not isinstance(section, dict):
+            raise CheckpointError(f"{path}: meta.json's config is {shown(saved)}, not the table of "
+                                  "sections a run saves")
+        saved_tp = section.get("tensor_parallel_size", 1)
         step = meta["step"]
         # the saved samplers walk another split of the corpus
         if saved_tp != cfg.engine.tensor_parallel_size:

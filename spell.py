@@ -817,8 +817,21 @@ class HistoryMemory:
                 "entries": {k: [asdict(e) for e in v] for k, v in self.entries.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.size = int(state["size"])
-        self.entries = {k: [HistoryEntry(**e) for e in v] for k, v in state["entries"].items()}
+        """The state state_dict saved; ValueError, naming the entry, for one it never holds."""
+        entries = state.get("entries") if isinstance(state, dict) else None
+        if not isinstance(entries, dict) or type(state.get("size")) is not int:
+            raise ValueError("not a history memory's {'size', 'entries'}")
+        for key, queue in entries.items():
+            if not isinstance(queue, list) or not all(
+                    isinstance(e, dict) and set(e) == {"doc_ids", "question", "answer"}
+                    and isinstance(e["doc_ids"], list)
+                    and all(type(i) is int and i >= 0 for i in e["doc_ids"])
+                    and isinstance(e["question"], str) and isinstance(e["answer"], str)
+                    for e in queue):
+                raise ValueError(f"its entries of {infra.shown(key)} are not (doc_ids, question, "
+                                 "answer) records")
+        self.size = state["size"]
+        self.entries = {k: [HistoryEntry(**e) for e in v] for k, v in entries.items()}
 
 
 # ==================================================================================================
@@ -2213,6 +2226,24 @@ class ClusterSampler:
                                               "accuracy", "carried")}
 
     def load_state_dict(self, state: dict) -> None:
+        """The state state_dict saved; ValueError, naming the entry, for one it never holds (the
+        walk would fail steps later, or draw from outside the corpus)."""
+        n = len(self.corpus)
+        indices = lambda v: isinstance(v, list) and all(  # noqa: E731
+            type(i) is int and 0 <= i < n for i in v)
+        count = lambda v: type(v) is int and v >= 0  # noqa: E731
+        valid = {"shard": indices, "order": indices, "epoch": count, "carried": count,
+                 "pos": lambda v: count(v) and v <= len(state.get("order") or []),
+                 "phase": lambda v: v is None or (count(v) and v < len(self.pools)),
+                 "accuracy": lambda v: isinstance(v, dict) and indices(list(v)) and all(
+                     type(x) in (int, float) for x in v.values())}
+        if not isinstance(state, dict) or set(state) != set(valid):
+            held = sorted(state) if isinstance(state, dict) else state
+            raise ValueError(f"holds {infra.shown(held)}, not the entries "
+                             f"{', '.join(sorted(valid))}")
+        for key, ok in valid.items():
+            if not ok(state[key]):
+                raise ValueError(f"its {key} is {infra.shown(state[key])}")
         for key, value in state.items():
             setattr(self, key, value)
 
@@ -3020,8 +3051,12 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     context as the one document and its first gold answer as the reference.
     """
     spec = str(path)
-    name, sep, _ = spec.partition(":")
-    first = None if sep and name in infra.BENCHMARKS else _first_json_line(Path(spec))
+    name, sep, rest = spec.partition(":")
+    named = sep and name in infra.BENCHMARKS
+    # read before anything opens it: a FIFO would wait for ever, /dev/zero fill the memory
+    if (kind := infra.not_a_plain_file(Path(rest if named else spec))) is not None:
+        raise infra.CorpusError(f"data.qa {infra.shown(spec)}: {kind}")
+    first = None if named else _first_json_line(Path(spec))
     ours = isinstance(first, dict) and "documents" in first
     try:
         items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
@@ -3101,14 +3136,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
     if ckpt is not None:
         saved = load_checkpoint(ckpt, policy, optimizer, rank, world)
         step = saved["step"]
-        sampler.load_state_dict(saved["sampler"])
-        history.load_state_dict(saved["history"])
-        try:  # absent: saved before AEPO
-            aepo.load_state_dict(saved.get("aepo", {"masking": False}))
-        except ValueError as e:
-            raise infra.CheckpointError(f"{ckpt}: rank{rank}.pt: {e}") from None
-        rng.bit_generator.state = saved["rng"]
-        infra.set_rng_state(saved["rng_state"])
+        restore_rank_state(saved, f"{ckpt}: rank{rank}.pt", sampler, history, aepo, rng)
         sync_weights(llm, weights_to_sync(policy, sync_dtype(cfg, device),
                                           cfg.engine.sync_bucket_mb))
         infra.print0(f"resumed from {ckpt} at step {step}")
@@ -3117,6 +3145,28 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
     if rank == 0:
         infra.write_run_config(cfg, ckpt)
     return step
+
+
+def restore_rank_state(saved: dict, where: str, sampler: ClusterSampler, history: HistoryMemory,
+                       aepo: recipes.AEPO, rng: np.random.Generator) -> None:
+    """Put run_state's parts back: the sampler, the history memory, AEPO's state (absent: saved
+    before AEPO, masking off) and the generators. A part no run writes (a hand edit whose meta.json
+    checksum was made anew, another version's state) stops here in one CheckpointError line naming
+    it, not in a traceback now or steps later."""
+    restores = {"sampler": sampler.load_state_dict, "history": history.load_state_dict,
+                "aepo": aepo.load_state_dict,
+                "rng": lambda state: setattr(rng.bit_generator, "state", state),
+                "rng_state": infra.set_rng_state}
+    for part, restore in restores.items():
+        if part not in saved and part != "aepo":
+            raise infra.CheckpointError(f"{where}: holds no {part!r}")
+        try:
+            restore(saved.get(part, {"masking": False}))
+        # what NumPy's, torch's and Python's generators and our own checks raise for a bad state
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError,
+                OverflowError) as e:
+            raise infra.CheckpointError(f"{where}: its {part!r} cannot be restored "
+                                        f"({str(e)[:200] or type(e).__name__})") from None
 
 
 def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict, rank: int,

@@ -4386,6 +4386,9 @@ def test_load_corpus(tmp_path):
     (b'{"id": "a", "documents": ["ok", ""]}\n',
      ":1: field 'documents[1]' must be a non-empty string"),
     (b'{"id": "a", "documents": ["x"], "task": "qa"}\n', ":1: field 'task' is 'qa'"),
+    # not a string: `in` on the task table raised TypeError (unhashable), a traceback
+    (b'{"id": "a", "documents": ["x"], "task": []}\n', ":1: field 'task' is [], expected one of"),
+    (b'{"id": "a", "documents": ["x"], "task": {"a": 1}}\n', ":1: field 'task' is {'a': 1}"),
     (b'{"id": "a", "documents": ["x"]}\n{"id": "a", "documents": ["y"]}\n',
      ":2: field 'id' 'a' repeats line 1"),
     (b'{"id": "a", "documents": ["x"]\n', ":1: not valid JSON"),
@@ -5016,6 +5019,57 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     assert restored.get("0", "doc_qa") == history.get("0", "doc_qa")
 
 
+def saved_rank_state() -> tuple[dict, tuple]:
+    """A rank state as run_state writes it, read back as --resume reads it (torch.load with
+    weights_only), and fresh objects to restore it into."""
+    import io
+
+    corpus = [spell.Cluster(str(i), "", ["d"]) for i in range(6)]
+    rng = np.random.default_rng(7)
+    sampler = spell.ClusterSampler(spell.Config(), corpus, [0, 2, 4], rng)
+    sampler.draw(4)
+    history = spell.HistoryMemory(3)
+    history.push("0", "doc_qa", [1, 0], "Which gate?", "north")
+    buffer = io.BytesIO()
+    torch.save(spell.run_state(5, sampler, history, rng, recipes.AEPO(0, 0)), buffer)
+    buffer.seek(0)
+    fresh_rng = np.random.default_rng(0)
+    fresh = (spell.ClusterSampler(spell.Config(), corpus, [0, 2, 4], fresh_rng),
+             spell.HistoryMemory(3), recipes.AEPO(0, 0), fresh_rng)
+    return torch.load(buffer, weights_only=True), fresh
+
+
+@pytest.mark.parametrize("part, edit, reason", [
+    ("rng", lambda s: s["rng"].update(state="x"), "its 'rng' cannot be restored"),
+    ("rng", lambda s: s.pop("rng"), "holds no 'rng'"),
+    ("rng_state", lambda s: s["rng_state"].update(torch=[1, 2]), "its 'rng_state' cannot be"),
+    ("rng_state", lambda s: s["rng_state"].update(python=(3, (1,), None)),
+     "its 'rng_state' cannot be"),
+    ("history", lambda s: s["history"].update(entries={"0|doc_qa": [{"doc_ids": "ab"}]}),
+     "its 'history' cannot be restored (its entries of '0|doc_qa' are not (doc_ids, question, "
+     "answer) records)"),
+    ("history", lambda s: s.update(history=[1]), "its 'history' cannot be restored (not a "
+                                                  "history memory's {'size', 'entries'})"),
+    ("sampler", lambda s: s["sampler"].update(order=[0, 99]),
+     "its 'sampler' cannot be restored (its order is [0, 99])"),
+    ("sampler", lambda s: s["sampler"].update(pos=-1), "its 'sampler' cannot be restored (its pos"),
+    ("sampler", lambda s: s["sampler"].update(extra=1),
+     "its 'sampler' cannot be restored (holds ['accuracy', 'carried', 'epoch', 'extra', "),
+    ("aepo", lambda s: s.update(aepo={"masking": 1}), "its 'aepo' cannot be restored (AEPO's "),
+])
+def test_a_rank_state_no_run_writes_stops_the_resume_in_one_line(part, edit, reason):
+    """rankN.pt's parts as no run writes them (a hand edit whose meta.json checksum was made anew,
+    another version's state): before, NumPy's, torch's or Python's own traceback, or for the
+    sampler nothing at all until its walk drew from outside the corpus steps later. Now one
+    CheckpointError line naming the file and the part."""
+    saved, (sampler, history, aepo, rng) = saved_rank_state()
+    spell.restore_rank_state(copy.deepcopy(saved), "ckpt: rank0.pt", sampler, history, aepo, rng)
+    edit(saved)
+    with pytest.raises(infra.CheckpointError) as e:
+        spell.restore_rank_state(saved, "ckpt: rank0.pt", sampler, history, aepo, rng)
+    assert str(e.value).startswith(f"ckpt: rank0.pt: {reason}"), e.value
+
+
 class Planted:
     """A pickled object that runs code when unpickled: it makes a folder."""
 
@@ -5065,6 +5119,28 @@ def test_load_qa_set_refuses_lone_surrogates(tmp_path, change, field):
     where = r"qa\.jsonl(:|, line )2: field "  # load_corpus: "FILE:2"; read_records: "FILE, line 2"
     with pytest.raises(infra.CorpusError, match=where + re.escape(repr(field))):
         spell.load_qa_set(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "missing"])
+@pytest.mark.parametrize("named", [False, True])
+def test_a_qa_set_that_is_not_a_plain_file_is_refused_before_it_is_read(tmp_path, kind, named):
+    """data.qa read its first line to tell its layout: a FIFO waited for a writer for ever, and
+    /dev/zero is one line that never ends, read until the memory ran out. Now what the path is
+    comes first: one line naming the key, the path and what it is, at once."""
+    path = {"fifo": tmp_path / "qa.jsonl", "device": Path("/dev/zero"), "folder": tmp_path,
+            "missing": tmp_path / "none.jsonl"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    spec = f"hotpotqa:{path}" if named else str(path)
+    what = {"fifo": "a FIFO, not a plain file", "device": "a device or socket, not a plain file",
+            "folder": "a folder, not a plain file", "missing": "not found"}[kind]
+    with deadline(10), pytest.raises(infra.CorpusError) as e:
+        spell.load_qa_set(spec)
+    assert str(e.value) == f"data.qa {infra.shown(spec)}: {what}"
+    if kind != "missing":  # the corpus too: no longer "not found" for what is there
+        with deadline(10), pytest.raises(infra.CorpusError) as e:
+            spell.load_corpus(path)
+        assert str(e.value) == f"{path}: corpus file {what}"
 
 
 def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):

@@ -1136,6 +1136,34 @@ def test_checkpoint_records_size_and_checksum_of_every_file(tmp_path):
     assert infra.check_checkpoint(path, world=1)["step"] == 1
 
 
+def test_a_save_on_a_full_disk_stops_in_one_line_and_frees_its_temporary(tmp_path, monkeypatch):
+    """A disk that fills during a save: before, the OSError's traceback ended the run and
+    step_N.tmp stayed, holding the space the next try needed. Now one line names the checkpoint,
+    the reason and the free space; the temporary folder is gone; the last checkpoint and `latest`
+    are as they were, and resume from it."""
+    out_dir = tmp_path / "run"
+    first = tiny_checkpoint(out_dir, step=1)
+    before = snapshot(out_dir)
+    real_save = torch.save
+
+    def fill_the_disk(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and str(f).endswith(".pt"):  # the rank's own state
+            Path(f).write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", fill_the_disk)
+    with pytest.raises(infra.CheckpointError) as e:
+        tiny_checkpoint(out_dir, step=2)
+    second = first.parent / "step_000002"
+    assert str(e.value).startswith(f"{second}: cannot be saved (No space left on device; "), e.value
+    assert str(e.value).endswith(f"); its temporary folder is removed, and "
+                                 f"{first.parent / 'latest'} still names the last checkpoint "
+                                 "saved"), e.value
+    assert snapshot(out_dir) == before and not second.with_name("step_000002.tmp").exists()
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) == first
+
+
 def flip_middle_byte(p: Path) -> None:
     data = bytearray(p.read_bytes())
     # e.g. an exponent bit of an Adam moment: same size, silently wrong
@@ -1405,6 +1433,46 @@ def test_trim_metrics(tmp_path):
     # a step that is no whole number is no step of ours (JSON's true is Python's 1)
     path.write_text('{"step": 1}\n{"step": true}\n{"step": 1.5}\n{"step": "1"}\n')
     assert infra.trim_metrics(path, 2) == 3 and path.read_text() == '{"step": 1}\n'
+
+
+def test_a_metrics_line_nested_past_the_recursion_limit_is_dropped_on_resume(tmp_path):
+    """--resume drops the metrics lines it cannot read as a step (torn, not ours): one nested
+    deeper than Python's recursion limit raised RecursionError, a traceback, instead."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"step": 2}\n[1]\n')
+    assert infra.trim_metrics(path, 1) == 3 and path.read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize("edit, reseal, message", [
+    # a number too large for a float reads as inf, which int() refuses with an OverflowError
+    (('"world": 1', '"world": 1e999'), False, "not a complete checkpoint (meta.json: cannot "
+     "convert float infinity to integer)"),
+    (('"step": 1', '"step": -1e999'), False, "not a complete checkpoint (meta.json: cannot "
+     "convert float infinity to integer)"),
+    # a config that is not the table of sections a run saves (its checksum made anew)
+    ({"config": ["a", "list"]}, True, "meta.json's config is ['a', 'list'], not the table of "
+     "sections a run saves"),
+    ({"config": {"engine": [1]}}, True, "meta.json's config is {'engine': [1]}, not the table of "
+     "sections a run saves"),
+])
+def test_meta_json_values_no_run_writes_stop_the_resume_in_one_line(tmp_path, edit, reseal,
+                                                                   message):
+    """meta.json's numbers and config as no run writes them: before, an OverflowError or an
+    AttributeError traceback; now one CheckpointError line, the run's files untouched."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    step = tiny_checkpoint(out_dir, cfg=copy.deepcopy(cfg))
+    if reseal:
+        edit_meta(step, True, **edit)
+    else:
+        text = (step / "meta.json").read_text()
+        assert text.count(edit[0]) == 1
+        (step / "meta.json").write_text(text.replace(*edit))
+    before = snapshot(out_dir)
+    with pytest.raises(infra.CheckpointError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert str(e.value) == f"{step}: {message}", e.value
+    assert snapshot(out_dir) == before
 
 
 def test_resume_on_a_full_disk_keeps_metrics_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -1996,6 +2064,40 @@ def test_run_log_writes_every_metric_to_wandb_offline(tmp_path, monkeypatch):
     resumed.close()
 
 
+@pytest.mark.parametrize("stored, message", [
+    (None, "log.wandb: W&B did not start the run (No API key configured. Use `wandb login` to log "
+           "in.); `wandb login`, or WANDB_MODE=offline to keep it on disk, or log.wandb = false"),
+    ("a/b\n", "log.wandb: {id_file} holds 'a/b', not a W&B run id (the id this run's first start "
+               "kept; remove the file to start a new W&B run)"),
+    ("\n", "log.wandb: {id_file} holds '', not a W&B run id"),
+])
+def test_wandb_that_cannot_start_its_run_stops_in_one_line(tmp_path, monkeypatch, stored,
+                                                           message):
+    """log.wandb without a login (online, no API key) or with a stored run id W&B refuses: before,
+    wandb's UsageError traceback; now one line naming the key (and the file), what is wrong and
+    how to go on. Nothing is written to the run's files."""
+    pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    if stored is not None:
+        monkeypatch.setenv("WANDB_MODE", "offline")  # the id is refused before W&B sees it
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.wandb = str(tmp_path / "run"), True
+    id_file = tmp_path / "run" / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True)
+    if stored is not None:
+        id_file.write_text(stored)
+    before = snapshot(tmp_path / "run")
+    with deadline(60), pytest.raises(infra.ConfigError) as e:
+        infra.RunLog(cfg, ["config.toml"], 0, 1, torch.device("cpu"))
+    assert str(e.value).startswith(message.format(id_file=id_file)), e.value
+    assert snapshot(tmp_path / "run") == before
+
+
 # ------------------------------------------------------------------------------------------------
 # Ulysses sequence parallelism: the pure pieces on worked cases, then 2 gloo ranks against one
 # ------------------------------------------------------------------------------------------------
@@ -2130,40 +2232,6 @@ def test_layout_and_volume_formula():
     # no GQA: exactly 4 T hidden / k; a row of 9 on k = 2 pays for 10
     assert infra.exchange_elements(1024, 2, 2, 2, 64) == 4 * 1024 * 128 // 2
     assert infra.exchange_elements(9, 2, 2, 2, 64) == infra.exchange_elements(10, 2, 2, 2, 64)
-
-
-@pytest.mark.parametrize("stored, message", [
-    (None, "log.wandb: W&B did not start the run (No API key configured. Use `wandb login` to log "
-           "in.); `wandb login`, or WANDB_MODE=offline to keep it on disk, or log.wandb = false"),
-    ("a/b\n", "log.wandb: {id_file} holds 'a/b', not a W&B run id (the id this run's first start "
-               "kept; remove the file to start a new W&B run)"),
-    ("\n", "log.wandb: {id_file} holds '', not a W&B run id"),
-])
-def test_wandb_that_cannot_start_its_run_stops_in_one_line(tmp_path, monkeypatch, stored,
-                                                           message):
-    """log.wandb without a login (online, no API key) or with a stored run id W&B refuses: before,
-    wandb's UsageError traceback; now one line naming the key (and the file), what is wrong and
-    how to go on. Nothing is written to the run's files."""
-    pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
-    for key in ("WANDB_API_KEY", "WANDB_MODE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored login
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONSOLE", "off")
-    if stored is not None:
-        monkeypatch.setenv("WANDB_MODE", "offline")  # the id is refused before W&B sees it
-    cfg = spell.Config()
-    cfg.log.out_dir, cfg.log.wandb = str(tmp_path / "run"), True
-    id_file = tmp_path / "run" / "wandb" / "run_id"
-    id_file.parent.mkdir(parents=True)
-    if stored is not None:
-        id_file.write_text(stored)
-    before = snapshot(tmp_path / "run")
-    with deadline(60), pytest.raises(infra.ConfigError) as e:
-        infra.RunLog(cfg, ["config.toml"], 0, 1, torch.device("cpu"))
-    assert str(e.value).startswith(message.format(id_file=id_file)), e.value
-    assert snapshot(tmp_path / "run") == before
 
 
 # ------------------------------------------------------------------------------------------------
