@@ -544,6 +544,8 @@ def eval_main(argv: Sequence[str]) -> None:
         infra.check_model_path(e.judge_model, "eval.judge_model")
     if (folder := infra.local_model_dir(cfg)) is not None:  # its context, if its folder is here
         check_eval_context(folder, e.max_input_len, e.max_output_len, cfg.model.rope_scaling)
+        infra.check_weights(folder)  # and its weights and tokenizer (run_eval reads them again)
+        infra.load_tokenizer(folder)
     # the samples are written once they are all made: a folder that cannot take them stops it now,
     # and one that another eval is writing (its lock: infra.hold_out_dir, on rank 0)
     rank = int(os.environ.get("RANK", "0"))

@@ -713,12 +713,20 @@ def test_eval_lengths_beyond_the_models_context_stop_before_anything_starts(monk
 
 @pytest.mark.parametrize("where, message", [
     ("missing", "no such folder, nor a model hub name (owner/name)"),
-    ("empty", "a folder without config.json, not an HF model folder")])
+    ("empty", "a folder without config.json, not an HF model folder"),
+    # the model's config.json alone: before, the tokenizer's traceback after the process group
+    ("config_only", "a folder without weights (.safetensors, .bin, .pt files), not a whole HF "
+                    "model folder")])
 def test_eval_of_a_model_path_that_holds_no_model_stops_before_anything_starts(
         monkeypatch, tmp_path, where, message):
     """`spell.py eval --model PATH` (model.path) that names no model: one line naming the key and
     the path, before the process group (transformers' traceback named neither)."""
-    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path}[where]
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=32768).save_pretrained(tmp_path / "config_only")
+    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path / "empty",
+            "config_only": tmp_path / "config_only"}[where]
+    (tmp_path / "empty").mkdir()
     monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
     with pytest.raises(infra.ConfigError) as e:
         spell.main(["eval", "--model", str(path), "--data", "a.jsonl",
