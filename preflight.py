@@ -627,8 +627,7 @@ class Preflight:
         self.scratch = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log,
                                                                         out_dir=str(out / SCRATCH)))
         self.made_out_dir = not out.exists()  # if preflight makes log.out_dir, it removes it
-        if rank == 0:  # what a killed preflight left (it never holds a run's checkpoint)
-            shutil.rmtree(out / SCRATCH, ignore_errors=True)
+        self.holds_scratch = False  # rank 0 holds its lock (hold_scratch): it may remove it
         # each rank's host and process, to tell which ranks are left when one is gone (running)
         self.processes = infra.all_gather_objects((socket.gethostname(), os.getpid()),
                                                   group=self.control)
@@ -726,13 +725,30 @@ class Preflight:
             sys.stderr.flush()
             os._exit(1)
 
+    def hold_scratch(self) -> None:
+        """Rank 0: take the scratch folder's lock (infra.hold_out_dir) before anything in it goes,
+        so that a second preflight into the same log.out_dir stops there, naming the holder, and
+        the live one's checkpoint stays; then remove what a killed preflight left (all but the
+        lock). It never holds a run's checkpoint."""
+        if self.rank != 0:
+            return
+        scratch = Path(self.cfg.log.out_dir) / SCRATCH
+        scratch.mkdir(parents=True, exist_ok=True)
+        infra.hold_out_dir(scratch)
+        self.holds_scratch = True
+        for p in scratch.iterdir():
+            if p.name != infra.LOCK_FILE:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
     def clean_up(self, barrier: bool = True) -> None:
-        """Remove the checkpoint's scratch folder (rank 0), and log.out_dir if preflight made it
-        and it is empty; then wait for rank 0 (`barrier`), so that no rank ends first (torchrun
-        stops the others when one ends with an error) while it prints and cleans."""
+        """Remove the checkpoint's scratch folder (rank 0, if it holds its lock: another live
+        preflight's stays), and log.out_dir if preflight made it and it is empty; then wait for
+        rank 0 (`barrier`), so that no rank ends first (torchrun stops the others when one ends
+        with an error) while it prints and cleans."""
         if self.rank == 0:
             out = Path(self.cfg.log.out_dir)
-            shutil.rmtree(out / SCRATCH, ignore_errors=True)
+            if self.holds_scratch:
+                shutil.rmtree(out / SCRATCH, ignore_errors=True)
             if self.made_out_dir:
                 with contextlib.suppress(OSError):  # not empty: keep it
                     out.rmdir()
@@ -776,6 +792,7 @@ def main(argv: Sequence[str]) -> None:
     for line in [infra.version_line(device), *infra.allocator_lines(live=live)]:
         infra.print0(f"preflight: {line}")
     with run.phase("launch checks", f"{world} ranks, the data, log.out_dir"):
+        run.hold_scratch()  # first: a live preflight's scratch checkpoint is never touched
         corpus = spell.load_data(cfg)
         if (folder := infra.local_model_dir(cfg)) is not None:  # the lengths, if the model is here
             spell.check_lengths(cfg, folder)

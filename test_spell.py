@@ -38,6 +38,7 @@ import time
 import types
 import unicodedata
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -49,11 +50,11 @@ import infra
 import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
-                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, batch_counts, demo_args,
-                      end_worker, gold_items, held_out_metrics, logged_inputs, logged_metrics,
-                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics, reply,
-                      role_sequences, run_worker, snapshot, start_torchrun, stop_torchrun,
-                      tiny_llama, torchrun, worker_mesh)
+                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, add_model_files,
+                      batch_counts, deadline, demo_args, end_worker, gold_items, held_out_metrics,
+                      logged_inputs, logged_metrics, make_tiny_model, metrics, protocol_corpus,
+                      qa_record, read_metrics, reply, role_sequences, run_worker, snapshot,
+                      start_torchrun, stop_torchrun, tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -1279,6 +1280,33 @@ def test_rollout_round_plays_the_four_phases_and_scores_them(monkeypatch):
     assert r.que_reward == pytest.approx(spell.gaussian_mapping(0.25, 0.5, 0.5 / 3))  # Eq. 7
 
 
+@pytest.mark.parametrize("signalled_in", ["questioner", "grounding", "responder", "verifier"])
+def test_sigterm_stops_a_round_at_the_end_of_the_phase_it_came_in(monkeypatch, signalled_in):
+    """torchrun kills the ranks 30 s after it forwards SIGTERM (--shutdown_timeout): a stop read
+    only at the step's end came too late, and the whole step was lost. rollout_round now checks
+    after each phase (stop_check: every rank's flag, all-reduced) and raises Stopped; no later
+    phase runs."""
+    cfg = spell.Config()
+    cfg.rollout.group_size = 4
+    monkeypatch.setitem(spell.STOP, "requested", False)
+    script = {**SELF_PLAY_SCRIPT, "grounding": [("I cannot tell.", "stop")]}  # grounded
+    calls = []
+
+    def generate(llm, prompts, *, n, desc="", **_):
+        calls.append(desc)
+        if desc == signalled_in:
+            spell.STOP["requested"] = True  # the signal handler, while vLLM generates
+        return [[spell.Completion([7, 7, 7], text, None, finish)
+                 for text, finish in (script[desc] * n)[:n]] for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    with pytest.raises(spell.Stopped):
+        spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                            np.random.default_rng(0), key=(0, 1, 0, 0),
+                            between=functools.partial(spell.stop_check, torch.device("cpu")))
+    phases = ["questioner", "grounding", "responder", "verifier"]
+    assert calls == phases[:phases.index(signalled_in) + 1]
+
+
 @pytest.mark.parametrize("grounding_answer, ungrounded", [
     ("The correct answer is blue.", True),
     ("The correct answer is: it was painted blue, as the report says.", True),  # a sentence
@@ -1864,6 +1892,94 @@ def test_history_forgets_its_oldest_entry_when_the_prompt_outgrows_the_budget(mo
     assert history.get("long", "doc_qa")[0].question == "Question 2?"  # the newest stays
     assert len(r.que_prompt) <= cfg.rollout.max_prompt_tokens and calls[0][1] == [len(r.que_prompt)]
     assert spell.summarize(r).evicted == 2
+
+
+def test_a_draw_too_long_for_the_questioner_is_counted_and_shown(monkeypatch):
+    """A draw whose m documents alone outgrow rollout.max_prompt_tokens is skipped without penalty,
+    as before; it used to vanish without a trace, so a corpus of such clusters trained on nothing
+    at every step with nothing said. Now it is a rollout of status "skipped" (never generated),
+    counted in que/skipped and on the step's line."""
+    cfg = spell.Config()
+    cfg.rollout.group_size, cfg.rollout.docs_per_question, cfg.reward.judge = 4, 1, "rule"
+    long = spell.Cluster("long", "doc_qa", ["word " * 400, "word " * 400])
+    short = spell.Cluster("short", "doc_qa", ["The north gate was blue."])
+    cfg.rollout.max_prompt_tokens = len(spell.chat_ids(CharTokenizer(), spell.questioner_prompt(
+        "doc_qa", short.documents, [], None))) + 100  # "word " * 400 is 2,000 characters
+    calls = []
+
+    def generate(llm, prompts, *, n, desc="", **kw):
+        calls.append((desc, len(prompts)))
+        return [[spell.Completion([7], GATE_QUESTION, None, "stop")] * n for _ in prompts]
+    monkeypatch.setattr(spell, "generate", generate)
+    rollouts = spell.run_questioner(None, CharTokenizer(), cfg, [(long, "doc_qa"),
+                                                                 (short, "doc_qa")],
+                                    HistoryMemory(3), np.random.default_rng(0), [1, 2])
+    assert [r.status for r in rollouts] == ["skipped", "ok"] and calls == [("questioner", 1)]
+    assert rollouts[1].question is not None
+    m = spell.questioner_metrics([spell.summarize(r, 0, i) for i, r in enumerate(rollouts)],
+                                 batch_counts())
+    assert m["que/skipped"] == 1 and m["que/questions"] == 2
+    assert "| skipped 1 (prompt too long) |" in spell.log_line(1, 2, {**logged_metrics(1), **m})
+    assert "skipped" not in spell.log_line(1, 2, logged_metrics(1))
+
+
+def fit_config(budget: int, **rollout) -> spell.Config:
+    cfg = spell.Config()
+    cfg.rollout.max_prompt_tokens = budget
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    return cfg
+
+
+def test_a_corpus_whose_clusters_never_fit_stops_at_launch():
+    """Every draw of a cluster whose responder prompt (every document, the question still empty) or
+    questioner prompt (its m shortest documents) outgrows rollout.max_prompt_tokens is skipped: a
+    corpus of only such clusters trained on nothing for every step and exported the untrained
+    model. check_clusters_fit stops it at launch, for every vLLM engine's share of the corpus."""
+    tok = CharTokenizer()
+    short = spell.Cluster("s", "doc_qa", ["The north gate was blue.", "The keeper kept goats."])
+    long = spell.Cluster("l", "doc_qa", ["word " * 300, "word " * 300])
+    responder = len(spell.chat_ids(tok, spell.responder_prompt(
+        "doc_qa", short.documents, {"question": ""})))
+    questioner = len(spell.chat_ids(tok, spell.questioner_prompt(  # the shorter document
+        "doc_qa", short.documents[1:], [], None)))
+    need = max(responder, questioner)
+    assert spell.cluster_fits(tok, fit_config(need, docs_per_question=1), short)
+    assert not spell.cluster_fits(tok, fit_config(need - 1, docs_per_question=1), short)
+    assert not spell.cluster_fits(tok, fit_config(need, docs_per_question=1), long)
+    cfg = fit_config(need, docs_per_question=1)
+    spell.check_clusters_fit(cfg, [long, short], tok, groups=1)
+    with pytest.raises(infra.CorpusError) as e:
+        spell.check_clusters_fit(cfg, [long, long], tok, groups=1)
+    assert str(e.value) == (
+        f"{cfg.data.corpus}: no cluster fits rollout.max_prompt_tokens = {need}: each prompt, "
+        "before its question, is longer, so every draw would be skipped and the run would train "
+        "on nothing (raise rollout.max_prompt_tokens, or give the data shorter clusters)")
+    # engine 1 of 2 draws from the clusters 1, 3, ...: all long
+    with pytest.raises(infra.CorpusError, match=re.escape(
+            "no cluster (2 of them for vLLM engine 1 of 2) fits")):
+        spell.check_clusters_fit(cfg, [short, long, short, long], tok, groups=2)
+    # a cluster without a task fits if some task it may be drawn with fits
+    untasked = spell.Cluster("u", None, short.documents)
+    assert spell.cluster_fits(tok, cfg, untasked)
+    cfg.data.task_weights = {"doc_qa": 0.0, "fin_math": 0.0, "doc_mc": 1.0}
+    assert spell.cluster_fits(tok, fit_config(10**6), untasked)
+    assert not spell.cluster_fits(tok, cfg, untasked)  # doc_mc's prompts are longer
+
+
+def test_a_corpus_that_never_fits_stops_before_anything_starts(monkeypatch, tmp_path):
+    """The whole launch: the corpus checked against the model's tokenizer before the process group,
+    vLLM or the model start, one line naming the file and the key."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "task": "doc_qa", "documents": ["word " * 400]})
+                      + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.CorpusError, match=re.escape(
+            f"{corpus}: no cluster fits rollout.max_prompt_tokens = 256: ")):
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={tmp_path / 'run'}", "--rollout.max_prompt_tokens=256",
+                    "--rollout.max_new_tokens=16", "--rollout.role_max_new_tokens=que:0,res:0,"
+                    "ver:0"])
 
 
 def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeypatch):
@@ -3418,6 +3534,24 @@ def test_the_held_out_check_with_no_item_that_fits_is_an_error():
     assert [it.candidate for it in check.items] == ["25 percent", "25%", "35 percent", "150,000"]
 
 
+def test_a_verify_set_that_never_fits_stops_before_anything_starts(tmp_path, monkeypatch):
+    """The held-out check's "none fits" was found only once vLLM had started (HeldOutCheck needs
+    the tokenizer): now at launch, before any process, engine or file, when the model's folder (and
+    so its tokenizer) is here."""
+    verify = tmp_path / "verify.jsonl"
+    verify.write_text(json.dumps({"question": "Which? " + "word " * 3000, "reference": "x",
+                                  "candidate": "x", "label": "YES", "kind": "exact"}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.ConfigError, match=re.escape(
+            "data.verify_set: none of its 1 items fits rollout.max_prompt_tokens = 2048 as a "
+            "verifier prompt")):
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--data.corpus={corpus}",
+                    f"--log.out_dir={tmp_path / 'run'}", f"--data.verify_set={verify}",
+                    "--log.verify_every=1", "--rollout.max_prompt_tokens=2048"])
+
+
 def test_verify_held_out_splits_the_items_over_engines_and_gathers_them(monkeypatch):
     """Engine 0 of 2 judges items 0, 2, 4 with their own seeds (the same whatever the number of
     engines), G votes each, and scores all six with the majorities engine 1 sent (all_gather)."""
@@ -3980,28 +4114,38 @@ def test_resume_matches_uninterrupted_run(demo_run, speaker, corpus_file, tmp_pa
     assert diff == 0.0
 
 
-@pytest.mark.stack
-def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
-    """SIGTERM (what a scheduler sends before it kills a job) to every process of the run: the ranks
-    finish the step they are in, save a checkpoint, export and exit; nothing of the 50 steps
-    is lost."""
-    out_dir = tmp_path / "run"
-    args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
-                     "--engine.logprob_impl=torch")
+def signal_torchrun_at(args: list[str], at: Callable[[str], bool]) -> tuple[str, float]:
+    """Start torchrun on 2 ranks, and SIGTERM it (what a scheduler sends before it kills a job;
+    torchrun forwards it to the ranks and kills them --shutdown_timeout seconds later, 30 by
+    default) at the first line of its output that `at` accepts; its whole output, and the seconds
+    from the signal to its exit."""
     proc = start_torchrun(2, *args)
-    seen = []
+    seen, signalled = [], None
     try:
-        for line in proc.stdout:  # wait until step 1 is logged, then signal torchrun and both ranks
+        for line in proc.stdout:  # (tqdm's carriage returns end a line too)
             seen.append(line)
-            if line.startswith("step 1/50"):
+            if at(line):
+                signalled = time.monotonic()
                 os.killpg(proc.pid, signal.SIGTERM)
                 break
         seen.append(proc.communicate(timeout=TORCHRUN_TIMEOUT_S)[0])
     finally:
         if proc.poll() is None:
             stop_torchrun(proc)
-    output = "".join(seen)
-    assert "SIGTERM: checkpoint saved, exiting" in output, output[-6000:]
+    assert signalled is not None, "".join(seen)[-6000:]
+    return "".join(seen), time.monotonic() - signalled
+
+
+@pytest.mark.stack
+def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
+    """SIGTERM to every process of the run once step 1 is logged: the ranks stop at the next phase
+    of step 2 (or at its end, had the update begun), save a checkpoint, export and exit; nothing of
+    the 50 steps is lost."""
+    out_dir = tmp_path / "run"
+    args = demo_args(speaker, corpus_file, out_dir, "--train.steps=50", "--log.save_every=100",
+                     "--engine.logprob_impl=torch")
+    output, _ = signal_torchrun_at(args, lambda line: line.startswith("step 1/50"))
+    assert "checkpoint saved" in output and "exiting" in output, output[-6000:]
     # torchrun itself exits non-zero on the signal (its own SignalException);
     # the ranks stopped cleanly
     steps = [m["step"] for m in read_metrics(out_dir)]
@@ -4010,6 +4154,35 @@ def test_sigterm_saves_a_checkpoint_and_stops(speaker, corpus_file, tmp_path):
     assert (out_dir / "checkpoints" / "latest").read_text() == last
     infra.check_checkpoint(out_dir / "checkpoints" / last, world=2)
     assert infra.export_is_complete(str(out_dir / "hf"))
+
+
+@pytest.mark.stack
+def test_sigterm_in_the_first_step_saves_the_state_it_began_from(demo_run, speaker, corpus_file,
+                                                                 tmp_path):
+    """SIGTERM while step 1 rolls out: before, the ranks read the stop only at the step's end, and
+    under torchrun's default --shutdown_timeout (30 s) were killed first, leaving no checkpoint and
+    no metrics line. Now they stop after the phase they are in and save the state step 1 began
+    from (step_000000, nothing logged); --resume then runs steps 1 and 2 as the uninterrupted demo
+    run did, metrics and parameters bit for bit. Launched as the README launches a run, with a
+    --shutdown_timeout (here 120 s: the stop took 22 s on a 2-core machine at load 12)."""
+    out_dir = tmp_path / "run"
+    args = demo_args(speaker, corpus_file, out_dir)
+    output, seconds = signal_torchrun_at(["--shutdown_timeout=120", *args],
+                                         lambda line: line.startswith("questioner:"))
+    print(f"METRIC sigterm_to_exit_s={seconds:.1f}")
+    assert "SIGTERM in step 1, before its update: checkpoint saved" in output, output[-6000:]
+    assert (out_dir / "checkpoints" / "latest").read_text() == "step_000000"
+    assert not (out_dir / "metrics.jsonl").exists() or not read_metrics(out_dir)
+    infra.check_checkpoint(out_dir / "checkpoints" / "step_000000", world=2)
+    output = torchrun(2, *args, "--resume").stdout
+    assert "resumed from" in output and "at step 0" in output
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    want = [strip(m) for m in read_metrics(demo_run[0])]
+    assert [strip(m) for m in read_metrics(out_dir)] == want
+    want = checkpoint_model(demo_run[0] / "checkpoints" / "step_000002")
+    got = checkpoint_model(out_dir / "checkpoints" / "step_000002")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize("lines, overrides, error, message", [
@@ -4080,6 +4253,66 @@ def test_a_role_budget_beyond_the_models_context_stops_before_anything_starts(tm
                     f"--data.corpus={corpus}", f"--log.out_dir={out_dir}",
                     "--rollout.max_prompt_tokens=256", "--rollout.role_max_new_tokens=que:1000000"])
     assert not out_dir.exists() and not torch.distributed.is_initialized()
+
+
+def model_folder_lacking(root: Path, what: str) -> tuple[Path, str]:
+    """A model.path that is not a whole HF model folder, and the line it must stop with."""
+    from transformers import LlamaConfig
+
+    folder = root / what
+    if what == "run":  # a run's log.out_dir: our config.json, metrics, checkpoints, its export
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model": {"path": "embedded"}}))
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+        return folder, (f"a run's folder (log.out_dir), not an HF model folder; the model it "
+                        f"trained is its export, {infra.shown(str(folder / 'hf'))}")
+    LlamaConfig(max_position_embeddings=8192).save_pretrained(folder)
+    add_model_files(folder)
+    if what == "no_model_type":
+        (folder / "config.json").write_text(json.dumps({"hidden_size": 64}))
+        return folder, "its config.json names no model_type, not an HF model's config"
+    if what == "no_weights":
+        (folder / "model.safetensors").unlink()
+        return folder, ("a folder without weights (.safetensors, .bin, .pt files), not a whole HF "
+                        "model folder")
+    if what == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (folder / name).unlink()
+        return folder, "its tokenizer cannot be loaded ("
+    assert what == "no_chat_template"
+    (folder / "chat_template.jinja").unlink()
+    return folder, "its tokenizer has no chat template (every prompt is a chat turn)"
+
+
+@pytest.mark.parametrize("what", ["run", "no_model_type", "no_weights", "no_tokenizer",
+                                  "no_chat_template"])
+def test_a_model_path_that_is_no_whole_model_stops_before_anything_starts(tmp_path, monkeypatch,
+                                                                          what):
+    """model.path naming a run's folder (its config.json is the run's), a folder whose config.json
+    names no model type, or one without weights, tokenizer or chat template: before, transformers'
+    or vLLM's traceback, some after the process group had started; now one line naming the key and
+    the folder, before anything starts and before anything is written."""
+    folder, message = model_folder_lacking(tmp_path, what)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(GOOD_CLUSTER) + "\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["--config", str(REPO / "presets" / "demo.toml"), f"--model.path={folder}",
+                    f"--data.corpus={corpus}", f"--log.out_dir={tmp_path / 'out'}"])
+    assert str(e.value).startswith(f"model.path {infra.shown(str(folder))}: {message}"), e.value
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_an_eval_judge_that_is_not_there_stops_before_anything_starts(tmp_path, monkeypatch):
+    """eval.judge_model naming no folder and no hub name: one line at launch (before, the
+    tokenizer's traceback, after the process group had started)."""
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    judge = tmp_path / "no" / "judge"
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["eval", "--model", str(SMOLLM2), "--data", "a.jsonl",
+                    f"--eval.out_dir={tmp_path / 'eval'}", f"--eval.judge_model={judge}"])
+    assert str(e.value) == (f"eval.judge_model {infra.shown(str(judge))}: no such folder, nor a "
+                            "model hub name (owner/name)")
 
 
 def fake_run(out_dir: Path, files: dict[str, str]) -> dict[str, bytes]:
@@ -4175,6 +4408,9 @@ def test_load_corpus(tmp_path):
     (b'{"id": "a", "documents": ["ok", ""]}\n',
      ":1: field 'documents[1]' must be a non-empty string"),
     (b'{"id": "a", "documents": ["x"], "task": "qa"}\n', ":1: field 'task' is 'qa'"),
+    # not a string: `in` on the task table raised TypeError (unhashable), a traceback
+    (b'{"id": "a", "documents": ["x"], "task": []}\n', ":1: field 'task' is [], expected one of"),
+    (b'{"id": "a", "documents": ["x"], "task": {"a": 1}}\n', ":1: field 'task' is {'a': 1}"),
     (b'{"id": "a", "documents": ["x"]}\n{"id": "a", "documents": ["y"]}\n',
      ":2: field 'id' 'a' repeats line 1"),
     (b'{"id": "a", "documents": ["x"]\n', ":1: not valid JSON"),
@@ -4341,10 +4577,12 @@ def test_attention_implementation_choices(monkeypatch):
 
 
 def model_config_dir(path: Path, context: int) -> str:
-    """A model folder holding only a config.json, of a model with a context of `context` tokens."""
+    """A model folder holding a config.json, of a model with a context of `context` tokens, and an
+    empty weights file (its presence is checked; the tests stub what would read it)."""
     from transformers import LlamaConfig
 
     LlamaConfig(max_position_embeddings=context).save_pretrained(path)
+    (path / "model.safetensors").touch()
     return str(path)
 
 
@@ -4803,6 +5041,57 @@ def test_rank_state_loads_with_weights_only_and_resumes_every_generator(tmp_path
     assert restored.get("0", "doc_qa") == history.get("0", "doc_qa")
 
 
+def saved_rank_state() -> tuple[dict, tuple]:
+    """A rank state as run_state writes it, read back as --resume reads it (torch.load with
+    weights_only), and fresh objects to restore it into."""
+    import io
+
+    corpus = [spell.Cluster(str(i), "", ["d"]) for i in range(6)]
+    rng = np.random.default_rng(7)
+    sampler = spell.ClusterSampler(spell.Config(), corpus, [0, 2, 4], rng)
+    sampler.draw(4)
+    history = spell.HistoryMemory(3)
+    history.push("0", "doc_qa", [1, 0], "Which gate?", "north")
+    buffer = io.BytesIO()
+    torch.save(spell.run_state(5, sampler, history, rng, recipes.AEPO(0, 0)), buffer)
+    buffer.seek(0)
+    fresh_rng = np.random.default_rng(0)
+    fresh = (spell.ClusterSampler(spell.Config(), corpus, [0, 2, 4], fresh_rng),
+             spell.HistoryMemory(3), recipes.AEPO(0, 0), fresh_rng)
+    return torch.load(buffer, weights_only=True), fresh
+
+
+@pytest.mark.parametrize("part, edit, reason", [
+    ("rng", lambda s: s["rng"].update(state="x"), "its 'rng' cannot be restored"),
+    ("rng", lambda s: s.pop("rng"), "holds no 'rng'"),
+    ("rng_state", lambda s: s["rng_state"].update(torch=[1, 2]), "its 'rng_state' cannot be"),
+    ("rng_state", lambda s: s["rng_state"].update(python=(3, (1,), None)),
+     "its 'rng_state' cannot be"),
+    ("history", lambda s: s["history"].update(entries={"0|doc_qa": [{"doc_ids": "ab"}]}),
+     "its 'history' cannot be restored (its entries of '0|doc_qa' are not (doc_ids, question, "
+     "answer) records)"),
+    ("history", lambda s: s.update(history=[1]), "its 'history' cannot be restored (not a "
+                                                  "history memory's {'size', 'entries'})"),
+    ("sampler", lambda s: s["sampler"].update(order=[0, 99]),
+     "its 'sampler' cannot be restored (its order is [0, 99])"),
+    ("sampler", lambda s: s["sampler"].update(pos=-1), "its 'sampler' cannot be restored (its pos"),
+    ("sampler", lambda s: s["sampler"].update(extra=1),
+     "its 'sampler' cannot be restored (holds ['accuracy', 'carried', 'epoch', 'extra', "),
+    ("aepo", lambda s: s.update(aepo={"masking": 1}), "its 'aepo' cannot be restored (AEPO's "),
+])
+def test_a_rank_state_no_run_writes_stops_the_resume_in_one_line(part, edit, reason):
+    """rankN.pt's parts as no run writes them (a hand edit whose meta.json checksum was made anew,
+    another version's state): before, NumPy's, torch's or Python's own traceback, or for the
+    sampler nothing at all until its walk drew from outside the corpus steps later. Now one
+    CheckpointError line naming the file and the part."""
+    saved, (sampler, history, aepo, rng) = saved_rank_state()
+    spell.restore_rank_state(copy.deepcopy(saved), "ckpt: rank0.pt", sampler, history, aepo, rng)
+    edit(saved)
+    with pytest.raises(infra.CheckpointError) as e:
+        spell.restore_rank_state(saved, "ckpt: rank0.pt", sampler, history, aepo, rng)
+    assert str(e.value).startswith(f"ckpt: rank0.pt: {reason}"), e.value
+
+
 class Planted:
     """A pickled object that runs code when unpickled: it makes a folder."""
 
@@ -4852,6 +5141,30 @@ def test_load_qa_set_refuses_lone_surrogates(tmp_path, change, field):
     where = r"qa\.jsonl(:|, line )2: field "  # load_corpus: "FILE:2"; read_records: "FILE, line 2"
     with pytest.raises(infra.CorpusError, match=where + re.escape(repr(field))):
         spell.load_qa_set(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "missing"])
+@pytest.mark.parametrize("named", [False, True])
+def test_a_qa_set_that_is_not_a_plain_file_is_refused_before_it_is_read(tmp_path, kind, named):
+    """data.qa read its first line to tell its layout: a FIFO waited for a writer for ever, and
+    /dev/zero is one line that never ends, read until the memory ran out. Now what the path is
+    comes first: one line naming the key, the path and what it is, at once."""
+    # /dev/null stands for /dev/zero: a device all the same, and a regression reading it ends at
+    # once, where /dev/zero would fill the memory (no alarm stops a read inside one C call)
+    path = {"fifo": tmp_path / "qa.jsonl", "device": Path("/dev/null"), "folder": tmp_path,
+            "missing": tmp_path / "none.jsonl"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    spec = f"hotpotqa:{path}" if named else str(path)
+    what = {"fifo": "a FIFO, not a plain file", "device": "a device or socket, not a plain file",
+            "folder": "a folder, not a plain file", "missing": "not found"}[kind]
+    with deadline(10), pytest.raises(infra.CorpusError) as e:
+        spell.load_qa_set(spec)
+    assert str(e.value) == f"data.qa {infra.shown(spec)}: {what}"
+    if kind != "missing":  # the corpus too: no longer "not found" for what is there
+        with deadline(10), pytest.raises(infra.CorpusError) as e:
+            spell.load_corpus(path)
+        assert str(e.value) == f"{path}: corpus file {what}"
 
 
 def test_load_qa_set_our_layout_and_a_benchmark_layout(tmp_path):

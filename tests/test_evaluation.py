@@ -560,7 +560,8 @@ def judge_folder(path: Path, *, chat_template: bool = True, context: int = 4096,
 
 
 @pytest.mark.parametrize("judge, settings, message", [
-    ({"chat_template": False}, {}, "eval.judge_model {judge}: its tokenizer has no chat template"),
+    ({"chat_template": False}, {}, "eval.judge_model '{judge}': its tokenizer has no chat "
+                                   "template"),
     ({"context": 512}, {}, "eval.judge_model {judge}: its context of 512 tokens cannot hold a "
                            "judge prompt of up to"),
     ({"heads": 3}, {"tensor_parallel_size": 2},
@@ -663,6 +664,26 @@ def test_a_second_eval_into_a_live_evals_out_dir_stops_before_anything_starts(mo
     assert started == ["group", "eval"]
 
 
+@pytest.mark.parametrize("left", ["eval_results.json", "eval_results.md", "eval_samples.jsonl"])
+def test_an_eval_into_a_folder_that_holds_results_stops_before_anything_starts(monkeypatch,
+                                                                              tmp_path, left):
+    """The default eval.out_dir, <log.out_dir>/eval-<max_input_len>, is the same for every model
+    evaluated under one config: a second eval (the base model after the trained one) replaced the
+    first's samples and table without a word. Now it stops at launch, naming the key, the folder
+    and the file, and the first eval's files stay as they were."""
+    monkeypatch.chdir(tmp_path)
+    out_dir = Path("runs/spell-qwen2.5-7b/eval-16384")  # config.toml's, for every --model
+    out_dir.mkdir(parents=True)
+    (out_dir / left).write_text("the first eval's\n")
+    monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
+    with pytest.raises(infra.ConfigError) as e:
+        spell.main(["eval", "--model", "other/model", "--data", "a.jsonl"])
+    assert str(e.value) == (
+        f"eval.out_dir {infra.shown(str(out_dir))} already holds an eval's results ({left}); "
+        "give this eval its own folder (--eval.out_dir=DIR), or move those files away"), e.value
+    assert (out_dir / left).read_text() == "the first eval's\n"
+
+
 def context_model(tmp_path) -> Path:
     """A model folder holding only a config.json: a Llama of 512 positions."""
     from transformers import LlamaConfig
@@ -692,12 +713,20 @@ def test_eval_lengths_beyond_the_models_context_stop_before_anything_starts(monk
 
 @pytest.mark.parametrize("where, message", [
     ("missing", "no such folder, nor a model hub name (owner/name)"),
-    ("empty", "a folder without config.json, not an HF model folder")])
+    ("empty", "a folder without config.json, not an HF model folder"),
+    # the model's config.json alone: before, the tokenizer's traceback after the process group
+    ("config_only", "a folder without weights (.safetensors, .bin, .pt files), not a whole HF "
+                    "model folder")])
 def test_eval_of_a_model_path_that_holds_no_model_stops_before_anything_starts(
         monkeypatch, tmp_path, where, message):
     """`spell.py eval --model PATH` (model.path) that names no model: one line naming the key and
     the path, before the process group (transformers' traceback named neither)."""
-    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path}[where]
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=32768).save_pretrained(tmp_path / "config_only")
+    path = {"missing": tmp_path / "no" / "model", "empty": tmp_path / "empty",
+            "config_only": tmp_path / "config_only"}[where]
+    (tmp_path / "empty").mkdir()
     monkeypatch.setattr(spell, "init_distributed", lambda cfg: pytest.fail("the eval started"))
     with pytest.raises(infra.ConfigError) as e:
         spell.main(["eval", "--model", str(path), "--data", "a.jsonl",

@@ -27,9 +27,9 @@ import torch
 import infra
 import spell
 import tasks
-from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, all_fixture_items,
-                      deadline, end_worker, held_out_metrics, logged_metrics, metrics,
-                      mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
+from conftest import (FIXTURE_FILES, FIXTURES, GOOD_CLUSTER, REPO, TEMPERATURE, add_model_files,
+                      all_fixture_items, deadline, end_worker, held_out_metrics, logged_metrics,
+                      metrics, mutated_fixture, run_worker, snapshot, torchrun, worker_mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1445,6 +1445,34 @@ def test_checkpoint_records_size_and_checksum_of_every_file(tmp_path):
     assert infra.check_checkpoint(path, world=1)["step"] == 1
 
 
+def test_a_save_on_a_full_disk_stops_in_one_line_and_frees_its_temporary(tmp_path, monkeypatch):
+    """A disk that fills during a save: before, the OSError's traceback ended the run and
+    step_N.tmp stayed, holding the space the next try needed. Now one line names the checkpoint,
+    the reason and the free space; the temporary folder is gone; the last checkpoint and `latest`
+    are as they were, and resume from it."""
+    out_dir = tmp_path / "run"
+    first = tiny_checkpoint(out_dir, step=1)
+    before = snapshot(out_dir)
+    real_save = torch.save
+
+    def fill_the_disk(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and str(f).endswith(".pt"):  # the rank's own state
+            Path(f).write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", fill_the_disk)
+    with pytest.raises(infra.CheckpointError) as e:
+        tiny_checkpoint(out_dir, step=2)
+    second = first.parent / "step_000002"
+    assert str(e.value).startswith(f"{second}: cannot be saved (No space left on device; "), e.value
+    assert str(e.value).endswith(f"); its temporary folder is removed, and "
+                                 f"{first.parent / 'latest'} still names the last checkpoint "
+                                 "saved"), e.value
+    assert snapshot(out_dir) == before and not second.with_name("step_000002.tmp").exists()
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    assert infra.resume_checkpoint(cfg, resume=True, rank=0, world=1) == first
+
+
 def flip_middle_byte(p: Path) -> None:
     data = bytearray(p.read_bytes())
     # e.g. an exponent bit of an Adam moment: same size, silently wrong
@@ -1649,6 +1677,8 @@ def test_resume_refuses_a_run_whose_config_or_data_changed(tmp_path, monkeypatch
     assert resume("--train.steps=5000", "--log.sample_every=0", "--eval.n=2",
                   "--engine.gpu_memory_utilization=0.3", "--engine.micro_batch_tokens=1024",
                   "--rollout.max_rounds=3", "--engine.logprob_impl=triton") == step
+    # the remedy after a collective's timeout: wait longer for the slowest rank
+    assert resume("--engine.collective_timeout_min=600") == step
     assert resume(f"--data.corpus={moved}") == step
     for extra, change in [
             (["--rollout.group_size=3"], "rollout.group_size (saved 4, now 3)"),
@@ -1791,6 +1821,46 @@ def test_trim_metrics(tmp_path):
     # a step that is no whole number is no step of ours (JSON's true is Python's 1)
     path.write_text('{"step": 1}\n{"step": true}\n{"step": 1.5}\n{"step": "1"}\n')
     assert infra.trim_metrics(path, 2) == 3 and path.read_text() == '{"step": 1}\n'
+
+
+def test_a_metrics_line_nested_past_the_recursion_limit_is_dropped_on_resume(tmp_path):
+    """--resume drops the metrics lines it cannot read as a step (torn, not ours): one nested
+    deeper than Python's recursion limit raised RecursionError, a traceback, instead."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"step": 2}\n[1]\n')
+    assert infra.trim_metrics(path, 1) == 3 and path.read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize("edit, reseal, message", [
+    # a number too large for a float reads as inf, which int() refuses with an OverflowError
+    (('"world": 1', '"world": 1e999'), False, "not a complete checkpoint (meta.json: cannot "
+     "convert float infinity to integer)"),
+    (('"step": 1', '"step": -1e999'), False, "not a complete checkpoint (meta.json: cannot "
+     "convert float infinity to integer)"),
+    # a config that is not the table of sections a run saves (its checksum made anew)
+    ({"config": ["a", "list"]}, True, "meta.json's config is ['a', 'list'], not the table of "
+     "sections a run saves"),
+    ({"config": {"engine": [1]}}, True, "meta.json's config is {'engine': [1]}, not the table of "
+     "sections a run saves"),
+])
+def test_meta_json_values_no_run_writes_stop_the_resume_in_one_line(tmp_path, edit, reseal,
+                                                                   message):
+    """meta.json's numbers and config as no run writes them: before, an OverflowError or an
+    AttributeError traceback; now one CheckpointError line, the run's files untouched."""
+    out_dir = tmp_path / "run"
+    cfg = spell.load_config(None, [f"--log.out_dir={out_dir}"])
+    step = tiny_checkpoint(out_dir, cfg=copy.deepcopy(cfg))
+    if reseal:
+        edit_meta(step, True, **edit)
+    else:
+        text = (step / "meta.json").read_text()
+        assert text.count(edit[0]) == 1
+        (step / "meta.json").write_text(text.replace(*edit))
+    before = snapshot(out_dir)
+    with pytest.raises(infra.CheckpointError) as e:
+        infra.resume_checkpoint(cfg, resume=True, rank=0, world=1)
+    assert str(e.value) == f"{step}: {message}", e.value
+    assert snapshot(out_dir) == before
 
 
 def test_resume_on_a_full_disk_keeps_metrics_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -2050,13 +2120,35 @@ def launch(tmp_path: Path, monkeypatch, *args: str, clusters: int = 1) -> None:
 
 
 def model_folder(tmp_path: Path, **config) -> Path:
-    """A model folder holding only a config.json (a Llama of 8,192 positions): what the launch
-    checks read."""
+    """A model folder holding a config.json (a Llama of 8,192 positions), a tokenizer and an empty
+    weights file: what the launch checks read."""
     from transformers import LlamaConfig
 
     folder = tmp_path / "model"
     LlamaConfig(max_position_embeddings=8192, **config).save_pretrained(folder)
-    return folder
+    return add_model_files(folder)
+
+
+def test_a_kv_cache_beyond_host_memory_stops_before_anything_starts(tmp_path, monkeypatch):
+    """On CPU every rank's vLLM takes engine.kv_cache_gb GiB of host memory once its model has
+    loaded; past the machine's memory, vLLM stopped in a ValueError traceback after the process
+    group and the model had started. Now one line at launch, for the ranks on this machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    have = infra.host_memory_gib()
+    gb = int(have // 2) + 1  # two ranks of it are beyond this machine, one is not
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(infra.ConfigError) as e:
+        launch(tmp_path, monkeypatch, f"--engine.kv_cache_gb={gb}", clusters=2)
+    assert str(e.value) == (f"engine.kv_cache_gb = {gb} GiB of KV cache a rank, {2 * gb} GiB for "
+                            f"the 2 rank(s) on this machine, beyond its {have:.1f} GiB of memory; "
+                            "lower engine.kv_cache_gb")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(Started):
+        launch(tmp_path, monkeypatch, f"--engine.kv_cache_gb={gb}", clusters=2)
 
 
 # a live run's rank 0, as far as the lock goes: an exclusive flock on <out_dir>/.lock, its holder
@@ -2358,6 +2450,40 @@ def test_run_log_writes_every_metric_to_wandb_offline(tmp_path, monkeypatch):
     resumed = infra.RunLog(cfg, ["config.toml"], 0, 2, torch.device("cpu"))
     assert resumed.wandb.id == run_id
     resumed.close()
+
+
+@pytest.mark.parametrize("stored, message", [
+    (None, "log.wandb: W&B did not start the run (No API key configured. Use `wandb login` to log "
+           "in.); `wandb login`, or WANDB_MODE=offline to keep it on disk, or log.wandb = false"),
+    ("a/b\n", "log.wandb: {id_file} holds 'a/b', not a W&B run id (the id this run's first start "
+               "kept; remove the file to start a new W&B run)"),
+    ("\n", "log.wandb: {id_file} holds '', not a W&B run id"),
+])
+def test_wandb_that_cannot_start_its_run_stops_in_one_line(tmp_path, monkeypatch, stored,
+                                                           message):
+    """log.wandb without a login (online, no API key) or with a stored run id W&B refuses: before,
+    wandb's UsageError traceback; now one line naming the key (and the file), what is wrong and
+    how to go on. Nothing is written to the run's files."""
+    pytest.importorskip("wandb", reason="log.wandb needs the wandb package (requirements-cpu.txt)")
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    if stored is not None:
+        monkeypatch.setenv("WANDB_MODE", "offline")  # the id is refused before W&B sees it
+    cfg = spell.Config()
+    cfg.log.out_dir, cfg.log.wandb = str(tmp_path / "run"), True
+    id_file = tmp_path / "run" / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True)
+    if stored is not None:
+        id_file.write_text(stored)
+    before = snapshot(tmp_path / "run")
+    with deadline(60), pytest.raises(infra.ConfigError) as e:
+        infra.RunLog(cfg, ["config.toml"], 0, 1, torch.device("cpu"))
+    assert str(e.value).startswith(message.format(id_file=id_file)), e.value
+    assert snapshot(tmp_path / "run") == before
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -299,10 +300,50 @@ def test_clean_up_removes_the_scratch_folder_and_an_out_dir_it_made(tmp_path):
     for made in (True, False):
         out = tmp_path / f"made-{made}"
         (out / preflight.SCRATCH / "checkpoints").mkdir(parents=True)
-        run = SimpleNamespace(rank=0, made_out_dir=made,
+        run = SimpleNamespace(rank=0, made_out_dir=made, holds_scratch=True,
                               cfg=config(log__out_dir=str(out)))
         preflight.Preflight.clean_up(run, barrier=False)
         assert not out.exists() if made else list(out.iterdir()) == []
+
+
+# a live preflight's rank 0, as far as the lock goes: an exclusive flock on the scratch folder's
+# .lock, its holder written in it, held until the process ends
+LIVE_PREFLIGHT = ("import fcntl, os, socket, sys, time\n"
+                  "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                  "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                  "os.write(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode())\n"
+                  "print('held', flush=True)\n"
+                  "time.sleep(600)\n")
+
+
+def test_a_second_preflight_leaves_a_live_ones_scratch_checkpoint_alone(tmp_path):
+    """Two preflights into one log.out_dir: the second removed the first's scratch folder (its
+    checkpoint mid-save or mid-load) before it took the folder's lock, and again when it stopped.
+    Now it takes the lock first, stops naming the holder, and its clean-up leaves the folder; what a
+    killed preflight left (no live holder) is removed as before."""
+    out = tmp_path / "run"
+    scratch = out / preflight.SCRATCH
+    (scratch / "checkpoints" / "step_000001").mkdir(parents=True)
+    (scratch / "checkpoints" / "step_000001" / "rank0.pt").write_text("the live one's")
+    first = subprocess.Popen([sys.executable, "-c", LIVE_PREFLIGHT, str(scratch / ".lock")],
+                             stdout=subprocess.PIPE, text=True)
+    second = SimpleNamespace(rank=0, made_out_dir=False, holds_scratch=False,
+                             cfg=config(log__out_dir=str(out)))
+    try:
+        assert first.stdout.readline() == "held\n"
+        with pytest.raises(infra.ConfigError, match=re.escape(
+                f"log.out_dir {infra.shown(str(scratch))}: another run holds it (pid {first.pid}")):
+            preflight.Preflight.hold_scratch(second)
+        preflight.Preflight.clean_up(second, barrier=False)
+        live = scratch / "checkpoints" / "step_000001" / "rank0.pt"
+        assert live.read_text() == "the live one's"
+    finally:
+        first.kill()
+        first.wait()
+    preflight.Preflight.hold_scratch(second)  # the first is gone: what it left goes, the lock stays
+    assert second.holds_scratch and [p.name for p in scratch.iterdir()] == [".lock"]
+    preflight.Preflight.clean_up(second, barrier=False)
+    assert not scratch.exists()
 
 
 # ------------------------------------------------------------------------------------------------
