@@ -2393,7 +2393,7 @@ def sample_table(rollouts: list, k: int = 2) -> str:
                     f"    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
         for i, c in enumerate(r.responses[:4]):
             rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
-                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:+.2g}")
     return "\n".join(rows)
 
 

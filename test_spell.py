@@ -3292,6 +3292,19 @@ def test_log_step_adds_the_sample_table_and_says_when_nothing_trained(tmp_path, 
     assert [json.loads(row)["step"] for row in rows] == [1, 2, 3, 4]
 
 
+def test_the_sample_table_prints_each_training_reward_as_it_is():
+    """The sample table's "-> r": the bootstrap's -0.5 (an answer without the asked-for format)
+    read "-0" before, a 1 and a 0 as "1" and "0"; DAPO's shaped rewards keep two digits."""
+    cluster = spell.Cluster("c", "doc_qa", ["The gate was blue."])
+    answer = spell.Completion([1], "I think blue.", None, "stop")
+    rollout = spell.Rollout(cluster, "doc_qa", [0], [1], status="ok",
+                            question={"question": "Colour?", "answer": "blue"},
+                            responses=[answer] * 4, rules=[1.0, 0.0, 0.0, 0.0], votes=[[]] * 4,
+                            res_rewards=[1.0, 0.0, -0.5, 0.8333])
+    rows = [row for row in spell.sample_table([rollout]).splitlines() if row.startswith("    y")]
+    assert [row.rsplit("-> r ", 1)[1] for row in rows] == ["+1", "+0", "-0.5", "+0.83"]
+
+
 # ------------------------------------------------------------------------------------------------
 # The verifier on held-out labels (data.verify_set, log.verify_every)
 # ------------------------------------------------------------------------------------------------
