@@ -221,8 +221,10 @@ class RewardConfig:
     judge: Literal["verifier", "rule", "frozen"] = "verifier"
     # a response whose G votes have no strict majority (neither YES nor NO from more than G/2 of
     # them: a tie, or too many abstentions): keep (Eq. 4: it counts as NO) or mask (CuMa: no
-    # verifier-derived reward, r_i = R_rule, its votes do not train, and unless the rule passes it
-    # it leaves the responder's group; strict_majority)
+    # verifier-derived reward, r_i = R_rule, its votes do not train; where the verifier decides
+    # r_i (doc_qa, not tasks.Task.rule_decides) and the rule does not pass it, its reward is
+    # unknown: it leaves the responder's group, and Eq. 7's r-bar is the mean over the judged
+    # responses; strict_majority)
     no_majority: Literal["keep", "mask"] = "keep"
     # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
@@ -1151,14 +1153,17 @@ def score_votes(r: Rollout, cfg: Config) -> None:
     """Eq. 4-5 for one question: each response's votes (read_votes), their majority, the
     verifier's rewards and their agreement. With reward.judge = "rule" no verifier ran: no votes,
     no majority. With reward.no_majority = "mask" (CuMa), votes without a strict majority leave
-    their response unverified (majority None): r_i = R_rule (Eq. 6), no Eq. 5 reward, so the
-    votes never enter the batch (select_verifier); and a response so left that the rule does not
-    pass leaves the responder's batch too (r.masked), its reward unknown rather than 0."""
+    their response unverified (majority None): no Eq. 5 reward, so the votes never enter the
+    batch (select_verifier), and r_i = R_rule (Eq. 6). Where the verifier decides r_i (not
+    tasks.Task.rule_decides), such a response that the rule does not pass leaves the responder's
+    batch and Eq. 7's mean too (r.masked): its reward is unknown rather than 0. Where the rule
+    alone decides, its 0 is known, and the response stays."""
     r.votes = [read_votes(vs, cfg) for vs in r.verdicts]
     r.majorities = [majority_vote(votes) for votes in r.votes]  # Eq. 4
     r.masked = [False] * len(r.votes)
     if cfg.reward.no_majority == "mask":
-        r.masked = [bool(v) and not strict_majority(v) and rule == 0
+        verifier_decides = not tasks.TASKS[r.task].rule_decides
+        r.masked = [verifier_decides and bool(v) and not strict_majority(v) and rule == 0
                     for v, rule in zip(r.votes, r.rules)]
         r.majorities = [m if strict_majority(v) else None for m, v in zip(r.majorities, r.votes)]
     r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
@@ -1196,7 +1201,13 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
             continue
         score_votes(r, cfg)
         score_responses(r, cfg)
-        solve_rate = float(np.mean(r.solved))
+        # r-bar of Eq. 7 over the judged responses: one that reward.no_majority = "mask" left out
+        # has no known reward (judged_responses), so it counts neither as solved nor as 0
+        judged = [r.solved[i] for i in judged_responses(r)]
+        if not judged:  # no reward known: no signal, as when r-bar is 0 or 1 (Eq. 7)
+            r.que_reward = 0.0
+            continue
+        solve_rate = float(np.mean(judged))
         r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
                                          sigma=rc.sigma)  # Eq. 7
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),

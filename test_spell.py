@@ -1481,6 +1481,68 @@ def test_no_majority_mask_differs_from_keep_under_the_papers_recipe():
     assert set(keep_adv) == set(range(8)) and set(mask_adv) == {0, *range(2, 8)}
 
 
+QUESTIONS = {"doc_qa": {"question": "Which colour?", "answer": "blue"},
+             "fin_math": {"question": "How many?", "answer": "25"},
+             "doc_mc": {"question": "Which?", "answer": "A",
+                        "options": {"A": "one", "B": "two", "C": "three", "D": "four"}}}
+
+
+def scored_votes(cfg, task: str, rules: list[float], votes: list[list[int | None]],
+                 history: HistoryMemory | None = None) -> spell.Rollout:
+    """One valid question of `task` whose responses the rule scored `rules` and the verifier voted
+    `votes` on (votes_of), through score_rollouts."""
+    r = spell.Rollout(GATE, task, [0], [1], question=QUESTIONS[task], status="ok", rules=rules,
+                      labels=[int(x) for x in rules], new_doc_ids=[0],
+                      responses=[spell.Completion([5] * 3, "y", None, "stop")] * len(rules),
+                      ver_prompts=[[1]] * len(rules), verdicts=[votes_of(*v) for v in votes])
+    spell.score_rollouts(cfg, [r], history or HistoryMemory(3))
+    return r
+
+
+@pytest.mark.parametrize("task", ["doc_qa", "fin_math", "doc_mc"])
+def test_no_majority_mask_masks_only_where_the_verifier_decides(task):
+    """reward.no_majority = "mask" leaves a tied response out of the responder's group because its
+    reward is unknown: Eq. 6's max could have paid it. For fin_math and doc_mc the rule alone
+    decides r_i (departure 13), so the tied response's 0 is known: it stays in the group (before,
+    it was dropped there too). Its votes still have no majority, so they never train."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4", "--reward.no_majority=mask"])
+    r = scored_votes(cfg, task, [1.0, 0.0, 0.0, 0.0],
+                     [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]])
+    verifier_decides = task == "doc_qa"
+    assert r.masked == [False, verifier_decides, False, False]
+    assert r.majorities == [1, None, 0, 0] and r.ver_rewards[1] is None
+    assert r.solved == [1.0, 0.0, 0.0, 0.0]
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    assert {it.i for it in items if it.role == "res"} == ({0, 2, 3} if verifier_decides
+                                                            else {0, 1, 2, 3})
+    assert counts["res_masked"] == int(verifier_decides)
+    # Eq. 7 over the judged responses: 1 of 3 (doc_qa) or 1 of 4
+    rate = 1 / 3 if verifier_decides else 1 / 4
+    assert r.que_reward == pytest.approx(spell.gaussian_mapping(rate, 0.5, 0.5 / 3))
+
+
+def test_eq7_mean_under_mask_is_over_the_judged_responses():
+    """Eq. 7's r-bar and the history push under reward.no_majority = "mask", worked by hand (doc_qa,
+    G = 4): responses 0 and 1 are solved (the rule; a 3-1 YES majority), responses 2 and 3 tie 2-2
+    with the rule at 0, so they are masked, their reward unknown. Over the judged two r-bar = 1:
+    everybody solved it, r_que = 0 and no history entry. Counting the masked ones as 0 gave
+    r-bar = 2/4 = 0.5, the Gaussian's peak r_que = 1.0, and a history entry. With response 1 a
+    3-1 NO instead, r-bar = 1/2 and r_que = 1.0 (0 counted: 1/4, exp(-(1/4)^2 / (2 (1/6)^2)) =
+    exp(-9/8) = 0.325); with all four tied, no reward is known: r_que = 0, no entry."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4", "--reward.no_majority=mask"])
+    tie, yes, no = [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]
+    history = HistoryMemory(3)
+    r = scored_votes(cfg, "doc_qa", [1.0, 0.0, 0.0, 0.0], [yes, yes, tie, tie], history)
+    assert r.masked == [False, False, True, True] and r.solved == [1.0, 1.0, 0.0, 0.0]
+    assert r.que_reward == 0.0 and history.get(GATE.id, "doc_qa") == []
+    r = scored_votes(cfg, "doc_qa", [1.0, 0.0, 0.0, 0.0], [yes, no, tie, tie], history)
+    assert r.que_reward == pytest.approx(1.0) and len(history.get(GATE.id, "doc_qa")) == 1
+    assert spell.gaussian_mapping(0.25, 0.5, 0.5 / 3) == pytest.approx(math.exp(-9 / 8))
+    history = HistoryMemory(3)
+    r = scored_votes(cfg, "doc_qa", [0.0] * 4, [tie] * 4, history)
+    assert r.masked == [True] * 4 and r.que_reward == 0.0 and history.get(GATE.id, "doc_qa") == []
+
+
 def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
     """reward.judge = "frozen" (SCOPE): rollout_round enters the judge (FrozenJudge swaps the
     initial weights in) around the verifier's call alone, and the verifier role never trains
