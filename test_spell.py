@@ -3858,8 +3858,11 @@ def test_held_out_check_frozen_judge_and_no_majority_mask_end_to_end(speaker, co
         assert all(0 <= m[key] <= 1 for key in gold), m
     assert steps[0]["perf/verify_s"] > 0 and steps[1]["perf/verify_s"] > 0
     m = steps[1]
-    assert m["ver/candidates"] >= 1 and m["ver/kept_groups"] == 0 and 0 <= m["ver/no_majority"] <= 1
-    assert m["res/kept_groups"] >= 1 and m["train/sequences"] == role_sequences(m), m
+    assert m["ver/candidates"] >= 1 and m["ver/kept_groups"] == 0 and 0 < m["ver/no_majority"] <= 1
+    # the demo's paired votes: the speaker says YES about half the time in either order, so a
+    # pair often splits and many voted responses have no strict majority; a doc_qa one the rule
+    # fails leaves its group, which can leave no responder group kept in the step
+    assert m["train/sequences"] == role_sequences(m), m
 
 
 @pytest.mark.stack
