@@ -454,7 +454,8 @@ def batch_counts(**given) -> dict:
     """The counts select_batch returns for the log, zero but for those given."""
     zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
                           "res_masked",
-                          "ver_groups", "ver_candidates", "sequences", "aepo_masking",
+                          "ver_groups", "ver_candidates", "sequences", "que_sequences",
+                          "res_sequences", "ver_sequences", "aepo_masking",
                           "aepo_masked"), 0)
     return {**zero, "que_all_or_none_adv": 0.0, **given}
 
@@ -466,7 +467,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
 def role_sequences(m: dict) -> int:
     """train/sequences as the three roles' counts add it up (G = 4 in the demo preset)."""
     return (4 * m["res/kept_groups"] - m["res/masked"] + m["que/pos"] + m["que/floor"]
-            + m["que/neg"] + 4 * m["ver/kept_groups"])
+            + m["que/neg"] + 8 * m["ver/kept_groups"])  # G = 4 votes, 2 replies each ("paired")
 
 
 def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
@@ -479,7 +480,9 @@ def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
                        selection=[1.0, 0.0, 0.0, 0.0],
                        agreements=[1.0, 0.0, 0.75, 0.75], ver_rewards=[None] * 4,
                        res_lens=[10, 20, 30, 40], res_cut=[False] * 4, abstained=[1, 0, 0, 0],
-                       ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4)
+                       ver_lens=[[5] * 4] * 4, ver_cut=[[False] * 4] * 4,
+                       votes=[[1, 1, 1, None], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]],
+                       split=[0] * 4)
     bad = spell.Summary(rank=0, idx=1, task="doc_qa", status="format", que_reward=-1.0,
                         que_len=50, que_cut=False,
                         evicted=0, res_rewards=None, rules=[], majorities=[], solved=[],
@@ -487,7 +490,7 @@ def logged_inputs(step: int) -> tuple[list[spell.Summary], dict, dict, dict]:
                         ver_rewards=[], res_lens=[], res_cut=[], abstained=[], ver_lens=[],
                         ver_cut=[])
     counts = batch_counts(que_pos=1, que_neg=1, res_groups=1, ver_groups=1, ver_candidates=3,
-                          sequences=9)
+                          sequences=9, que_sequences=2, res_sequences=4, ver_sequences=3)
     train = {"loss": 0.01 * step, "clipfrac": 0.0, "entropy_sum": 50.0, "tokens": 100,
              "grad_norm": 1.0, "micro_batches": 2, "split_groups": 0.0, "row_tokens": 400,
              "rollout_logp_gap_sum": 1.0, "rollout_logp_tokens": 100,

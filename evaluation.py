@@ -594,7 +594,7 @@ class GoldItem(NamedTuple):
 def gold_prompts(tok, cfg: spell.Config, items: list[GoldItem]) -> list[dict[bool, list[int]]]:
     """Each item as the verifier meets an answer in training (run_verifier): the candidate as
     Answer 1, the reference as Answer 2; by no_first, the prompt that lists [[YES]] first (False)
-    and the one that lists [[NO]] first (True), which votes see under verdict_order "random"."""
+    and the one that lists [[NO]] first (True), which replies see under verdict_order "paired"."""
     return [{flip: spell.verifier_ids(tok, cfg, {"question": it.question}, it.candidate,
                                       it.reference, no_first=flip) for flip in (False, True)}
             for it in items]
@@ -604,16 +604,16 @@ def verify_held_out(llm, cfg: spell.Config, items: list[GoldItem],
                     prompts: list[dict[bool, list[int]]], step: int, group: int, groups: int,
                     reports: bool) -> dict:
     """The policy as verifier on the held-out items: engine `group` of `groups` judges every
-    groups-th item with G votes, sampled as in training (each vote's verdict order, then
+    groups-th item with G votes, sampled as in training (each reply's verdict order, then
     sample_answer_votes, read_votes, Eq. 4's majority); the majorities are gathered from each
     engine's first rank (`reports`) and scored against the labels (gold_metrics), the same dict on
     every rank. A collective."""
     mine = list(range(group, len(items), groups))
     # one seed per item, whichever engine judges it: the check does not depend on the world size
     seeds = spell.request_seeds(cfg.train.seed, step, "gold", count=len(items))
-    # each vote's prompt lists the verdicts in the order run_verifier would draw from its seed
-    per_vote = [[prompts[k][flip] for flip in spell.no_first_orders(cfg, seeds[k])] for k in mine]
-    outs = spell.sample_answer_votes(llm, cfg, per_vote, [seeds[k] for k in mine],
+    # each reply's prompt lists the verdicts in the order run_verifier gives it (vote_orders)
+    per_reply = [[prompts[k][flip] for flip in spell.vote_orders(cfg)] for k in mine]
+    outs = spell.sample_answer_votes(llm, cfg, per_reply, [seeds[k] for k in mine],
                                      desc="held-out verifier")
     votes = {k: spell.read_votes(cs, cfg) for k, cs in zip(mine, outs)}
     gathered = {}

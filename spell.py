@@ -78,6 +78,7 @@ numbers are in docs/reference.md, "Departures":
   9. No reference model: beta = 0, as in the paper's runs.
  10. A generation cut at its role's budget is scored as unfinished (reward.overlong).
  11. [bootstrap]: five switches that let a model learn the roles' formats; off in config.toml.
+     Through them a vote counts only when both verdict orders give it: a copy never pays (Eq. 6).
  12. CPU rollouts run in fp32, or compiled bf16 on an AMX CPU; the trainer keeps fp32 masters.
  13. For fin_math and doc_mc, r_i is the rule alone (tasks.Task.rule_decides).
  14. §4.3's selection reads Eq. 6's accuracy; DAPO's length shaping enters the advantage only.
@@ -222,8 +223,10 @@ class RewardConfig:
     judge: Literal["verifier", "rule", "frozen"] = "verifier"
     # a response whose G votes have no strict majority (neither YES nor NO from more than G/2 of
     # them: a tie, or too many abstentions): keep (Eq. 4: it counts as NO) or mask (CuMa: no
-    # verifier-derived reward, r_i = R_rule, its votes do not train, and unless the rule passes it
-    # it leaves the responder's group; strict_majority)
+    # verifier-derived reward, r_i = R_rule, its votes do not train; where the verifier decides
+    # r_i (doc_qa, not tasks.Task.rule_decides) and the rule does not pass it, its reward is
+    # unknown: it leaves the responder's group, and Eq. 7's r-bar is the mean over the judged
+    # responses; strict_majority)
     no_majority: Literal["keep", "mask"] = "keep"
     # v_i in Eq. 6: majority (Eq. 4) or single (the first vote; Table 2 "w/o majority voting")
     verifier_decision: Literal["majority", "single"] = "majority"
@@ -247,17 +250,19 @@ class BootstrapConfig:
     questioner_floor: int = bounded(0, ">= 0 (0: off)")
     # training reward of a response with no final answer
     responder_format_penalty: float = bounded(0.0, "<= 0 (a penalty)")
-    # reward of a vote without a verdict tag (Eq. 5: 0)
+    # reward of a vote without a verdict (Eq. 5: 0): no tag, or under verdict_order "paired" two
+    # replies that disagree
     verifier_format_penalty: float = bounded(0.0, "<= 0 (a penalty)")
     # the verifier's reply starts with this, as prompt: "Decision: [[" leaves it YES]] or NO]]
     # (SmolLM2-135M tagged 19 of 64 votes with it, 0 of 64 without)
     verifier_reply_prefix: str = ""
-    # the order the verifier's prompt lists the two verdicts in: "fixed", "[[YES]] or [[NO]]" as in
-    # App. F; "random", drawn for each vote. SmolLM2-135M votes the first one listed whatever the
-    # answers (P(YES) 0.995 on right and wrong answers alike, 0.016 with NO listed first): its G
-    # votes never disagree, and no verifier group is ever kept. Drawn per vote, they disagree, and
-    # the group whose majority matches the rule's label teaches the verdict against the order
-    verdict_order: Literal["fixed", "random"] = "fixed"
+    # how the verifier's prompt lists the two verdicts: "fixed", "[[YES]] or [[NO]]" as in App. F;
+    # "paired", each of the G votes sampled twice, once in each order, its verdict the one both
+    # replies give and an abstention when they differ. SmolLM2-135M votes the verdict listed
+    # first whatever the answers (P(YES) 0.995 listed first, 0.016 listed second): a verdict the
+    # order decides is not a judgement, and must not pay (Eq. 6). Required with a reply prefix
+    # that opens the tag (the stop at "]]" would read a copied format line as a verdict)
+    verdict_order: Literal["fixed", "paired"] = "fixed"
 
 
 @dataclass
@@ -501,6 +506,11 @@ def check_config(cfg: Config) -> None:
         # the held-out check asked for, with nothing to check it on, would be off without a word
         ("log.verify_every", cfg.log.verify_every == 0 or d.verify_set != "",
          "0 with data.verify_set = \"\" (there is no item to check the verifier on)"),
+        # a vote cut at "]]" reads a copy of the reply-format line as the verdict listed first;
+        # in one order the copies would say YES to every answer, and Eq. 6 would pay it
+        ("bootstrap.verdict_order", cfg.bootstrap.verdict_order == "paired" or not vote_stop(cfg),
+         "\"paired\" with a bootstrap.verifier_reply_prefix that opens the verdict tag (departure "
+         "11: a vote that copies the format line must not pay)"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
          "\"\", \"que\", \"ver\" or \"que,ver\" (the responder always trains: §4.3's batch is "
          "its groups)"),
@@ -899,7 +909,8 @@ def questioner_reward(mean_responder_reward: float | None, *, well_formed: bool 
 def bootstrap_rewards(r: Rollout, cfg: Config) -> None:
     """Departure 11's two reward switches, on the training rewards only (Eq. 7 reads Eq. 6's r_i):
     a response with no final answer earns bootstrap.responder_format_penalty instead of Eq. 6's 0,
-    and a vote with no verdict tag bootstrap.verifier_format_penalty instead of Eq. 5's 0."""
+    and a vote with no verdict (read_votes) bootstrap.verifier_format_penalty instead of Eq. 5's
+    0."""
     b = cfg.bootstrap
     if b.responder_format_penalty:
         answered = [finished(c, cfg) and tasks.extract_answer(c.text, r.task) is not None
@@ -942,11 +953,13 @@ class Rollout:
     responses: list = field(default_factory=list)  # G Completions
     rules: list[float] = field(default_factory=list)  # R_rule per response (Eq. 6's reward)
     labels: list = field(default_factory=list)  # per response: rule_label, 1, 0 or None (§4.3)
-    # per response: per vote, the verifier prompt ids it saw (run_verifier); None if not verified
+    # per response: per reply, the verifier prompt ids it saw (run_verifier); None if not verified
     ver_prompts: list = field(default_factory=list)
-    # per response: G Completions (empty if not verified)
+    # per response: its votes' replies, G Completions (2G under bootstrap.verdict_order "paired",
+    # vote j = replies j and G + j); empty if not verified
     verdicts: list = field(default_factory=list)
     votes: list = field(default_factory=list)  # per response: G votes in {0, 1, None}
+    split: list = field(default_factory=list)  # per response: votes the order decided (split_votes)
     majorities: list = field(default_factory=list)  # per response: v_i (Eq. 4)
     # per response: Eq. 6's r_i before training-only penalties
     solved: list = field(default_factory=list)
@@ -1109,12 +1122,12 @@ def votes_per_response(cfg: Config) -> int:
     return cfg.rollout.votes_per_response or cfg.rollout.group_size
 
 
-def no_first_orders(cfg: Config, seed: int) -> list[bool]:
-    """Per vote of one response: does its prompt list [[NO]] first (bootstrap.verdict_order)?
-    Never under "fixed"; under "random" a fair coin per vote, drawn from the response's seed."""
-    if cfg.bootstrap.verdict_order == "fixed":
-        return [False] * votes_per_response(cfg)
-    return (np.random.default_rng(seed).random(votes_per_response(cfg)) < 0.5).tolist()
+def vote_orders(cfg: Config) -> list[bool]:
+    """Per reply of one answer's votes: does its prompt list [[NO]] first (bootstrap.verdict_order)?
+    "fixed": G replies, none of them; "paired": G replies with [[YES]] listed first, then G with
+    [[NO]] first, replies j and G + j making vote j (read_votes)."""
+    g = votes_per_response(cfg)
+    return [False] * g + ([True] * g if cfg.bootstrap.verdict_order == "paired" else [])
 
 
 def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
@@ -1129,35 +1142,57 @@ def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
 
 def sample_answer_votes(llm, cfg: Config, prompts: list[list[list[int]]], seeds: list[int],
                         desc: str = "verifier") -> list[list[Completion]]:
-    """Each answer's G votes, vote j sampled on prompts[k][j] (no_first_orders): one request of G
-    samples where the G prompts are one (verdict_order "fixed"), else one request a vote, each with
-    a seed of its own drawn from the answer's."""
+    """Each answer's replies, reply j sampled on prompts[k][j] (vote_orders): one request of G
+    samples per verdict order, so the replies come grouped by their prompt. Under "fixed" the
+    request has the answer's seed; under "paired" each of its two has a seed drawn from it."""
     if cfg.bootstrap.verdict_order == "fixed":
         return sample_votes(llm, cfg, [ps[0] for ps in prompts], seeds, desc=desc)
     g = votes_per_response(cfg)
-    vote_seeds = [s for k in range(len(prompts)) for s in request_seeds(seeds[k], count=g)]
-    each = sample_votes(llm, cfg, [p for ps in prompts for p in ps], vote_seeds, desc=desc, n=1)
-    return [[cs[0] for cs in each[k * g:(k + 1) * g]] for k in range(len(prompts))]
+    halves = [ps[h * g] for ps in prompts for h in (0, 1)]  # [[YES]] first, then [[NO]] first
+    half_seeds = [s for k in range(len(prompts)) for s in request_seeds(seeds[k], count=2)]
+    each = sample_votes(llm, cfg, halves, half_seeds, desc=desc)
+    return [each[2 * k] + each[2 * k + 1] for k in range(len(prompts))]
 
 
-def read_votes(verdicts: Sequence[Completion], cfg: Config) -> list[int | None]:
-    """v_ij of Eq. 4 for one answer's votes; a vote cut at its budget abstains, unless
+def reply_verdicts(replies: Sequence[Completion], cfg: Config) -> list[int | None]:
+    """Each reply's verdict (parse_verdict); a reply cut at its budget has none, unless
     reward.overlong = "keep"."""
-    return [parse_verdict(v.text) if finished(v, cfg) else None for v in verdicts]
+    return [parse_verdict(c.text) if finished(c, cfg) else None for c in replies]
+
+
+def read_votes(replies: Sequence[Completion], cfg: Config) -> list[int | None]:
+    """v_ij of Eq. 4 for one answer's votes: each reply's verdict; under bootstrap.verdict_order =
+    "paired" vote j is replies j and G + j, its verdict the one both give in either order, else an
+    abstention (departure 11: a verdict that follows the order listed is not a judgement)."""
+    said = reply_verdicts(replies, cfg)
+    if cfg.bootstrap.verdict_order == "fixed":
+        return said
+    g = len(said) // 2
+    return [first if first == second else None for first, second in zip(said[:g], said[g:])]
+
+
+def split_votes(replies: Sequence[Completion], cfg: Config) -> int:
+    """Votes of one answer whose two replies ("paired") both give a verdict, not the same one: the
+    order listed decided them (ver/order_split). 0 under "fixed"."""
+    if cfg.bootstrap.verdict_order == "fixed":
+        return 0
+    said = reply_verdicts(replies, cfg)
+    g = len(said) // 2
+    return sum(None not in (a, b) and a != b for a, b in zip(said[:g], said[g:]))
 
 
 def run_verifier(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[int]) -> None:
     """Verifying (lines 16-17): votes per response of the extracted vs reference answer (Eq. 4);
     G of them in the paper, rollout.votes_per_response here. r.ver_prompts[i][j] is the prompt
-    vote j saw: the same for all G (sampled together), unless bootstrap.verdict_order = "random"
-    lists the verdicts in its own order for each vote (then a request per vote)."""
-    jobs = []  # (rollout, response index)
+    reply j saw: the same for all G (sampled together), or under bootstrap.verdict_order =
+    "paired" G replies to the prompt listing [[YES]] first, then G to the one listing [[NO]]
+    first (vote_orders)."""
+    orders, jobs = vote_orders(cfg), []  # jobs: (rollout, response index)
     for r in (r for r in rollouts if r.status == "ok"):
         for i, c in enumerate(r.responses):
             predicted = tasks.extract_answer(c.text, r.task) if finished(c, cfg) else None
             # no answer to compare: the rule's 0 stands, nothing to verify
             if predicted is not None:
-                orders = no_first_orders(cfg, seeds[len(jobs)])
                 prompt = {flip: verifier_ids(tok, cfg, r.question, predicted, r.question["answer"],
                                              no_first=flip) for flip in set(orders)}
                 r.ver_prompts[i] = [prompt[flip] for flip in orders]
@@ -1171,14 +1206,18 @@ def score_votes(r: Rollout, cfg: Config) -> None:
     """Eq. 4-5 for one question: each response's votes (read_votes), their majority, the
     verifier's rewards and their agreement. With reward.judge = "rule" no verifier ran: no votes,
     no majority. With reward.no_majority = "mask" (CuMa), votes without a strict majority leave
-    their response unverified (majority None): r_i = R_rule (Eq. 6), no Eq. 5 reward, so the
-    votes never enter the batch (select_verifier); and a response so left that the rule does not
-    pass leaves the responder's batch too (r.masked), its reward unknown rather than 0."""
+    their response unverified (majority None): no Eq. 5 reward, so the votes never enter the
+    batch (select_verifier), and r_i = R_rule (Eq. 6). Where the verifier decides r_i (not
+    tasks.Task.rule_decides), such a response that the rule does not pass leaves the responder's
+    batch and Eq. 7's mean too (r.masked): its reward is unknown rather than 0. Where the rule
+    alone decides, its 0 is known, and the response stays."""
     r.votes = [read_votes(vs, cfg) for vs in r.verdicts]
+    r.split = [split_votes(vs, cfg) for vs in r.verdicts]
     r.majorities = [majority_vote(votes) for votes in r.votes]  # Eq. 4
     r.masked = [False] * len(r.votes)
     if cfg.reward.no_majority == "mask":
-        r.masked = [bool(v) and not strict_majority(v) and rule == 0
+        verifier_decides = not tasks.TASKS[r.task].rule_decides
+        r.masked = [verifier_decides and bool(v) and not strict_majority(v) and rule == 0
                     for v, rule in zip(r.votes, r.rules)]
         r.majorities = [m if strict_majority(v) else None for m, v in zip(r.majorities, r.votes)]
     r.ver_rewards = [verifier_rewards(v, m) for v, m in zip(r.votes, r.majorities)]  # Eq. 5
@@ -1216,7 +1255,13 @@ def score_rollouts(cfg: Config, rollouts: list[Rollout], history: HistoryMemory)
             continue
         score_votes(r, cfg)
         score_responses(r, cfg)
-        solve_rate = float(np.mean(r.solved))
+        # r-bar of Eq. 7 over the judged responses: one that reward.no_majority = "mask" left out
+        # has no known reward (judged_responses), so it counts neither as solved nor as 0
+        judged = [r.solved[i] for i in judged_responses(r)]
+        if not judged:  # no reward known: no signal, as when r-bar is 0 or 1 (Eq. 7)
+            r.que_reward = 0.0
+            continue
+        solve_rate = float(np.mean(judged))
         r.que_reward = questioner_reward(solve_rate, mapping=rc.questioner_mapping, mu=rc.mu,
                                          sigma=rc.sigma)  # Eq. 7
         # solvable (line 20: r_que > 0 under Eq. 7; SPICE's mapping also pays r = 0 and r = 1),
@@ -1292,13 +1337,15 @@ class Summary:
     ver_rewards: list[list[float] | None]
     res_lens: list[int]
     res_cut: list[bool]
-    abstained: list[int]  # per response: votes without a verdict tag
+    abstained: list[int]  # per response: votes without a verdict (no tag, or a split pair)
     ver_lens: list[list[int]]
     ver_cut: list[list[bool]]
     nonfinite_logprobs: int = 0  # of all its completions' tokens (Completion.nonfinite_logprobs)
     no_majority: int = 0  # responses whose votes have no strict majority (strict_majority)
     labels: list = field(default_factory=list)  # per response: rule_label, 1, 0 or None
     masked: list = field(default_factory=list)  # per response: out of the responder's batch
+    votes: list = field(default_factory=list)  # per response: its G votes (Rollout.votes)
+    split: list = field(default_factory=list)  # per response: votes the order decided (split_votes)
 
 
 def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
@@ -1323,7 +1370,7 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
                                                                 *(v for vs in r.verdicts
                                                                   for v in vs)]),
         no_majority=sum(bool(votes) and not strict_majority(votes) for votes in r.votes),
-        labels=r.labels, masked=r.masked)
+        labels=r.labels, masked=r.masked, votes=r.votes, split=r.split)
 
 
 @dataclass(frozen=True)
@@ -1338,7 +1385,7 @@ class TrainItem:
     length: int
     cut: bool  # the generation hit its role's budget
     i: int = 0  # responder sample (res, ver)
-    j: int = 0  # verifier vote (ver)
+    j: int = 0  # verifier reply (ver): vote j, or under verdict_order "paired" vote j % G
     weight: float = 0.0  # 1 / the loss normaliser (loss_weights)
     mini_batch: int = 0  # train.mini_batches: the optimiser step it trains in
 
@@ -1391,12 +1438,14 @@ def verifier_groups_to_keep(majorities: Sequence[int | None], labels: Sequence[i
                             abstentions: Sequence[int] | None = None,
                             consistent: bool = True) -> list[int]:
     """Verifier groups whose majority matches the rule's label (1, 0; None: undecided, no group)
-    and is not unanimous, capped (§4.3).
+    and is not unanimous, max_groups of them at random (§4.3); none when fewer are eligible: the
+    authors' code skips the verifier's update below its cap [code], and under Eq. 10's per-role
+    objective (departure 8) a lone group would carry the verifier's whole share of the update.
 
-    abstentions[i], given under bootstrap.verifier_format_penalty, counts group i's
-    votes without a tag: a group with abstentions and at least one vote agreeing with the majority
-    teaches the verdict format, so it is admitted whatever its agreement. consistent=False drops the
-    match with the rule (Table 2 "w/o update consistency").
+    abstentions[i], given under bootstrap.verifier_format_penalty, counts group i's votes without a
+    verdict: a group with abstentions and at least one vote agreeing with the majority teaches the
+    verdict format, so it is admitted whatever its agreement. consistent=False drops the match with
+    the rule (Table 2 "w/o update consistency").
     """
     lo, hi = agreement_range
     abstentions = abstentions if abstentions is not None else [0] * len(majorities)
@@ -1406,8 +1455,9 @@ def verifier_groups_to_keep(majorities: Sequence[int | None], labels: Sequence[i
         trainable = lo <= a <= hi or (n > 0 and a > 0)
         if v is not None and consistent_with_rule and trainable:
             eligible.append(i)
-    take = min(max_groups, len(eligible))
-    return sorted(rng.choice(eligible, size=take, replace=False).tolist()) if take else []
+    if not max_groups or len(eligible) < max_groups:
+        return []
+    return sorted(rng.choice(eligible, size=max_groups, replace=False).tolist())
 
 
 def frozen_roles(cfg: Config) -> list[str]:
@@ -1499,13 +1549,14 @@ def select_questioner(summaries: list[Summary], solved: set[tuple[int, int]], cf
 def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
                     rng: np.random.Generator) -> tuple[list[TrainItem], dict]:
     """§4.3 for the verifier: one group per (question, response) whose majority agrees with the
-    rule's label (rule_label: a response it cannot decide labels nothing), capped at
-    reward.verifier_share of the responder trajectories [code]; each vote with its Eq. 8
-    advantage within its group. Returns the items and their counts for the log."""
+    rule's label (rule_label: a response it cannot decide labels nothing), as many as make
+    reward.verifier_share of the responder trajectories, or none [code]; each vote with its Eq. 8
+    advantage within its group, which both its replies train with under bootstrap.verdict_order =
+    "paired". Returns the items and their counts for the log."""
     candidates = [(s, i) for s in summaries if s.status == "ok"
                   for i in range(len(s.majorities)) if s.ver_rewards[i] is not None]
-    votes = votes_per_response(cfg)
-    max_groups = int(cfg.reward.verifier_share * res_groups * cfg.rollout.group_size) // votes
+    replies = len(vote_orders(cfg))  # a group's trajectories: G votes, 2G replies when paired
+    max_groups = int(cfg.reward.verifier_share * res_groups * cfg.rollout.group_size) // replies
     abstained = None
     if cfg.bootstrap.verifier_format_penalty:
         abstained = [s.abstained[i] for s, i in candidates]
@@ -1519,8 +1570,11 @@ def select_verifier(summaries: list[Summary], res_groups: int, cfg: Config,
                                  [s.task for s, _ in groups], cfg.train.advantage)
     items = []
     for (s, i), group in zip(groups, advantages):
-        for j, a in enumerate(group):  # Eq. 8 within the response's group of votes
-            items.append(TrainItem(rank=s.rank, idx=s.idx, role="ver", i=i, j=j, advantage=a,
+        # Eq. 8 within the response's group of votes; reply j is vote j % G's (read_votes), and
+        # the replies come grouped by their prompt, so shared-prefix packing encodes each once
+        for j in range(len(s.ver_lens[i])):
+            items.append(TrainItem(rank=s.rank, idx=s.idx, role="ver", i=i, j=j,
+                                   advantage=group[j % len(group)],
                                    group=("ver", s.rank, s.idx, i), length=s.ver_lens[i][j],
                                    cut=s.ver_cut[i][j]))
     return items, {"ver_groups": len(keep), "ver_candidates": len(candidates)}
@@ -1555,6 +1609,7 @@ def select_batch(summaries: list[Summary], cfg: Config, rng: np.random.Generator
     res_masked = sum(len(s.selection) for s in summaries if (s.rank, s.idx) in solved) - len(res)
     counts = {"res_groups": len(solved), "res_masked": res_masked, **que_counts, **ver_counts,
               "sequences": len(items),
+              **{f"{role}_sequences": sum(it.role == role for it in items) for role in ROLES},
               "aepo_masking": int(aepo_masking), "aepo_masked": len(trainable) - len(kept)}
     if "que" not in trained:
         counts.update(que_pos=0, que_floor=0, que_neg=0, que_all_or_none=0, que_all_or_none_adv=0.0)
@@ -2321,6 +2376,9 @@ def responder_metrics(ok: list[Summary], counts: dict) -> dict:
         # training-only penalties: pass@1 on the questioner's valid questions (1 - this is
         # Figure 4's difficulty)
         "res/solve_rate": mean([x for s in ok for x in s.solved]),
+        # share of the responses paid by the votes alone (r_i = 1, R_rule = 0)
+        "res/paid_without_rule": mean([x == 1 and rule == 0 for s in ok
+                                       for x, rule in zip(s.solved, s.rules)]),
         "res/all_solved": sum(min(s.solved) == 1 for s in ok),
         "res/none_solved": sum(max(s.solved) == 0 for s in ok),
         # groups whose training rewards vary by length shaping alone (never kept, departure 14)
@@ -2334,9 +2392,13 @@ def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
     """ver/: the votes (Eq. 4), how often their majority agrees with the rule, the kept groups."""
     decided = [(m, r) for s in ok for m, r in zip(s.majorities, s.rules) if m is not None]
     verified = sum(len(s.majorities) for s in ok)
-    votes = sum(len(ns) for s in ok for ns in s.ver_lens)
+    votes = sum(len(vs) for s in ok for vs in s.votes)
     abstained = sum(n for s in ok for n in s.abstained)
     voted = sum(bool(ns) for s in ok for ns in s.ver_lens)  # responses with votes
+    # the voted responses the rule did not pay where the votes may pay them (Eq. 6; not where the
+    # rule alone decides, departure 13), and whether they were paid
+    payable = [x for s in ok if not tasks.TASKS[s.task].rule_decides
+               for x, rule, vs in zip(s.solved, s.rules, s.votes) if vs and rule == 0]
     return {
         "ver/majority_rate": len(decided) / max(verified, 1),
         # share of voted responses without a strict majority (a tie, or too many abstentions):
@@ -2345,8 +2407,14 @@ def verifier_metrics(ok: list[Summary], counts: dict) -> dict:
         "ver/agrees_with_rule": mean([m == r for m, r in decided]),
         "ver/kept_groups": counts["ver_groups"],
         "ver/candidates": counts["ver_candidates"],
-        # share of votes that carry a verdict tag (the rest abstain)
+        # share of votes with a verdict (the rest abstain): a tag, and under
+        # bootstrap.verdict_order = "paired" the same one in both orders
         "ver/tagged": 1 - abstained / votes if votes else 0.0,
+        # share of votes whose two replies ("paired") gave opposite verdicts: the order decided
+        "ver/order_split": sum(n for s in ok for n in s.split) / votes if votes else 0.0,
+        # the share of those the rule did not pass that the majority paid: what the verifier adds
+        # to the responder's reward (a wrong answer paid shows here too: ver/gold_yes_on_wrong)
+        "ver/paid_without_rule": mean(payable),
         "ver/truncated": mean([c for s in ok for cs in s.ver_cut for c in cs]),
     }
 
@@ -2398,6 +2466,9 @@ def step_metrics(flat: list[Summary], counts: dict, train: dict, times: dict) ->
     ok = [s for s in flat if s.status == "ok"]
     return {**questioner_metrics(flat, counts), **responder_metrics(ok, counts),
             **verifier_metrics(ok, counts), **train_metrics(train, counts["sequences"]),
+            # what each role trained on: its sequences in the update (after §4.3's selection,
+            # frozen roles, empty or masked outputs and AEPO)
+            **{f"train/{role}_sequences": counts[f"{role}_sequences"] for role in ROLES},
             # AEPO: whether it masked this step's batch (0/1), and how many samples it took out
             "train/aepo_masking": counts["aepo_masking"],
             "train/aepo_masked": counts["aepo_masked"],
@@ -2415,15 +2486,18 @@ def log_line(step: int, steps: int, m: dict) -> str:
     que = (f"| que r {m['que/reward']:+.2f} fmt {m['que/format_error']:.0%} "
            f"ungr {m['que/ungrounded']:.0%} "
            f"pos {m['que/pos']}+{m['que/floor']} neg {m['que/neg']} " if "perf/que_s" in m else "")
-    ver = (f"| ver maj {m['ver/majority_rate']:.0%} =rule {m['ver/agrees_with_rule']:.0%} "
+    ver = (f"| ver judged {m['ver/tagged']:.0%} maj {m['ver/majority_rate']:.0%} "
+           f"=rule {m['ver/agrees_with_rule']:.0%} paid {m['ver/paid_without_rule']:.0%} "
            f"kept {m['ver/kept_groups']} "
            if "perf/ver_s" in m else "")
+    trained = " ".join(f"{role} {m[f'train/{role}_sequences']}" for role in ROLES
+                       if role == "res" or f"perf/{role}_s" in m)
     return (f"step {step}/{steps} {que}"
             f"| res r {m['res/reward']:.2f} kept {m['res/kept_groups']}/{m['res/groups']} "
             f"len {m['res/length']:.0f} {ver}{gold_summary(m)}"
             # draws whose prompt outgrew rollout.max_prompt_tokens: played by no role
             + (f"| skipped {m['que/skipped']} (prompt too long) " if m["que/skipped"] else "")
-            + f"| train {m['train/sequences']} seq loss {m.get('train/loss', 0):+.4f} "
+            + f"| train {m['train/sequences']} seq ({trained}) loss {m.get('train/loss', 0):+.4f} "
             f"gn {m.get('train/grad_norm', 0):.3f} "
             f"| rollout {m['perf/rollout_s']:.0f}s ({phases}) update {m['perf/update_s']:.0f}s "
             f"sync {m['perf/sync_s']:.1f}s")
@@ -2439,7 +2513,7 @@ def sample_table(rollouts: list, k: int = 2) -> str:
                     f"    A: {r.question['answer']!r} | r_que {r.que_reward:+.3f}")
         for i, c in enumerate(r.responses[:4]):
             rows.append(f"    y{i}: {c.text[-160:]!r} | rule {r.rules[i]:.0f} "
-                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:.0f}")
+                        f"votes {r.votes[i]} -> r {r.res_rewards[i]:+.2g}")
     return "\n".join(rows)
 
 

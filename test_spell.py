@@ -1331,7 +1331,8 @@ def test_the_filter_takes_no_label_from_a_sentence(monkeypatch):
     now the sentence labels nothing, and only the groups of the wrong answers ("red", label 0)
     train."""
     cfg = spell.Config()
-    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 4.0
+    # a cap of 2 groups (verifier_share x 1 responder group x G / G): the 2 eligible ones
+    cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 2.0
     script = {**SELF_PLAY_SCRIPT,
               "responder": [("The correct answer is: it was painted blue.", "stop"),
                             ("The correct answer is red.", "stop"),
@@ -1507,6 +1508,68 @@ def test_no_majority_mask_differs_from_keep_under_the_papers_recipe():
         want = {i: ((1.0 if i == 0 else 0.0) - 1 / n) / (std + 1e-6) for i in adv}
         assert adv == pytest.approx(want, rel=1e-5)
     assert set(keep_adv) == set(range(8)) and set(mask_adv) == {0, *range(2, 8)}
+
+
+QUESTIONS = {"doc_qa": {"question": "Which colour?", "answer": "blue"},
+             "fin_math": {"question": "How many?", "answer": "25"},
+             "doc_mc": {"question": "Which?", "answer": "A",
+                        "options": {"A": "one", "B": "two", "C": "three", "D": "four"}}}
+
+
+def scored_votes(cfg, task: str, rules: list[float], votes: list[list[int | None]],
+                 history: HistoryMemory | None = None) -> spell.Rollout:
+    """One valid question of `task` whose responses the rule scored `rules` and the verifier voted
+    `votes` on (votes_of), through score_rollouts."""
+    r = spell.Rollout(GATE, task, [0], [1], question=QUESTIONS[task], status="ok", rules=rules,
+                      labels=[int(x) for x in rules], new_doc_ids=[0],
+                      responses=[spell.Completion([5] * 3, "y", None, "stop")] * len(rules),
+                      ver_prompts=[[1]] * len(rules), verdicts=[votes_of(*v) for v in votes])
+    spell.score_rollouts(cfg, [r], history or HistoryMemory(3))
+    return r
+
+
+@pytest.mark.parametrize("task", ["doc_qa", "fin_math", "doc_mc"])
+def test_no_majority_mask_masks_only_where_the_verifier_decides(task):
+    """reward.no_majority = "mask" leaves a tied response out of the responder's group because its
+    reward is unknown: Eq. 6's max could have paid it. For fin_math and doc_mc the rule alone
+    decides r_i (departure 13), so the tied response's 0 is known: it stays in the group (before,
+    it was dropped there too). Its votes still have no majority, so they never train."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4", "--reward.no_majority=mask"])
+    r = scored_votes(cfg, task, [1.0, 0.0, 0.0, 0.0],
+                     [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]])
+    verifier_decides = task == "doc_qa"
+    assert r.masked == [False, verifier_decides, False, False]
+    assert r.majorities == [1, None, 0, 0] and r.ver_rewards[1] is None
+    assert r.solved == [1.0, 0.0, 0.0, 0.0]
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    assert {it.i for it in items if it.role == "res"} == ({0, 2, 3} if verifier_decides
+                                                            else {0, 1, 2, 3})
+    assert counts["res_masked"] == int(verifier_decides)
+    # Eq. 7 over the judged responses: 1 of 3 (doc_qa) or 1 of 4
+    rate = 1 / 3 if verifier_decides else 1 / 4
+    assert r.que_reward == pytest.approx(spell.gaussian_mapping(rate, 0.5, 0.5 / 3))
+
+
+def test_eq7_mean_under_mask_is_over_the_judged_responses():
+    """Eq. 7's r-bar and the history push under reward.no_majority = "mask", worked by hand (doc_qa,
+    G = 4): responses 0 and 1 are solved (the rule; a 3-1 YES majority), responses 2 and 3 tie 2-2
+    with the rule at 0, so they are masked, their reward unknown. Over the judged two r-bar = 1:
+    everybody solved it, r_que = 0 and no history entry. Counting the masked ones as 0 gave
+    r-bar = 2/4 = 0.5, the Gaussian's peak r_que = 1.0, and a history entry. With response 1 a
+    3-1 NO instead, r-bar = 1/2 and r_que = 1.0 (0 counted: 1/4, exp(-(1/4)^2 / (2 (1/6)^2)) =
+    exp(-9/8) = 0.325); with all four tied, no reward is known: r_que = 0, no entry."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4", "--reward.no_majority=mask"])
+    tie, yes, no = [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]
+    history = HistoryMemory(3)
+    r = scored_votes(cfg, "doc_qa", [1.0, 0.0, 0.0, 0.0], [yes, yes, tie, tie], history)
+    assert r.masked == [False, False, True, True] and r.solved == [1.0, 1.0, 0.0, 0.0]
+    assert r.que_reward == 0.0 and history.get(GATE.id, "doc_qa") == []
+    r = scored_votes(cfg, "doc_qa", [1.0, 0.0, 0.0, 0.0], [yes, no, tie, tie], history)
+    assert r.que_reward == pytest.approx(1.0) and len(history.get(GATE.id, "doc_qa")) == 1
+    assert spell.gaussian_mapping(0.25, 0.5, 0.5 / 3) == pytest.approx(math.exp(-9 / 8))
+    history = HistoryMemory(3)
+    r = scored_votes(cfg, "doc_qa", [0.0] * 4, [tie] * 4, history)
+    assert r.masked == [True] * 4 and r.que_reward == 0.0 and history.get(GATE.id, "doc_qa") == []
 
 
 def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
@@ -1789,8 +1852,10 @@ def test_a_vote_ends_where_the_reply_prefix_s_tag_closes(monkeypatch, prefix, st
     "]]": the vote is the tag's word, read by parse_verdict (SmolLM2-135M copied the prompt's format
     line "[[YES]] or [[NO]]" after the prefix otherwise, docs/cpu-runs.md). No other phase stops
     early, and without such a prefix the verifier does not either."""
+    order = "paired" if stop else "fixed"  # a prefix that opens the tag needs "paired"
     cfg = spell.load_config(None, ["--rollout.group_size=4",
-                                   f"--bootstrap.verifier_reply_prefix={prefix}"])
+                                   f"--bootstrap.verifier_reply_prefix={prefix}",
+                                   f"--bootstrap.verdict_order={order}"])
     engine = BudgetRecorder(dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")]))
     monkeypatch.setattr(spell, "generate", engine)
     spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
@@ -2061,17 +2126,22 @@ def test_questioner_floor_teaches_the_format_when_nothing_else_trains():
 
 
 def test_verifier_groups_to_keep():
+    """§4.3's filter, then the cap [code]: the cap's number of eligible groups drawn at random, and
+    none when fewer are eligible (the authors' code skips the verifier's update below its cap;
+    before, 3 eligible groups under a cap of 4 or 10 all trained)."""
     maj = [1, 0, 1, None, 1, 0]
     rule = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     agree = [0.75, 0.625, 0.75, 0.0, 1.0, 0.875]
-    eligible = verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0))
+    eligible = verifier_groups_to_keep(maj, rule, agree, 3, np.random.default_rng(0))
     assert eligible == [0, 1, 5]  # 2: disagrees with rule, 3: no majority, 4: unanimous
     capped = verifier_groups_to_keep(maj, rule, agree, 2, np.random.default_rng(1))
     assert len(capped) == 2 and set(capped) <= {0, 1, 5}
+    for cap in (0, 4, 10):  # no cap, or fewer eligible groups than it: no verifier update
+        assert verifier_groups_to_keep(maj, rule, agree, cap, np.random.default_rng(0)) == []
     # bootstrapping: group 6 (2 of 4 agree, 2 abstain) joins; group 7 abstained but no vote agreed
     maj, rule, agree = maj + [0, 0], rule + [0.0, 0.0], agree + [0.5, 0.0]
-    assert verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0)) == [0, 1, 5]
-    taught = verifier_groups_to_keep(maj, rule, agree, 10, np.random.default_rng(0),
+    assert verifier_groups_to_keep(maj, rule, agree, 3, np.random.default_rng(0)) == [0, 1, 5]
+    taught = verifier_groups_to_keep(maj, rule, agree, 4, np.random.default_rng(0),
                                      abstentions=[0] * 6 + [2, 4])
     assert taught == [0, 1, 5, 6]
 
@@ -2089,15 +2159,16 @@ class FirstListedVerdict(ScriptedRollouts):
         return [[spell.Completion([7] * 3, f"{v}]]", None, "stop")] * n for v in first]
 
 
-@pytest.mark.parametrize("order", ["fixed", "random"])
-def test_votes_that_copy_the_first_listed_verdict_teach_only_in_random_order(monkeypatch, order):
-    """bootstrap.verdict_order. A verifier that votes whichever verdict is listed first never
-    disagrees with itself under "fixed" (all YES): no group is kept, whatever the labels. Under
-    "random" each vote's prompt lists them in its own order (a fair coin per vote, drawn from the
-    response's seed: the same on a rerun), one request per vote; the votes split, and a group
-    whose majority matches the rule's label is kept, its votes' advantages teaching that verdict."""
+@pytest.mark.parametrize("order", ["fixed", "paired"])
+def test_votes_that_copy_the_first_listed_verdict_never_pay(monkeypatch, order):
+    """bootstrap.verdict_order. A verifier that votes whichever verdict is listed first says YES to
+    every answer under "fixed": each group unanimous (none kept), and Eq. 6's max pays the three
+    wrong answers, which is why a reply prefix that opens the tag requires "paired". Under
+    "paired" each answer's G votes are two requests of G replies, [[YES]] listed first, then
+    [[NO]] first; vote j (replies j and G + j) says YES and NO, so every vote abstains (its order
+    decided it: ver/order_split), nothing is paid, and no group is kept."""
     cfg = spell.Config()
-    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 1.0
+    cfg.rollout.group_size, cfg.reward.verifier_share = 4, 2.0
     cfg.bootstrap.verifier_reply_prefix, cfg.bootstrap.verdict_order = "Decision: [[", order
     script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
                               "stop")],
@@ -2106,34 +2177,136 @@ def test_votes_that_copy_the_first_listed_verdict_teach_only_in_random_order(mon
                            + [("The correct answer is red.", "stop")] * 3}
     cluster = spell.Cluster("c", "doc_qa",
                             ["The north gate was painted blue.", "The keeper kept goats."])
-    kept, orders = 0, []
-    for round_ in range(8):
-        monkeypatch.setattr(spell, "generate", scripted := FirstListedVerdict(script))
-        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
-                                  HistoryMemory(3), np.random.default_rng(0),
-                                  key=(0, 1, 0, round_))
-        assert r.labels == [1, 0, 0, 0]  # the gold alone: right; red: the gold is not in it
-        verifier_calls = [c for c in scripted.calls if c[0] == "verifier"]
-        texts = [["".join(map(chr, p)) for p in ps] for ps in r.ver_prompts]
-        no_first = [["Decision: [[NO]] or [[YES]]" in t for t in ts] for ts in texts]
-        assert r.votes == [[0 if f else 1 for f in fs] for fs in no_first]
-        if order == "fixed":
-            assert verifier_calls == [("verifier", 4, 4)] and not any(map(any, no_first))
-        else:
-            assert verifier_calls == [("verifier", 16, 1)]
-            orders.append(no_first)
-        items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
-        for it in (it for it in items if it.role == "ver"):
-            agrees = r.votes[it.i][it.j] == r.labels[it.i]
-            assert (it.advantage > 0) == agrees, it
-        kept += counts["ver_groups"]
+    monkeypatch.setattr(spell, "generate", scripted := FirstListedVerdict(script))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
+                              HistoryMemory(3), np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.labels == [1, 0, 0, 0]  # the gold alone: right; red: the gold is not in it
+    verifier_calls = [c for c in scripted.calls if c[0] == "verifier"]
+    texts = [["".join(map(chr, p)) for p in ps] for ps in r.ver_prompts]
+    no_first = [["Decision: [[NO]] or [[YES]]" in t for t in ts] for ts in texts]
     if order == "fixed":
-        assert kept == 0
+        assert verifier_calls == [("verifier", 4, 4)] and no_first == [[False] * 4] * 4
+        assert r.votes == [[1] * 4] * 4 and r.solved == [1.0] * 4 and r.split == [0] * 4
     else:
-        assert kept > 0 and any(map(any, (o for run in orders for o in run)))
-        assert len({str(o) for o in orders}) > 1  # each round's seeds draw other orders
-        # the same seeds, the same orders
-        assert spell.no_first_orders(cfg, 12345) == spell.no_first_orders(cfg, 12345)
+        assert verifier_calls == [("verifier", 8, 4)]  # 4 answers x 2 orders, 4 replies each
+        assert no_first == [[False] * 4 + [True] * 4] * 4
+        assert r.votes == [[None] * 4] * 4 and r.split == [4] * 4
+        assert r.solved == [1.0, 0.0, 0.0, 0.0]  # the rule's alone
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    assert counts["ver_groups"] == 0 and not [it for it in items if it.role == "ver"]
+    m = spell.step_metrics([spell.summarize(r)], counts, {}, {})
+    assert m["ver/order_split"] == (1.0 if order == "paired" else 0.0)
+    assert m["ver/paid_without_rule"] == (1.0 if order == "fixed" else 0.0)  # 3 of 3 payable
+    assert m["res/paid_without_rule"] == (0.75 if order == "fixed" else 0.0)  # of 4 responses
+    with pytest.raises(infra.ConfigError, match=r'^bootstrap\.verdict_order must be "paired" '):
+        spell.check_config(dataclasses.replace(
+            cfg, bootstrap=dataclasses.replace(cfg.bootstrap, verdict_order="fixed")))
+
+
+class JudgingVerifier(ScriptedRollouts):
+    """A verifier that judges (YES when Answer 1 holds Answer 2's word), except that the first
+    reply of every request listing [[YES]] first copies that verdict."""
+
+    def __call__(self, llm, prompts, *, n, desc="", **kw):
+        if desc != "verifier":
+            return super().__call__(llm, prompts, n=n, desc=desc, **kw)
+        self.calls.append((desc, len(prompts), n))
+        outs = []
+        for p in prompts:
+            text = "".join(map(chr, p))
+            answer, reference = re.findall(r"- Answer [12]: ⟦([^⟧]*)⟧", text)
+            judged = "YES" if reference in answer else "NO"
+            yes_first = "Decision: [[YES]] or [[NO]]" in text
+            outs.append([spell.Completion([7] * (3 + j),
+                                          f"{'YES' if yes_first and j == 0 else judged}]]", None,
+                                          "stop") for j in range(n)])
+        return outs
+
+
+def test_a_paired_vote_counts_where_both_orders_agree_and_trains_as_a_pair(monkeypatch):
+    """bootstrap.verdict_order = "paired" with a verifier that judges, but for one reply a request
+    that copies [[YES]] from the format line. Responses: "blue" (the gold: rule 1), "the colour
+    blue" (right; the rule misses it, no label), "red" twice (wrong, label 0). Vote 0 of a red
+    answer is (copied YES, NO): it abstains; votes 1-3 say NO in both orders, so the majority is NO
+    with agreement 3/4, and "the colour blue" is paid by its four YES votes. The cap (share 4.0 x
+    1 responder group x G = 4 trajectories, over 2G = 8 a group) is the two red groups; each vote's
+    two replies train with its Eq. 8 advantage (the abstention's below 0, the others above), and
+    listed by their prompt: shared-prefix packing encodes each group's two prompts once each."""
+    cfg = spell.load_config(None, ["--rollout.group_size=4", "--reward.verifier_share=4.0",
+                                   "--bootstrap.verifier_reply_prefix=Decision: [[",
+                                   "--bootstrap.verdict_order=paired",
+                                   "--rollout.grounding_filter=false"])
+    script = dict(SELF_PLAY_SCRIPT, responder=[
+        ("The correct answer is blue.", "stop"), ("The correct answer is the colour blue.", "stop"),
+        ("The correct answer is red.", "stop"), ("The correct answer is red.", "stop")])
+    monkeypatch.setattr(spell, "generate", JudgingVerifier(script))
+    [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
+                              np.random.default_rng(0), key=(0, 1, 0, 0))
+    assert r.rules == [1.0, 0.0, 0.0, 0.0] and r.labels == [1, None, 0, 0]
+    assert r.votes == [[1] * 4, [1] * 4, [None, 0, 0, 0], [None, 0, 0, 0]]
+    assert r.split == [0, 0, 1, 1] and r.majorities == [1, 1, 0, 0]
+    assert r.solved == [1.0, 1.0, 0.0, 0.0]  # the verifier pays the right paraphrase, no wrong one
+    items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
+    ver = [it for it in items if it.role == "ver"]
+    assert counts["ver_groups"] == 2 and {it.i for it in ver} == {2, 3}
+    assert [it.j for it in ver] == list(range(8)) * 2
+    # Eq. 5 rewards [0, 1, 1, 1] (the abstention: 0), Eq. 8 over the 4 votes: (r - 0.75) / std
+    z = (1 - 0.75) / math.sqrt(0.75 * 0.25 * 4 / 3)
+    for it in ver:
+        assert it.advantage == pytest.approx(-3 * z if it.j % 4 == 0 else z, rel=1e-5), it
+    seqs = spell.training_sequences(ver, [r], rank=0)
+    units, split = spell.packing_units(seqs, shared=True, budget=10 ** 6)
+    distinct = {(it.i, tuple(s.prompt)) for it, s in zip(ver, seqs)}
+    assert len(units) == len(distinct) == 4 and split == 0  # each prompt encoded once
+
+
+class FormatLineCopier(ScriptedRollouts):
+    """What SmolLM2-135M does as verifier behind bootstrap.verifier_reply_prefix (issue 42 §1):
+    after "Decision: [[" it copies the rest of its prompt's reply-format line ("YES]] or [[NO]]",
+    or "NO]] or [[YES]]"), and the stop strings it is given (vote_stop: "]]") cut the copy where
+    they first occur, as vLLM does, the stop kept in the text."""
+
+    def __call__(self, llm, prompts, *, n, stop=(), desc="", **kw):
+        if "verifier" not in desc:
+            return super().__call__(llm, prompts, n=n, stop=stop, desc=desc, **kw)
+        self.calls.append((desc, len(prompts), n))
+        outs = []
+        for p in prompts:
+            text = "".join(map(chr, p))
+            assert text.endswith("Decision: [[")  # the reply prefix, as prompt
+            copy = re.findall(r"Decision: \[\[(\w+\]\] or \[\[\w+\]\])", text)[-1]
+            ends = [copy.index(s) + len(s) for s in stop if s in copy]
+            copy = copy[:min(ends)] if ends else copy
+            outs.append([spell.Completion([7] * len(copy), copy, None, "stop")] * n)
+        return outs
+
+
+def test_a_bootstrapped_verifier_that_copies_the_format_line_pays_no_wrong_answer(monkeypatch):
+    """Issue 42 §1: under the quickstart's bootstrap (presets/demo.toml) a vote that copies the
+    prompt's format line, cut at "]]", reads as the verdict listed first; with the order drawn per
+    vote the majority of G = 4 was a coin draw, and Eq. 6's max paid P(Bin(4, 1/2) >= 3) = 5/16 of
+    the wrong doc_qa answers (31.2 % expected; 400 trials x 4 wrong answers measured 29.7 % in the
+    issue). A vote that does not judge must pay nothing: 0 of the 1,600."""
+    cfg = spell.load_config(str(REPO / "presets" / "demo.toml"))
+    script = {"questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
+                              "stop")],
+              "grounding": [("I cannot tell without the text.", "stop")],
+              "responder": [("The correct answer is red.", "stop")]}
+    cluster = spell.Cluster("c", "doc_qa",
+                            ["The north gate was painted blue.", "The keeper kept goats."])
+    paid = yes_votes = votes = 0
+    for trial in range(400):
+        monkeypatch.setattr(spell, "generate", FormatLineCopier(script))
+        [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
+                                  HistoryMemory(3), np.random.default_rng(trial),
+                                  key=(0, 1, 0, trial))
+        assert r.status == "ok" and r.rules == [0.0] * 4 and r.labels == [0] * 4
+        paid += sum(r.solved)
+        yes_votes += sum(v == 1 for vs in r.votes for v in vs)
+        votes += sum(len(vs) for vs in r.votes)
+    assert votes == 4 * 1600  # every answer was voted on, G = 4 times
+    assert paid == 0, f"{paid:.0f} of 1,600 wrong answers paid ({paid / 1600:.1%})"
+    assert yes_votes == 0  # no copy reads as a YES
 
 
 @pytest.mark.parametrize("penalty", [0.0, -0.5])
@@ -2240,8 +2413,8 @@ def test_consistency_filter_off_keeps_majorities_that_contradict_the_rule():
     says YES to an answer the rule rejects becomes trainable; agreement bounds still hold."""
     majorities, rules, agreements = [1, 1, 0, 1], [0.0, 1.0, 1.0, 0.0], [0.75, 0.75, 0.75, 1.0]
     rng = lambda: np.random.default_rng(0)  # noqa: E731
-    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng()) == [1]
-    assert verifier_groups_to_keep(majorities, rules, agreements, 10, rng(),
+    assert verifier_groups_to_keep(majorities, rules, agreements, 1, rng()) == [1]
+    assert verifier_groups_to_keep(majorities, rules, agreements, 3, rng(),
                                    consistent=False) == [0, 1, 2]
 
 
@@ -3395,10 +3568,11 @@ def test_log_line_shows_the_roles_that_ran():
     line = spell.log_line(1, 2, m)
     assert line.startswith("step 1/2 | que r -0.25 fmt 50% ungr 0% pos 1+0 neg 1 "
                            "| res r 0.25 kept 1/1 len 25 "
-                           "| ver maj 75% =rule 100% kept 1 | train 9 seq")
+                           "| ver judged 94% maj 75% =rule 100% paid 0% kept 1 "
+                           "| train 9 seq (que 2 res 4 ver 3)")
     rlvr = spell.log_line(1, 2, {k: v for k, v in m.items()
                                  if k not in ("perf/que_s", "perf/ground_s", "perf/ver_s")})
-    assert (rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq")
+    assert (rlvr.startswith("step 1/2 | res r 0.25 kept 1/1 len 25 | train 9 seq (res 4) loss")
             and "(res 0)" in rlvr)
 
 
@@ -3428,6 +3602,19 @@ def test_log_step_adds_the_sample_table_and_says_when_nothing_trained(tmp_path, 
     assert "| drew 2 of 4: the QA set has no more questions" in capsys.readouterr().out
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(row)["step"] for row in rows] == [1, 2, 3, 4]
+
+
+def test_the_sample_table_prints_each_training_reward_as_it_is():
+    """The sample table's "-> r": the bootstrap's -0.5 (an answer without the asked-for format)
+    read "-0" before, a 1 and a 0 as "1" and "0"; DAPO's shaped rewards keep two digits."""
+    cluster = spell.Cluster("c", "doc_qa", ["The gate was blue."])
+    answer = spell.Completion([1], "I think blue.", None, "stop")
+    rollout = spell.Rollout(cluster, "doc_qa", [0], [1], status="ok",
+                            question={"question": "Colour?", "answer": "blue"},
+                            responses=[answer] * 4, rules=[1.0, 0.0, 0.0, 0.0], votes=[[]] * 4,
+                            res_rewards=[1.0, 0.0, -0.5, 0.8333])
+    rows = [row for row in spell.sample_table([rollout]).splitlines() if row.startswith("    y")]
+    assert [row.rsplit("-> r ", 1)[1] for row in rows] == ["+1", "+0", "-0.5", "+0.83"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3467,7 +3654,7 @@ def test_gold_warning_above_the_bound_and_the_console_line():
     assert spell.gold_warning(3, logged_metrics(3), 0.0) is None  # the check did not run
     # the step's console line shows the check where it ran, between the verifier and the update
     assert "| gold" not in spell.log_line(1, 2, logged_metrics(1))
-    assert ("kept 1 | gold acc 67% yes|wrong 25% no|right 50% tagged 67% | train 9 seq"
+    assert ("kept 1 | gold acc 67% yes|wrong 25% no|right 50% tagged 67% | train 9 seq ("
             in spell.log_line(1, 2, {**logged_metrics(1), **held_out_metrics()}))
 
 
@@ -3488,20 +3675,24 @@ def test_log_step_writes_the_held_out_metrics_and_warns(tmp_path, capsys):
     assert "ver/gold_accuracy" not in rows[2]  # step 2: no check
 
 
-def test_the_held_out_check_lists_the_verdicts_in_each_votes_order_as_training_does(monkeypatch):
-    """bootstrap.verdict_order = "random": the held-out check samples each vote on its own prompt,
-    listing the verdicts in the order no_first_orders draws from the item's seed, one request a
-    vote, as run_verifier does in training (the check measured only the YES-first prompt before;
-    SmolLM2 votes whichever verdict is listed first, docs/cpu-runs.md)."""
-    cfg = spell.load_config(None, ["--bootstrap.verdict_order=random",
+def test_the_held_out_check_pairs_the_verdict_orders_as_training_does(monkeypatch):
+    """bootstrap.verdict_order = "paired": the held-out check samples each item's votes as
+    run_verifier does, G replies to the prompt listing [[YES]] first and G to the one listing
+    [[NO]] first, each request with a seed drawn from the item's; vote j is replies j and G + j,
+    and a vote whose two replies differ abstains (here: every reply copies the first listed, so no
+    item gets a YES majority). Before the pairs the check drew an order per vote, one request a
+    vote; before that it measured only the YES-first prompt (docs/cpu-runs.md)."""
+    cfg = spell.load_config(None, ["--bootstrap.verdict_order=paired",
                                    "--bootstrap.verifier_reply_prefix=Decision: [["])
     cfg.rollout.group_size = 4
     items = gold_items()
     calls = []
 
     def generate(llm, prompts, *, n, seeds, desc="", **_):
-        calls.append((["".join(map(chr, p)) for p in prompts], seeds, n))
-        return [[spell.Completion([7], "NO]]", None, "stop")] * n for _ in prompts]
+        texts = ["".join(map(chr, p)) for p in prompts]
+        calls.append((texts, seeds, n))
+        return [[spell.Completion([7], "NO]]" if "[[NO]] or [[YES]]" in t else "YES]]", None,
+                                  "stop")] * n for t in texts]
 
     monkeypatch.setattr(spell, "generate", generate)
     monkeypatch.setattr(infra, "all_gather_objects", lambda mine: [mine])
@@ -3509,14 +3700,13 @@ def test_the_held_out_check_lists_the_verdicts_in_each_votes_order_as_training_d
     prompts = evaluation.gold_prompts(CharTokenizer(), cfg, items)
     m = evaluation.verify_held_out(llm, cfg, items, prompts, 3, 0, 1, reports=True)
     [(texts, seeds, n)] = calls
-    assert n == 1 and len(texts) == 4 * len(items)
+    assert n == 4 and len(texts) == 2 * len(items)
     every = spell.request_seeds(cfg.train.seed, 3, "gold", count=len(items))
-    orders = [flip for k in range(len(items)) for flip in spell.no_first_orders(cfg, every[k])]
-    assert seeds == [s for k in range(len(items)) for s in spell.request_seeds(every[k], count=4)]
-    assert [t.count("[[NO]] or [[YES]]") for t in texts] == [int(f) for f in orders]
-    assert [t.count("[[YES]] or [[NO]]") for t in texts] == [int(not f) for f in orders]
-    assert 0 < sum(orders) < len(orders)  # both orders occur in these 24 votes
-    assert m == evaluation.gold_metrics(items, [[0] * 4] * len(items))
+    assert seeds == [s for k in range(len(items)) for s in spell.request_seeds(every[k], count=2)]
+    assert [t.count("[[YES]] or [[NO]]") for t in texts] == [1, 0] * len(items)
+    assert [t.count("[[NO]] or [[YES]]") for t in texts] == [0, 1] * len(items)
+    assert m == evaluation.gold_metrics(items, [[None] * 4] * len(items))
+    assert m["ver/gold_yes_on_wrong"] == 0 and m["ver/gold_tagged"] == 0
 
 
 def test_the_held_out_check_with_no_item_that_fits_is_an_error():
@@ -3717,8 +3907,10 @@ def test_demo_preset_end_to_end(demo_run):
         assert m["res/kept_groups"] >= 1, m  # responder groups with reward variance
         assert m["que/pos"] >= 1 and m["que/neg"] >= 1, m  # questioner positives and negatives
         assert m["ver/kept_groups"] >= 1, m  # verifier groups
-        assert m["train/sequences"] == (4 * m["res/kept_groups"] + m["que/pos"] + m["que/floor"]
-                                        + m["que/neg"] + 4 * m["ver/kept_groups"])
+        assert m["train/sequences"] == role_sequences(m), m
+        assert [m[f"train/{role}_sequences"] for role in spell.ROLES] == [
+            m["que/pos"] + m["que/floor"] + m["que/neg"], 4 * m["res/kept_groups"],
+            8 * m["ver/kept_groups"]], m  # G = 4 votes of 2 replies ("paired")
         assert (math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
                 and m["train/tokens"] > 0), m
         assert m["perf/sync_s"] > 0, m
@@ -3822,8 +4014,11 @@ def test_held_out_check_frozen_judge_and_no_majority_mask_end_to_end(speaker, co
         assert all(0 <= m[key] <= 1 for key in gold), m
     assert steps[0]["perf/verify_s"] > 0 and steps[1]["perf/verify_s"] > 0
     m = steps[1]
-    assert m["ver/candidates"] >= 1 and m["ver/kept_groups"] == 0 and 0 <= m["ver/no_majority"] <= 1
-    assert m["res/kept_groups"] >= 1 and m["train/sequences"] == role_sequences(m), m
+    assert m["ver/candidates"] >= 1 and m["ver/kept_groups"] == 0 and 0 < m["ver/no_majority"] <= 1
+    # the demo's paired votes: the speaker says YES about half the time in either order, so a
+    # pair often splits and many voted responses have no strict majority; a doc_qa one the rule
+    # fails leaves its group, which can leave no responder group kept in the step
+    assert m["train/sequences"] == role_sequences(m), m
 
 
 @pytest.mark.stack
