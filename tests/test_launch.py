@@ -189,7 +189,11 @@ def gpu_node(monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(key, "1" if key.endswith("SIZE") else "0")
     for key in infra.ALLOC_CONF_VARS:
-        monkeypatch.delenv(key, raising=False)
+        # set, then removed: monkeypatch records a variable's absence only when it sets it, and
+        # init_distributed writes PYTORCH_CUDA_ALLOC_CONF, which must not outlive the test (the
+        # demo pre-flight test, later in the same process, reads it as a user's setting)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     # torch parses the variables once a process: here, what the environment says at the call
     monkeypatch.setattr(infra, "live_allocator_settings", lambda: infra.allocator_conf()[1])
     threads = torch.get_num_threads()
