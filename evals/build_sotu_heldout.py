@@ -1,12 +1,15 @@
 """Build evals/sotu_heldout_qa.jsonl: a held-out document-QA set from State of the Union addresses
-of 1961-1980 (Kennedy to Carter), which the SPELL training corpora (speeches from 1989 on)
-never see.
+of 1961-1988 (Eisenhower's last to Reagan's last), which the SPELL training corpora (speeches from
+1989 on) never see.
 
 Each question was written by hand against one passage and checked by reading it (evals/README.md).
 The passage is a chunk of the speech as build_corpus.chunk_text cuts it (paragraph-aligned, at most
-1,000 words; all used here have 900-1,000), so a question's context is one chunk of about 1.2K
-tokens, like a training document. Records use the LongBench v1 layout (`_id`, `input`, `context`,
-`answers`, ...) with dataset "sotu_heldout": load the file as an explicit doc_qa benchmark,
+1,000 words; all used here have 918-1,000), so a question's context is one chunk of about 1.2K
+tokens, like a training document. The first 75 questions (1961-1980) are the set as first built;
+the 150 after them were appended, so the first 75 keep their ids and order: the verify set
+(build_verify_set.py) and the documented results refer to them. Records use the LongBench v1
+layout (`_id`, `input`, `context`, `answers`, ...) with dataset "sotu_heldout": load the file as
+an explicit doc_qa benchmark,
 
     --data hotpotqa:evals/sotu_heldout_qa.jsonl
 
@@ -229,6 +232,417 @@ QUESTIONS = [
      ['300 miles']),
     ('1980-Carter-2', 1, 'From which territory will Israel soon make another major withdrawal?',
      ['Sinai']),
+    # ---- Appended 2026-11-28: 150 questions, five on each of 30 more passages. One unused chunk
+    # of 14 of the 15 speeches above (1964's only other chunk has 1,211 words, over the bound),
+    # and 16 chunks of 12 addresses not used above: Eisenhower 1961 (the written message),
+    # Johnson 1967 and 1969, Nixon 1972 (two chunks each), Ford 1977, Reagan 1982-1988.
+    # 1961-Kennedy-1
+    ('1961-Kennedy-1', 2, 'How far from our shores is the base Communist agents have established '
+                          'on Cuba?',
+     ['90 miles']),
+    ('1961-Kennedy-1', 2, 'On the Presidential Coat of Arms, what does the eagle hold in his '
+                          'right talon?',
+     ['olive branch']),
+    ('1961-Kennedy-1', 2, 'By when has the President asked for preliminary conclusions of the '
+                          'defense reappraisal?',
+     ['end of February']),
+    ('1961-Kennedy-1', 2, 'Which African country has been brutally torn by civil strife?',
+     ['Congo']),
+    ('1961-Kennedy-1', 2, 'From Cape Horn to where should the free hemisphere of free governments '
+                          'extend?',
+     ['Arctic Circle']),
+    # 1962-Kennedy-1
+    ('1962-Kennedy-1', 0, 'Who is the new Speaker?',
+     ['John McCormack']),
+    ('1962-Kennedy-1', 0, 'To how many has the number of major surplus labor areas declined?',
+     ['60']),
+    ('1962-Kennedy-1', 0, 'What did Mr. Khrushchev once call the American economy?',
+     ['stumbling horse']),
+    ('1962-Kennedy-1', 0, 'What rate of tax credit for investment in machinery and equipment is '
+                          'urged?',
+     ['8 percent']),
+    ('1962-Kennedy-1', 0, 'How many young Americans are entering the labor market in this decade?',
+     ['twenty-six million']),
+    # 1963-Kennedy-1
+    ('1963-Kennedy-1', 0, 'For how many months has America enjoyed uninterrupted economic '
+                          'recovery?',
+     ['22 months']),
+    ('1963-Kennedy-1', 0, 'To what pre-Korean level would corporate tax rates be reduced?',
+     ['47 percent']),
+    ('1963-Kennedy-1', 0, "In which year of its life is the Union, by the President's count?",
+     ['175th']),
+    ('1963-Kennedy-1', 0, 'Which restrictive measure alone could increase hourly labor costs by '
+                          'as much as 14 percent?',
+     ['35-hour week']),
+    ('1963-Kennedy-1', 0, 'By how much would the proposed permanent reduction in tax rates lower '
+                          'liabilities?',
+     ['$13.5 billion']),
+    # 1965-Johnson-1
+    ('1965-Johnson-1', 0, 'How many assembled colonies first joined together in 1765 to demand '
+                          'freedom from arbitrary power?',
+     ['nine']),
+    ('1965-Johnson-1', 0, 'Whose example will the President follow in relations with the world?',
+     ['Andrew Jackson']),
+    ('1965-Johnson-1', 0, 'How long ago did the President feel as the new Members of Congress do '
+                          'now?',
+     ['Twenty-eight years']),
+    ('1965-Johnson-1', 0, 'In what year was the compact of union finally sealed?',
+     ['1865']),
+    ('1965-Johnson-1', 0, 'On what medium would Americans welcome a chance to listen to the '
+                          'Soviet leaders?',
+     ['television']),
+    # 1966-Johnson-1
+    ('1966-Johnson-1', 2, 'As many as how many people can some of the urban sections to be '
+                          'rebuilt contain?',
+     ['100,000']),
+    ('1966-Johnson-1', 2, 'What act will the President propose to end the destruction of life and '
+                          'property on the roads?',
+     ['Highway Safety Act']),
+    ('1966-Johnson-1', 2, 'How many Government agencies make up the present transportation '
+                          'structure?',
+     ['35']),
+    ('1966-Johnson-1', 2, 'Not before which year should the 4-year term for House Members begin?',
+     ['1972']),
+    ('1966-Johnson-1', 2, 'Under which President was Communist aggression resisted in the Formosa '
+                          'Straits?',
+     ['Eisenhower']),
+    # 1968-Johnson-1
+    ('1968-Johnson-1', 0, 'Which trade negotiations achieved the greatest reduction in tariff '
+                          'barriers in history?',
+     ['Kennedy Round']),
+    ('1968-Johnson-1', 0, 'During which conflict last June was the hot line between Washington '
+                          'and Moscow first used?',
+     ['Arab-Israeli war']),
+    ('1968-Johnson-1', 0, 'Which US representative helped ease the tension over Cyprus?',
+     ['Cyrus Vance']),
+    ('1968-Johnson-1', 0, 'Where did the nations of Latin America resolve to move toward economic '
+                          'integration?',
+     ['Punta del Este']),
+    ('1968-Johnson-1', 0, 'After how long a meeting with Chairman Kosygin was a clearer '
+                          'understanding reached?',
+     ['2 days']),
+    # 1970-Nixon-1
+    ('1970-Nixon-1', 0, 'What is called the linchpin for peace in the Pacific?',
+     ['Japanese-American friendship']),
+    ('1970-Nixon-1', 0, 'Which birthday will America celebrate in the decade that 1970 begins?',
+     ['200th']),
+    ('1970-Nixon-1', 0, 'How many years ago did World War II conclude?',
+     ['25 years']),
+    ('1970-Nixon-1', 0, 'Besides Vietnam, where did America furnish most of the money, arms and '
+                        'men in a war?',
+     ['Korea']),
+    ('1970-Nixon-1', 0, 'From an era of confrontation, toward an era of what is the US moving '
+                        'with the Soviet Union?',
+     ['negotiation']),
+    # 1971-Nixon-1
+    ('1971-Nixon-1', 0, 'How long ago did the Speaker and the President meet in this Chamber as '
+                        'freshmen?',
+     ['24 years']),
+    ('1971-Nixon-1', 0, 'Of which Congress were the Speaker and the President freshmen Members?',
+     ['80th Congress']),
+    ('1971-Nixon-1', 0, 'Since which year have Americans not enjoyed full prosperity in '
+                        'peacetime?',
+     ['1957']),
+    ('1971-Nixon-1', 0, 'On more than how many pieces of proposed legislation will Congress be '
+                        'asked to act over the next 2 weeks?',
+     ['35']),
+    ('1971-Nixon-1', 0, 'How many great goals will the President present to the Congress tonight?',
+     ['six']),
+    # 1974-Nixon-1
+    ('1974-Nixon-1', 0, 'How many words long is the message on the state of the Union handed to '
+                        'the Speaker?',
+     ['22,000']),
+    ('1974-Nixon-1', 0, 'For the first time in how many years can a President report a Union at '
+                        'peace with every nation?',
+     ['12 years']),
+    ('1974-Nixon-1', 0, 'How many farm families were abandoning the farm every year 5 years ago?',
+     ['100,000']),
+    ('1974-Nixon-1', 0, 'By how much is farm income up?',
+     ['70 percent']),
+    ('1974-Nixon-1', 0, 'Which threat, the most vicious of all, is now decreasing rather than '
+                        'increasing?',
+     ['heroin addiction']),
+    # 1975-Ford-1
+    ('1975-Ford-1', 2, 'Within how many days is Congress asked to act on a more comprehensive '
+                       'energy tax program?',
+     ['90 days']),
+    ('1975-Ford-1', 2, 'By how much would automobile gas mileage improve by 1980?',
+     ['40 percent']),
+    ('1975-Ford-1', 2, 'Where is Naval Petroleum Reserve No. 4?',
+     ['Alaska']),
+    ('1975-Ford-1', 2, 'How many homes does the program envision insulating within the next 10 '
+                       'years?',
+     ['18 million']),
+    ('1975-Ford-1', 2, 'Which President said in 1942 that the country would build 60,000 military '
+                       'aircraft?',
+     ['Franklin D. Roosevelt']),
+    # 1976-Ford-1
+    ('1976-Ford-1', 0, 'Which celebration does America begin as the President speaks?',
+     ['Bicentennial']),
+    ('1976-Ford-1', 0, 'Nearly how many years of Jewish reckoning does the President mention?',
+     ['6,000 years']),
+    ('1976-Ford-1', 0, 'How many generations separate Americans from the deeds of 1776?',
+     ['eight']),
+    ('1976-Ford-1', 0, 'Inflation was plunging the country into the worst recession in how long?',
+     ['four decades']),
+    ('1976-Ford-1', 0, 'Besides a policeman abroad, what did we try to be here at home?',
+     ['indulgent parent']),
+    # 1978-Carter-1
+    ('1978-Carter-1', 2, 'What business was the President running when fertilizer cost about $40 '
+                         'a ton?',
+     ['Carters Warehouse']),
+    ('1978-Carter-1', 2, 'By how much has the cost of nitrogen gone up?',
+     ['150 percent']),
+    ('1978-Carter-1', 2, "What were last year's exports of farm products worth?",
+     ['$24 billion']),
+    ('1978-Carter-1', 2, 'Parts of how many Government agencies were brought together for the new '
+                         'Department of Energy?',
+     ['11']),
+    ('1978-Carter-1', 2, 'What separate department is it now time to create?',
+     ['Department of Education']),
+    # 1979-Carter-1
+    ('1979-Carter-1', 1, 'How much will the hospital cost proposals save Americans over the next '
+                         '5 years?',
+     ['$60 billion']),
+    ('1979-Carter-1', 1, 'Which bill provides for public financing of congressional campaigns?',
+     ['House bill 1']),
+    ('1979-Carter-1', 1, 'Deregulation of which industry increased profits and cut prices for all '
+                         'Americans?',
+     ['airline']),
+    ('1979-Carter-1', 1, "What does America want to be, instead of the world's policeman?",
+     ['peacemaker']),
+    ('1979-Carter-1', 1, 'What is the awesome power of nuclear weapons likened to?',
+     ['thundercloud']),
+    # 1980-Carter-2
+    ('1980-Carter-2', 2, 'In what year was the agreement to help Pakistan preserve its '
+                         'independence made?',
+     ['1959']),
+    ('1980-Carter-2', 2, 'What must be revitalized so that registration can begin?',
+     ['Selective Service System']),
+    ('1980-Carter-2', 2, 'By how much was gasoline consumption reduced last year below the year '
+                         'before?',
+     ['5 percent']),
+    ('1980-Carter-2', 2, 'What oil import ceiling a day has been established for 1980?',
+     ['8.2 million barrels']),
+    ('1980-Carter-2', 2, 'Whose skyrocketing oil prices were the single biggest factor in last '
+                         "year's inflation rate?",
+     ['OPEC']),
+    # 1961-Eisenhower-1
+    ('1961-Eisenhower-1', 0, 'On what date did the President take office?',
+     ['January 20, 1953']),
+    ('1961-Eisenhower-1', 0, 'During which crisis did the US government strongly support United '
+                             "Nations' action in Egypt?",
+     ['Suez crisis']),
+    ('1961-Eisenhower-1', 0, 'During the all-out bombardment of which place did US support of the '
+                             'Republic of China restrain the Communist Chinese?',
+     ['Quemoy']),
+    ('1961-Eisenhower-1', 0, 'Which treaty has strengthened ties with Australia and New Zealand?',
+     ['Anzus']),
+    ('1961-Eisenhower-1', 0, 'Which pact has been concluded though the US is not officially a '
+                             'member?',
+     ['CENTO']),
+    ('1961-Eisenhower-1', 1, 'How far away can operational ATLAS missiles strike a target?',
+     ['5000 miles']),
+    ('1961-Eisenhower-1', 1, 'What is the name of the Russian language magazine whose '
+                             'distribution was authorized?',
+     ['Amerika']),
+    ('1961-Eisenhower-1', 1, 'Which solid propellant ICBM is expected to be ready next year?',
+     ['MINUTEMAN']),
+    ('1961-Eisenhower-1', 1, 'The wholesale murder of the people of which land by the Chinese '
+                             'Communists did the UN condemn?',
+     ['Tibet']),
+    ('1961-Eisenhower-1', 1, 'How long do the THOR and JUPITER missiles take to hit targets 1500 '
+                             'miles away?',
+     ['18 minutes']),
+    # 1967-Johnson-1
+    ('1967-Johnson-1', 0, 'Which Representative from Rhode Island died today?',
+     ['Fogarty']),
+    ('1967-Johnson-1', 0, 'How many deprived children have had their education improved?',
+     ['7 million']),
+    ('1967-Johnson-1', 0, 'In which year did the President hear Truman declare poverty as '
+                          'wasteful as preventable disease?',
+     ['1949']),
+    ('1967-Johnson-1', 0, 'For how many years did the executive branch and Congress wait before '
+                          "acting on Truman's challenge?",
+     ['15']),
+    ('1967-Johnson-1', 0, 'Which President said, "We must ask where we are, and whither we are '
+                          'tending"?',
+     ['Abraham Lincoln']),
+    ('1967-Johnson-1', 2, 'Who called the right to privacy the "right most valued by civilized '
+                          'men"?',
+     ['Justice Brandeis']),
+    ('1967-Johnson-1', 2, 'How many permanently and totally disabled Americans under 65 are '
+                          'denied Medicare benefits?',
+     ['1,300,000']),
+    ('1967-Johnson-1', 2, 'What share of the cost of developing State and local plans to combat '
+                          'crime would the Federal Government provide?',
+     ['90 percent']),
+    ('1967-Johnson-1', 2, 'The unemployment rate reached its lowest point in how many years?',
+     ['13 years']),
+    ('1967-Johnson-1', 2, 'What should be set up throughout the land because air does not respect '
+                          'manmade boundaries?',
+     ['regional airsheds']),
+    # 1969-Johnson-1
+    ('1969-Johnson-1', 0, 'Which flight most recently symbolized our sense of exploration?',
+     ['Apollo 8']),
+    ('1969-Johnson-1', 0, 'To what level is the unemployment rate down?',
+     ['3.3 percent']),
+    ('1969-Johnson-1', 0, 'How many Americans have been trained for jobs in new Federal programs?',
+     ['Five million']),
+    ('1969-Johnson-1', 0, 'In what year did Congress call improving the quality of urban life the '
+                          'most critical domestic problem?',
+     ['1966']),
+    ('1969-Johnson-1', 0, 'For which time, the last, does the President present his assessment of '
+                          'the State of the Union?',
+     ['sixth']),
+    ('1969-Johnson-1', 2, 'To what basic compensation for Members of Congress does the President '
+                          'reduce the recommended $50,000?',
+     ['$42,500']),
+    ('1969-Johnson-1', 2, 'What surplus will the fiscal year ending June 30, 1969, have?',
+     ['$2.4 billion']),
+    ('1969-Johnson-1', 2, 'Where are the talks that Americans hope will bring an early peace to '
+                          'Vietnam?',
+     ['Paris']),
+    ('1969-Johnson-1', 2, 'Besides the election, what kept the missile talks with the Soviet '
+                          'Union from resuming?',
+     ['Czechoslovakia']),
+    ('1969-Johnson-1', 2, 'Since which year has the balance of payments not done as well as in '
+                          '1968?',
+     ['1957']),
+    # 1972-Nixon-1
+    ('1972-Nixon-1', 0, 'How many words long is the message presented to the leaders of Congress '
+                        'today?',
+     ['15,000']),
+    ('1972-Nixon-1', 0, 'Alongside which Speaker did the President sit as a freshman Congressman '
+                        'twenty-five years ago?',
+     ['Albert']),
+    ('1972-Nixon-1', 0, 'By how much was serious crime in the District of Columbia reduced in '
+                        '1971?',
+     ['13 percent']),
+    ('1972-Nixon-1', 0, 'For the first time in how many years has defense spending been brought '
+                        'below spending on human resources?',
+     ['20 years']),
+    ('1972-Nixon-1', 0, 'Besides the Greek-Turkish aid program, which great initiative did the '
+                        '80th Congress approve?',
+     ['Marshall Plan']),
+    ('1972-Nixon-1', 2, 'How many major Administration proposals await action before the second '
+                        'session of the 92d Congress?',
+     ['90']),
+    ('1972-Nixon-1', 2, 'Which labor tie-up does the President cite as a case in point?',
+     ['west coast dock strike']),
+    ('1972-Nixon-1', 2, 'How large is the proposed program of Federal revenue sharing with the '
+                        'States and localities?',
+     ['$17 billion']),
+    ('1972-Nixon-1', 2, 'Under whose leadership are the tax aspects of school finance being '
+                        'reviewed?',
+     ['Secretary of the Treasury']),
+    ('1972-Nixon-1', 2, 'By the one principle allowing no compromise, who must have control over '
+                        'local schools?',
+     ['Local school boards']),
+    # 1977-Ford-1
+    ('1977-Ford-1', 2, 'Which power of the House should be jealously guarded?',
+     ['power of the purse']),
+    ('1977-Ford-1', 2, 'To what amount would the personal exemption be raised?',
+     ['$1,000']),
+    ('1977-Ford-1', 2, 'At what annual rate was the Consumer Price Index rising when the '
+                       'President took office?',
+     ['12.2 percent']),
+    ('1977-Ford-1', 2, 'How many people are in useful, productive jobs throughout the Nation '
+                       'today?',
+     ['88 million']),
+    ('1977-Ford-1', 2, 'How much will the country pay out for foreign oil this year?',
+     ['$34 billion']),
+    # 1982-Reagan-1
+    ('1982-Reagan-1', 0, 'In what year did President Washington begin the State of the Union '
+                         'tradition?',
+     ['1790']),
+    ('1982-Reagan-1', 0, 'What word was coined to describe rising unemployment followed by '
+                         'renewed inflation?',
+     ['stagflation']),
+    ('1982-Reagan-1', 0, 'What staggering level did interest rates reach?',
+     ['21.5 percent']),
+    ('1982-Reagan-1', 0, 'In which town are the steelworkers standing in the unemployment lines?',
+     ['Steubenville']),
+    ('1982-Reagan-1', 0, 'How many were unemployed in the last 6 months of 1980?',
+     ['8 million']),
+    # 1983-Reagan-1
+    ('1983-Reagan-1', 0, 'Which report on the State of the Union since 1790 does this occasion '
+                         'mark?',
+     ['196th']),
+    ('1983-Reagan-1', 0, 'How many Americans depend on the social security system?',
+     ['36 million']),
+    ('1983-Reagan-1', 0, "By when should Congress enact the Commission's plan to save social "
+                         'security?',
+     ['Easter']),
+    ('1983-Reagan-1', 0, 'Who is the Senate Majority Leader?',
+     ['Howard Baker']),
+    ('1983-Reagan-1', 0, 'Which word did the President say he should have used instead of '
+                         '"leaders"?',
+     ['lenders']),
+    # 1984-Reagan-1
+    ('1984-Reagan-1', 0, 'To what level has inflation been beaten down?',
+     ['3.2 percent']),
+    ('1984-Reagan-1', 0, 'How much more purchasing power does a working family earning $25,000 '
+                         'have?',
+     ['$1,100']),
+    ('1984-Reagan-1', 0, 'Who rose from a ghetto to build a multimillion-dollar advertising '
+                         'agency in Chicago?',
+     ['Barbara Proctor']),
+    ('1984-Reagan-1', 0, 'Where did a Cuban refugee turn $27 and a dream into a successful '
+                         'importing business?',
+     ['Coral Gables']),
+    ('1984-Reagan-1', 0, 'What share of the new managerial, professional and technical jobs did '
+                         'women fill in 1983?',
+     ['73 percent']),
+    # 1985-Reagan-1
+    ('1985-Reagan-1', 0, 'How long a run of economic growth can Americans take pride in?',
+     ['25 straight months']),
+    ('1985-Reagan-1', 0, 'What was the 3-year inflation average?',
+     ['3.9 percent']),
+    ('1985-Reagan-1', 0, 'What are they calling the record growth in Europe?',
+     ['American Miracle']),
+    ('1985-Reagan-1', 0, 'In which State was the AT&T semiconductor plant?',
+     ['Pennsylvania']),
+    ('1985-Reagan-1', 0, "What did each transistor cost in the late 1950's?",
+     ['$7.50']),
+    # 1986-Reagan-1
+    ('1986-Reagan-1', 0, 'For how many straight months of economic growth do the American people '
+                         'deserve thanks?',
+     ['37']),
+    ('1986-Reagan-1', 0, 'What record amount of voluntary giving was there last year alone?',
+     ['$74 billion']),
+    ('1986-Reagan-1', 0, 'By what date must the budget resolution now be passed?',
+     ['April 15th']),
+    ('1986-Reagan-1', 0, 'Passage of which act gives an opportunity to force the Federal '
+                         'Government to live within its means?',
+     ['Gramm-Rudman-Hollings']),
+    ('1986-Reagan-1', 0, 'Who said that a nation that does great work lives forever?',
+     ['Teddy Roosevelt']),
+    # 1987-Reagan-1
+    ('1987-Reagan-1', 0, 'Who is the new Speaker of the House?',
+     ['Jim Wright']),
+    ('1987-Reagan-1', 0, 'How many years of service to the Congress does Senate Majority Leader '
+                         'Robert Byrd bring?',
+     ['34 years']),
+    ('1987-Reagan-1', 0, 'What were Governors of States called by the Philadelphia newspapers?',
+     ['Excellency']),
+    ('1987-Reagan-1', 0, 'How many new jobs have the people created?',
+     ['13 million']),
+    ('1987-Reagan-1', 0, 'Regarding action in which country did the President take a risk that '
+                         'did not work?',
+     ['Iran']),
+    # 1988-Reagan-1
+    ('1988-Reagan-1', 0, 'Which ancient Chinese philosopher does the President quote?',
+     ['Lao-tzu']),
+    ('1988-Reagan-1', 0, 'By how much has charitable giving increased?',
+     ['77-percent']),
+    ('1988-Reagan-1', 0, 'In whose spirit should there be no Republicans or Democrats in the '
+                         'Chamber?',
+     ['Jefferson']),
+    ('1988-Reagan-1', 0, 'Which three simple words began the most exciting revolution ever known?',
+     ['We the People']),
+    ('1988-Reagan-1', 0, 'For nearly how long has the nation remained at peace?',
+     ['decade and a half']),
 ]
 
 

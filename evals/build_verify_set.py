@@ -20,6 +20,9 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# build() looks up only the 75 question ids ITEMS names (the held-out file's first 75, 1961-1980);
+# the 150 questions appended to that file on 2026-11-28 have no items, so a rerun writes the same
+# 321 items, byte for byte (tests/test_verify_set.py)
 HELDOUT = ROOT / "evals" / "sotu_heldout_qa.jsonl"
 OUT = ROOT / "evals" / "sotu_verify_set.jsonl"
 
