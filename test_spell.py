@@ -140,6 +140,18 @@ def test_check_config_rejects_unknown_questioner_mapping():
     assert cfg.reward.questioner_mapping == "rzero"
 
 
+@pytest.mark.parametrize("argv, sits_out, untrained", [
+    ([], set(), set()), (["--data.qa=set.jsonl"], {"que"}, set()),
+    (["--reward.judge=rule"], {"ver"}, set()), (["--reward.judge=frozen"], set(), {"ver"}),
+    (["--train.frozen_roles=que,ver"], set(), {"que", "ver"})])
+def test_the_roles_that_play_and_train(argv, sits_out, untrained):
+    """Which roles play is decided once (playing_roles: rollout_round, the pre-flight and
+    trained_roles read it); every role not named here plays and trains."""
+    cfg = spell.load_config(None, argv)
+    assert spell.playing_roles(cfg) == [role for role in spell.ROLES if role not in sits_out]
+    assert spell.trained_roles(cfg) == set(spell.ROLES) - sits_out - untrained
+
+
 def test_frozen_roles_rejects_other_names():
     cfg = spell.Config()
     cfg.train.frozen_roles = "que,res"
@@ -159,13 +171,13 @@ def test_presets_stack_on_the_scale_presets(preset, base):
         argv = ["--data.phases=1:1200,7:3072", "--rollout.max_prompt_tokens=3072"]
     cfg = spell.load_config(paths, argv)
     if preset == "spice.toml":
-        assert spell.trained_roles(cfg) == {"que", "res"}
+        assert spell.trained_roles(cfg) == set(spell.ROLES) - {"ver"}
         assert ((cfg.rollout.questioner_template, cfg.rollout.responder_template)
                 == ("challenger", "reasoner"))
     if preset in ("rlvr.toml", "qwenlong_l1.toml"):
-        assert spell.trained_roles(cfg) == {"res"} and cfg.data.qa
+        assert spell.trained_roles(cfg) == set(spell.ROLES) - {"que", "ver"} and cfg.data.qa
     if preset == "qwenlong_l15.toml":  # self-play with QwenLong-L1.5's stabilisers
-        assert spell.trained_roles(cfg) == {"que", "res", "ver"}
+        assert spell.trained_roles(cfg) == set(spell.ROLES)
         assert cfg.train.advantage == "task_std" and 0 < cfg.train.aepo[0] < cfg.train.aepo[1]
 
 
