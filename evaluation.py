@@ -76,8 +76,8 @@ NO_ANSWER = "(no final answer)"  # what the judge sees when tasks.extract_answer
 def eval_prompt(item: infra.EvalItem) -> str:
     """The responder prompt of the item's task, which is also the eval prompt (Appendix C.2)."""
     fields = dict(documents=item.context, question=item.question)
-    if item.task == "doc_mc":
-        fields.update(zip(("choice_A", "choice_B", "choice_C", "choice_D"), item.choices))
+    if tasks.TASKS[item.task].multiple_choice:
+        fields.update((f"choice_{k}", c) for k, c in zip(tasks.LETTERS, item.choices))
     return spell.render_prompt(f"responder_{item.task}", **fields)
 
 
@@ -138,7 +138,7 @@ def paper_rule_score(response: str, item: infra.EvalItem) -> float:
 def needs_judge(item: infra.EvalItem, rule: float) -> bool:
     """The judge is asked only where the rule said wrong, and never for multiple choice
     (Appendix C.2)."""
-    return item.task != "doc_mc" and rule < 1.0
+    return not tasks.TASKS[item.task].multiple_choice and rule < 1.0
 
 
 def score_sample(item: infra.EvalItem, index: int, completion) -> dict:

@@ -3204,11 +3204,16 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
         options = [c.qa["options"][k] for k in tasks.LETTERS] if "options" in c.qa else []
-        if options and (other := infra.repeated_gold_option(
-                options, tasks.LETTERS.index(c.qa["answer"]))) is not None:
-            raise infra.CorpusError(f"{where}: field 'options.{tasks.LETTERS[other]}' has the "
-                                    f"text of the answer, options.{c.qa['answer']}: two letters "
-                                    "would be right")
+        # each letter the answer names (one, or more where a task selects several) must be the
+        # only option with its text: a repeat of it under another letter would be right too
+        named = set(re.findall(r"[A-Z]", c.qa["answer"]))
+        golds = [i for i, k in enumerate(tasks.LETTERS) if k in named]
+        for gold in golds if options else []:
+            other = infra.repeated_gold_option(options, gold)
+            if other is not None and other not in golds:
+                raise infra.CorpusError(f"{where}: field 'options.{tasks.LETTERS[other]}' has "
+                                        f"the text of the answer, options.{tasks.LETTERS[gold]}: "
+                                        "two letters would be right")
     return clusters
 
 
