@@ -93,7 +93,6 @@ STAGE_FILES = {
     "cluster": "4_clusters.jsonl",
     "assign": "5_corpus.jsonl",
 }
-TASKS = tuple(tasks.TASKS)  # the three task types of §5.1, as spell.py trains them
 CHARS_PER_TOKEN = 4  # token estimate without a tokenizer; English BPE averages ~4 chars a token
 
 
@@ -370,8 +369,8 @@ def check_corpus_record(obj, where: str) -> None:
         raise CorpusBuildError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
     if not isinstance(obj.get("id"), str) or not obj["id"]:
         raise CorpusBuildError(f"{where}: field 'id' must be a non-empty string")
-    if obj.get("task") not in TASKS:
-        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(TASKS)}, "
+    if obj.get("task") not in tasks.TASKS:
+        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(tasks.TASKS)}, "
                                f"got {obj.get('task')!r}")
     docs = obj.get("documents")
     if not isinstance(docs, list) or not docs:
@@ -817,9 +816,10 @@ def cluster_stats(clusters: list[dict], opts: Options) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-# the task types of tasks.TASKS that financial clusters carry, and those general clusters carry
-FINANCIAL_TASKS = tuple(t for t in TASKS if tasks.TASKS[t].financial)
-GENERAL_TASKS = tuple(t for t in TASKS if not tasks.TASKS[t].financial)
+def task_kinds() -> tuple[list[str], list[str]]:
+    """The task types financial clusters carry (tasks.Task.financial: fin_math), and the others."""
+    return ([t for t, kind in tasks.TASKS.items() if kind.financial],
+            [t for t, kind in tasks.TASKS.items() if not kind.financial])
 
 
 def balanced_counts(n_fin: int, n_gen: int) -> tuple[int, int]:
@@ -827,7 +827,7 @@ def balanced_counts(n_fin: int, n_gen: int) -> tuple[int, int]:
     task needs k financial clusters per financial task (fin_math) and k general clusters per
     general task (doc_qa, doc_mc). Where that leaves nothing (one kind missing), keep what there
     is and split general clusters evenly among the general tasks."""
-    n_f, n_g = len(FINANCIAL_TASKS), len(GENERAL_TASKS)
+    n_f, n_g = map(len, task_kinds())
     k = min(n_fin // n_f if n_f else n_gen, n_gen // n_g if n_g else n_fin)
     if k > 0:
         return k * n_f, k * n_g
@@ -846,7 +846,7 @@ def run_assign(clusters: list[dict], opts: Options):
     rng.shuffle(gen)
     n_fin, n_gen = balanced_counts(len(fin), len(gen)) if opts.balance else (len(fin), len(gen))
     task_of = {}
-    for kind, kept in ((FINANCIAL_TASKS, fin[:n_fin]), (GENERAL_TASKS, gen[:n_gen])):
+    for kind, kept in zip(task_kinds(), (fin[:n_fin], gen[:n_gen])):
         task_of |= {c["id"]: kind[i % len(kind)] for i, c in enumerate(kept) if kind}
     corpus = [
         {"id": c["id"], "task": task_of[c["id"]], "documents": c["documents"],
@@ -855,7 +855,7 @@ def run_assign(clusters: list[dict], opts: Options):
     ]
     removed = [{"id": c["id"], "reason": "surplus_for_balance"}
                for c in clusters if c["id"] not in task_of]
-    info = {t: sum(r["task"] == t for r in corpus) for t in TASKS}
+    info = {t: sum(r["task"] == t for r in corpus) for t in tasks.TASKS}
     for i, rec in enumerate(corpus):
         check_corpus_record(rec, f"cluster {rec['id']} (record {i})")
     return corpus, removed, info

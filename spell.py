@@ -1287,9 +1287,11 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
                   rng: np.random.Generator, key: tuple, clock: infra.StepClock | None = None,
                   judge: contextlib.AbstractContextManager | None = None,
                   between: Callable[[], None] = lambda: None) -> list[Rollout]:
-    """One generation round on this rank: each phase of the roles that play (playing_roles; the
-    grounding check is the questioner's), each one batched vLLM call, then their rewards. `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds
-    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
+    """One generation round on this rank: the phases of the roles that play (playing_roles; the
+    grounding check is the questioner's), each one batched vLLM call, then their rewards.
+
+    `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds the
+    engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
     runs after each phase (main's stop_check, which raises Stopped on SIGTERM)."""
     clock = clock or infra.StepClock()
     clock.begin_phases()
@@ -1485,7 +1487,7 @@ def playing_roles(cfg: Config) -> list[str]:
 
 def trained_roles(cfg: Config) -> set[str]:
     """The roles whose samples may enter the batch: those that play, but frozen roles, and the
-    verifier under reward.judge = "frozen" (its votes are the initial weights': they never train)."""
+    verifier under reward.judge = "frozen" (the initial weights vote: their votes never train)."""
     untrained = set(frozen_roles(cfg)) | ({"ver"} if cfg.reward.judge == "frozen" else set())
     return set(playing_roles(cfg)) - untrained
 

@@ -46,7 +46,7 @@ class Task(NamedTuple):
     (the questioner is then told which letter must be correct, the prompts show the options, and
     the evaluation asks no judge), whether the rule alone decides r_i (Eq. 6 without the verifier's
     max, departure 13), whether its clusters are financial documents (build_corpus assigns them),
-    and the paper's own score of a reply's text after its reasoning (paper_score; None: the rule's)."""
+    and the paper's own score of the text after a reply's reasoning (paper_score; None: R_rule)."""
     check: Callable[[str, str, dict, str | None, int], dict | None]
     extract: Callable[[str], str | None]
     rule: Callable[[str, str], bool]

@@ -50,11 +50,11 @@ import infra
 import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
-                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, add_model_files,
-                      batch_counts, deadline, demo_args, end_worker, gold_items, held_out_metrics,
-                      logged_inputs, logged_metrics, make_tiny_model, metrics, protocol_corpus,
-                      qa_record, read_metrics, reply, role_sequences, run_worker, snapshot,
-                      start_torchrun, stop_torchrun, tiny_llama, torchrun, worker_mesh)
+                      SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, ScriptedEngine,
+                      add_model_files, batch_counts, deadline, demo_args, end_worker, gold_items,
+                      held_out_metrics, logged_inputs, logged_metrics, make_tiny_model, metrics,
+                      protocol_corpus, qa_record, read_metrics, reply, role_sequences, run_worker,
+                      snapshot, start_torchrun, stop_torchrun, tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -625,7 +625,7 @@ def test_parse_question_hostile_json_is_a_format_error(task, value):
     opts = '"options": {"A": "a", "B": "b", "C": "c", "D": "d"}'
     assert parse_question(f'{{"question": "Q?", {opts}, "answer": {value}}}', task) is None
     assert parse_question(f'{{"question": "Q\\ud83d?", {opts}, "answer": "C"}}', task) is None
-    if task == "doc_mc":
+    if tasks.TASKS[task].multiple_choice:
         surrogate_option = opts.replace('"b"', '"\\udc00"')
         assert parse_question(f'{{"question": "Q?", {surrogate_option}, "answer": "C"}}',
                               task, "C") is None
@@ -1238,19 +1238,10 @@ GATE_QUESTION = '{"question": "Which colour was the north gate?", "answer": "blu
 def scripted_round(monkeypatch, cfg, script: dict, drawn=None) -> tuple[spell.Rollout, list]:
     """One rollout_round of one cluster on a scripted engine; returns the rollout and the engine's
     calls (desc, prompts) so a test can read every prompt back (CharTokenizer decodes exactly)."""
-    calls = []
-
-    def generate(llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None, logprobs=False,
-                 stop=(), desc=""):
-        calls.append((desc, ["".join(map(chr, p)) for p in prompts]))
-        outs = script[desc]
-        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
-                                  outs[j % len(outs)][1])
-                 for j in range(n)] for _ in prompts]
-    monkeypatch.setattr(spell, "generate", generate)
+    monkeypatch.setattr(spell, "generate", engine := ScriptedEngine(script))
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, drawn or [(GATE, "doc_qa")],
                               HistoryMemory(3), np.random.default_rng(0), key=(0, 1, 0, 0))
-    return r, calls
+    return r, [(desc, prompts) for (desc, _, _), prompts in zip(engine.calls, engine.prompts)]
 
 
 SELF_PLAY_SCRIPT = {
@@ -1301,15 +1292,14 @@ def test_sigterm_stops_a_round_at_the_end_of_the_phase_it_came_in(monkeypatch, s
     cfg = spell.Config()
     cfg.rollout.group_size = 4
     monkeypatch.setitem(spell.STOP, "requested", False)
-    script = {**SELF_PLAY_SCRIPT, "grounding": [("I cannot tell.", "stop")]}  # grounded
+    engine = ScriptedEngine({**SELF_PLAY_SCRIPT, "grounding": [("I cannot tell.", "stop")]})
     calls = []
 
-    def generate(llm, prompts, *, n, desc="", **_):
+    def generate(llm, prompts, *, desc="", **kw):
         calls.append(desc)
         if desc == signalled_in:
             spell.STOP["requested"] = True  # the signal handler, while vLLM generates
-        return [[spell.Completion([7, 7, 7], text, None, finish)
-                 for text, finish in (script[desc] * n)[:n]] for _ in prompts]
+        return engine(llm, prompts, desc=desc, **kw)
     monkeypatch.setattr(spell, "generate", generate)
     with pytest.raises(spell.Stopped):
         spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
@@ -1592,7 +1582,7 @@ def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
     cfg.rollout.group_size, cfg.rollout.grounding_filter, cfg.reward.verifier_share = 4, False, 1.0
     cfg.reward.judge = "frozen"
     spell.check_config(cfg)
-    events = []
+    events, engine = [], ScriptedEngine(SELF_PLAY_SCRIPT)
 
     class Judge:
         def __enter__(self):
@@ -1601,10 +1591,9 @@ def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
         def __exit__(self, *_):
             events.append("exit")
 
-    def generate(llm, prompts, *, n, desc="", **_):
+    def generate(llm, prompts, *, desc="", **kw):
         events.append(desc)
-        return [[spell.Completion([7] * 3, SELF_PLAY_SCRIPT[desc][j % 4][0], None, "stop")
-                 for j in range(n)] for _ in prompts]
+        return engine(llm, prompts, desc=desc, **kw)
     monkeypatch.setattr(spell, "generate", generate)
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0), judge=Judge())
@@ -1695,23 +1684,6 @@ def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
     assert {it.role for it in items} == {"res"} and counts["que_pos"] + counts["que_neg"] == 0
 
 
-class ScriptedRollouts:
-    """A stand-in for spell.generate in the rollout phases: each phase (the `desc` a rollout
-    function passes) answers with a script of (text, finish_reason),
-    sample j getting entry j (cycled)."""
-
-    def __init__(self, script: dict[str, list[tuple[str, str]]]):
-        self.script, self.calls = script, []
-
-    def __call__(self, llm, prompts, *, n, temperature, top_p, max_tokens, seeds=None,
-                 logprobs=False, stop=(), desc=""):
-        self.calls.append((desc, len(prompts), n))
-        outs = self.script[desc]
-        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
-                                  outs[j % len(outs)][1])
-                 for j in range(n)] for _ in prompts]
-
-
 CUT_SCRIPT = {  # what each phase writes; "length" = cut at max_new_tokens
     "questioner": [('{"question": "Which colour was the north gate?", "answer": "blue"}',
                     "length")],
@@ -1732,7 +1704,7 @@ def test_truncated_generations(monkeypatch, overlong):
     keeps cut outputs out of the loss; keep scores the cut text as if finished."""
     cfg = spell.Config()
     cfg.rollout.group_size, cfg.reward.overlong = 4, overlong
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(CUT_SCRIPT))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(CUT_SCRIPT))
     cluster = spell.Cluster("c", "doc_qa",
                             ["The north gate was painted blue.", "The keeper kept goats."])
     rollouts = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")],
@@ -1745,7 +1717,7 @@ def test_truncated_generations(monkeypatch, overlong):
     assert r.status == "format" and r.question is None and r.que_reward == cfg.reward.format_penalty
     # the questioner's cut output is still a training sample (a negative), except under mask
     script = dict(CUT_SCRIPT, questioner=[(CUT_SCRIPT["questioner"][0][0], "stop")])
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(script))
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.status == "ok" and r.rules == [1.0, 0.0, 0.0, 0.0]  # response 1 was cut: no answer
@@ -1774,7 +1746,7 @@ def test_responder_format_penalty_gives_a_group_of_wrong_answers_variance(monkey
                             ("The correct answer is green.", "stop"),
                             ("The correct answer is", "length")],
               "verifier": [("Decision: [[NO]]", "stop")]}
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(script))
     cluster = spell.Cluster("c", "doc_qa",
                             ["The north gate was painted blue.", "The keeper kept goats."])
     cfg = spell.Config()
@@ -1809,17 +1781,17 @@ def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
     cfg.reward.judge = "rule"
     right = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
                  responder=[("The correct answer is blue.", "stop")])
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(right))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(right))
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
-    assert r.solved == r.selection == [1.0] * 4  # ScriptedRollouts: response j has 3 + j tokens
+    assert r.solved == r.selection == [1.0] * 4  # ScriptedEngine: response j has 3 + j tokens
     assert r.res_rewards == pytest.approx([0.75, 0.5, 0.25, 0.0])
     items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert counts["res_groups"] == 0 and not items
     assert spell.responder_groups_to_keep([r.selection]) == []
     mixed = dict(right, responder=[("The correct answer is blue.", "stop"),
                                    ("The correct answer is red.", "stop")])
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(mixed))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(mixed))
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.selection == [1.0, 0.0, 1.0, 0.0]
@@ -1828,8 +1800,8 @@ def test_length_shaping_keeps_no_group_without_accuracy_variance(monkeypatch):
     assert counts["res_groups"] == 1
 
 
-class BudgetRecorder(ScriptedRollouts):
-    """ScriptedRollouts that also records the max_tokens each phase was called with."""
+class BudgetRecorder(ScriptedEngine):
+    """ScriptedEngine that also records the max_tokens each phase was called with."""
 
     def __init__(self, script):
         super().__init__(script)
@@ -1885,7 +1857,7 @@ def test_overlong_shaping_counts_back_from_the_responders_budget(monkeypatch):
                  responder=[("The correct answer is blue.", "stop")])
     for shared, res, rewards in [(100, 6, [0.75, 0.5, 0.25, 0.0]), (6, 100, [1.0] * 4)]:
         cfg.rollout.max_new_tokens, cfg.rollout.role_max_new_tokens["res"] = shared, res
-        monkeypatch.setattr(spell, "generate", ScriptedRollouts(right))
+        monkeypatch.setattr(spell, "generate", ScriptedEngine(right))
         [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                                   np.random.default_rng(0), key=(0, 1, 0, 0))
         assert r.res_rewards == pytest.approx(rewards)
@@ -2066,7 +2038,7 @@ def test_spice_mapping_remembers_no_question_every_or_no_response_solved(monkeyp
     cfg.rollout.group_size, cfg.reward.judge, cfg.reward.questioner_mapping = 4, "rule", "spice"
     script = dict(SELF_PLAY_SCRIPT, grounding=[("I cannot tell.", "stop")],
                   responder=[("The correct answer is blue.", "stop")])
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(script))
     history = HistoryMemory(3)
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], history,
                               np.random.default_rng(0), key=(0, 1, 0, 0))
@@ -2158,7 +2130,7 @@ def test_verifier_groups_to_keep():
     assert taught == [0, 1, 5, 6]
 
 
-class FirstListedVerdict(ScriptedRollouts):
+class FirstListedVerdict(ScriptedEngine):
     """What SmolLM2-135M does as verifier (docs/cpu-runs.md): it votes the verdict its prompt's
     reply-format line lists first, whatever the answers."""
 
@@ -2215,7 +2187,7 @@ def test_votes_that_copy_the_first_listed_verdict_never_pay(monkeypatch, order):
             cfg, bootstrap=dataclasses.replace(cfg.bootstrap, verdict_order="fixed")))
 
 
-class JudgingVerifier(ScriptedRollouts):
+class JudgingVerifier(ScriptedEngine):
     """A verifier that judges (YES when Answer 1 holds Answer 2's word), except that the first
     reply of every request listing [[YES]] first copies that verdict."""
 
@@ -2272,7 +2244,7 @@ def test_a_paired_vote_counts_where_both_orders_agree_and_trains_as_a_pair(monke
     assert len(units) == len(distinct) == 4 and split == 0  # each prompt encoded once
 
 
-class FormatLineCopier(ScriptedRollouts):
+class FormatLineCopier(ScriptedEngine):
     """What SmolLM2-135M does as verifier behind bootstrap.verifier_reply_prefix (issue 42 §1):
     after "Decision: [[" it copies the rest of its prompt's reply-format line ("YES]] or [[NO]]",
     or "NO]] or [[YES]]"), and the stop strings it is given (vote_stop: "]]") cut the copy where
@@ -2337,7 +2309,7 @@ def test_verifier_bootstrapping(monkeypatch, penalty):
                            + [("The correct answer is red.", "stop")] * 3,
               "verifier": [("NO]]", "stop"), ("no idea", "stop"), ("YES or NO", "stop"),
                            ("NO]] since", "stop")]}
-    monkeypatch.setattr(spell, "generate", ScriptedRollouts(script))
+    monkeypatch.setattr(spell, "generate", ScriptedEngine(script))
     cluster = spell.Cluster("c", "doc_qa",
                             ["The north gate was painted blue.", "The keeper kept goats."])
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(cluster, "doc_qa")], HistoryMemory(3),
@@ -2440,9 +2412,9 @@ def test_a_sample_of_an_unknown_role_is_an_error_not_a_verifier_sample():
                       verdicts=[[spell.Completion([7], "v", None, "stop")]])
     item = functools.partial(spell.TrainItem, rank=0, idx=0, advantage=0.0, group=(), length=1,
                              cut=False)
-    assert [spell.role_sample(r, item(role=role))[1].token_ids for role in spell.ROLES] == \
-        [[3], [5], [7]]
-    with pytest.raises(ValueError, match="role 'ext'.*que, res, ver"):
+    assert {role: spell.role_sample(r, item(role=role))[1].token_ids
+            for role in ("que", "res", "ver")} == {"que": [3], "res": [5], "ver": [7]}
+    with pytest.raises(ValueError, match=f"role 'ext'.*{', '.join(spell.ROLES)}"):
         spell.role_sample(r, item(role="ext"))
 
 
@@ -3920,9 +3892,10 @@ def test_demo_preset_end_to_end(demo_run):
         assert m["que/pos"] >= 1 and m["que/neg"] >= 1, m  # questioner positives and negatives
         assert m["ver/kept_groups"] >= 1, m  # verifier groups
         assert m["train/sequences"] == role_sequences(m), m
-        assert [m[f"train/{role}_sequences"] for role in spell.ROLES] == [
-            m["que/pos"] + m["que/floor"] + m["que/neg"], 4 * m["res/kept_groups"],
-            8 * m["ver/kept_groups"]], m  # G = 4 votes of 2 replies ("paired")
+        assert {role: m[f"train/{role}_sequences"] for role in ("que", "res", "ver")} == {
+            "que": m["que/pos"] + m["que/floor"] + m["que/neg"],
+            "res": 4 * m["res/kept_groups"],
+            "ver": 8 * m["ver/kept_groups"]}, m  # G = 4 votes of 2 replies ("paired")
         assert (math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
                 and m["train/tokens"] > 0), m
         assert m["perf/sync_s"] > 0, m
@@ -4413,7 +4386,9 @@ def test_sigterm_in_the_first_step_saves_the_state_it_began_from(demo_run, speak
      "data.task_weights must be finite"),
     ([GOOD_CLUSTER], ["--data.task_weights=fin_math:-1"], infra.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
-    ([GOOD_CLUSTER], ["--data.task_weights=doc_qa:0,fin_math:0,doc_mc:0"], infra.ConfigError,
+    # every task's weight 0, however many tasks.TASKS holds
+    ([GOOD_CLUSTER], ["--data.task_weights=" + ",".join(f"{t}:0" for t in tasks.TASKS)],
+     infra.ConfigError,
      "data.task_weights must be non-negative numbers, not all zero"),
     ([GOOD_CLUSTER], ["--train.lr=nan"], infra.ConfigError,
      "train.lr must be finite and at most 1,000,000 in size, got nan"),
