@@ -189,7 +189,7 @@ def add_summariser(mp: pytest.MonkeyPatch, folder: Path) -> None:
 # ---- fork 3: the verifier's prompt reworded, its contract kept (placeholders, verdict tags,
 # the reply-format line the bootstrap's reply prefix continues)
 
-REWORDED_VERIFIER = """# Verifier, reworded by a fork: the same placeholders and output contract as prompts/verifier.txt.
+REWORDED_VERIFIER = """# Verifier, reworded by a fork: prompts/verifier.txt's placeholders and output contract.
 #   {question} {answer_1} {answer_2}: fenced between ⟦ and ⟧ by spell.verifier_prompt
 #   {verdicts}: "[[YES]] or [[NO]]", or the other way round (bootstrap.verdict_order)
 # Output contract: ends with "[[YES]]" or "[[NO]]"; the last tag decides (spell.parse_verdict).
