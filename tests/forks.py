@@ -95,7 +95,7 @@ def add_doc_msq(mp: pytest.MonkeyPatch, folder: Path) -> None:
 
 # ---- fork 2: a fourth role, a summariser paid when its summary holds the gold
 
-SUMMARISER_PROMPT = """# Summariser (a fork's fourth role): a summary of the cluster for the question.
+SUMMARISER_PROMPT = """# Summariser (a fork's fourth role): the cluster summed up for the question.
 # Placeholders: {documents} the whole cluster; {question} the question.
 # Output contract: free text; paid when it holds the reference answer.
 
@@ -189,7 +189,7 @@ def add_summariser(mp: pytest.MonkeyPatch, folder: Path) -> None:
 # ---- fork 3: the verifier's prompt reworded, its contract kept (placeholders, verdict tags,
 # the reply-format line the bootstrap's reply prefix continues)
 
-REWORDED_VERIFIER = """# Verifier, reworded by a fork: prompts/verifier.txt's placeholders and output contract.
+REWORDED_VERIFIER = """# Verifier, reworded: prompts/verifier.txt's placeholders and contract.
 #   {question} {answer_1} {answer_2}: fenced between ⟦ and ⟧ by spell.verifier_prompt
 #   {verdicts}: "[[YES]] or [[NO]]", or the other way round (bootstrap.verdict_order)
 # Output contract: ends with "[[YES]]" or "[[NO]]"; the last tag decides (spell.parse_verdict).
