@@ -52,10 +52,12 @@ To fork, edit one place:
   a questioner reward .... a function + entry in recipes.QUESTIONER_MAPPINGS
   an advantage estimator . a function + entry in recipes.ADVANTAGES (also LOSS_NORMS,
                            POLICY_LOSSES, ROLLOUT_CORRECTIONS)
-  a task type, a rule .... tasks.TASKS (check, extract, rule), prompts/<family>_<task>.txt
+  a task type, a rule .... tasks.TASKS (check, extract, rule; flags), prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
-  a role ................. ROLES, its prompt, its phase in rollout_round, its selector in
-                           select_batch, role_sample, its metrics
+  a role ................. ROLES, its prompt, samples_per_prompt, its phase in rollout_round
+                           (playing_roles says when it plays), Rollout.completions, role_sample,
+                           its Summary fields, its selector in select_batch, its metrics
+                           (tests/forks.py holds one, a summariser)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
