@@ -33,7 +33,8 @@ SCRIPT = {"questioner": [('{"question": "Which colour was the north gate?", "ans
 
 @pytest.fixture
 def fork(request, monkeypatch, tmp_path):
-    forks.FORKS[request.param](monkeypatch, tmp_path / "prompts")
+    if request.config.getoption("--fork") != request.param:  # (pytest --fork NAME applied it)
+        forks.FORKS[request.param](monkeypatch, tmp_path / "prompts")
     return request.param
 
 
