@@ -70,12 +70,21 @@ def no_real_run(request, monkeypatch):
     """No fast-tier test starts a run: spell.init_distributed, where a run, the eval and the
     pre-flight begin, fails it instead. A test that checks input before the launch (spell.main on
     a bad config) then fails at once where a change made its input valid, instead of training for
-    minutes; a test may stand in its own, and a stack test keeps the real one."""
-    if request.node.get_closest_marker("stack") is None:
-        def refuse(cfg):
-            pytest.fail("this fast-tier test reached spell.init_distributed: it would start a real "
-                        "run (mark it stack, or stand in an init_distributed of its own)")
-        monkeypatch.setattr(spell, "init_distributed", refuse)
+    minutes. A test that stands in a process group of its own (torch.distributed's
+    init_process_group replaced) tests init_distributed itself and keeps it; a stack test keeps the
+    real one."""
+    if request.node.get_closest_marker("stack") is not None:
+        return
+    import torch.distributed as dist
+
+    real_init, real_group = spell.init_distributed, dist.init_process_group
+
+    def guarded(cfg):
+        if dist.init_process_group is real_group:
+            pytest.fail("this fast-tier test reached spell.init_distributed: it would start a "
+                        "real run (mark it stack, or stand in an init_distributed of its own)")
+        return real_init(cfg)
+    monkeypatch.setattr(spell, "init_distributed", guarded)
 
 
 def run_worker(workers: dict) -> None:
