@@ -9,11 +9,11 @@ writing a JSON Lines file into a work directory so that a user can stop after an
     3. decontam  drop texts that near-duplicate an evaluation context, or a window of one
     4. cluster   embed every text, then hierarchical k-means into clusters of about 20 texts
                  whose total token count fits the responder's 16K input
-    5. assign    give every cluster a task: doc_qa and doc_mc on general clusters, fin_math on
-                 financial ones, in equal numbers
+    5. assign    give every cluster a task of tasks.TASKS: the financial ones (fin_math) on
+                 financial clusters, the others (doc_qa, doc_mc) on general ones, in equal numbers
 
 The output (`spell.load_corpus` reads it) has one cluster per line:
-    {"id": str, "task": "doc_qa" | "fin_math" | "doc_mc", "documents": [str, ...], "meta": {...}}
+    {"id": str, "task": a key of tasks.TASKS, "documents": [str, ...], "meta": {...}}
 
 Usage:
     python build_corpus.py build --input raw.jsonl --work-dir work --out corpus.jsonl \\
@@ -93,7 +93,6 @@ STAGE_FILES = {
     "cluster": "4_clusters.jsonl",
     "assign": "5_corpus.jsonl",
 }
-TASKS = tuple(tasks.TASKS)  # the three task types of §5.1, as spell.py trains them
 CHARS_PER_TOKEN = 4  # token estimate without a tokenizer; English BPE averages ~4 chars a token
 
 
@@ -370,8 +369,8 @@ def check_corpus_record(obj, where: str) -> None:
         raise CorpusBuildError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
     if not isinstance(obj.get("id"), str) or not obj["id"]:
         raise CorpusBuildError(f"{where}: field 'id' must be a non-empty string")
-    if obj.get("task") not in TASKS:
-        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(TASKS)}, "
+    if obj.get("task") not in tasks.TASKS:
+        raise CorpusBuildError(f"{where}: field 'task' must be one of {', '.join(tasks.TASKS)}, "
                                f"got {obj.get('task')!r}")
     docs = obj.get("documents")
     if not isinstance(docs, list) or not docs:
@@ -817,36 +816,46 @@ def cluster_stats(clusters: list[dict], opts: Options) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def task_kinds() -> tuple[list[str], list[str]]:
+    """The task types financial clusters carry (tasks.Task.financial: fin_math), and the others."""
+    return ([t for t, kind in tasks.TASKS.items() if kind.financial],
+            [t for t, kind in tasks.TASKS.items() if not kind.financial])
+
+
 def balanced_counts(n_fin: int, n_gen: int) -> tuple[int, int]:
-    """How many financial and general clusters to keep so that the three tasks come out equal:
-    k of each task needs k financial and 2k general clusters. Where that leaves nothing (one kind
-    missing), keep what there is and split general clusters evenly between doc_qa and doc_mc."""
-    k = min(n_fin, n_gen // 2)
+    """How many financial and general clusters to keep so that the tasks come out equal: k of each
+    task needs k financial clusters per financial task (fin_math) and k general clusters per
+    general task (doc_qa, doc_mc). Where that leaves nothing (one kind missing), keep what there
+    is and split general clusters evenly among the general tasks."""
+    n_f, n_g = map(len, task_kinds())
+    k = min(n_fin // n_f if n_f else n_gen, n_gen // n_g if n_g else n_fin)
     if k > 0:
-        return k, 2 * k
-    if n_fin == 0 and n_gen >= 2:
-        return 0, n_gen - n_gen % 2
+        return k * n_f, k * n_g
+    if n_fin == 0 and n_g and n_gen >= n_g:
+        return 0, n_gen - n_gen % n_g
     return n_fin, n_gen
 
 
 def run_assign(clusters: list[dict], opts: Options):
-    """Stage 5 (Appendix C.1: 2,150 document sets for each of the three tasks)."""
+    """Stage 5 (Appendix C.1: 2,150 document sets for each task): financial clusters take the
+    financial tasks in turn, general clusters the others (tasks.Task.financial)."""
     rng = random.Random(opts.seed)
     fin = [c for c in clusters if c["financial"]]
     gen = [c for c in clusters if not c["financial"]]
     rng.shuffle(fin)
     rng.shuffle(gen)
     n_fin, n_gen = balanced_counts(len(fin), len(gen)) if opts.balance else (len(fin), len(gen))
-    tasks = {c["id"]: "fin_math" for c in fin[:n_fin]}
-    tasks |= {c["id"]: ("doc_qa", "doc_mc")[i % 2] for i, c in enumerate(gen[:n_gen])}
+    task_of = {}
+    for kind, kept in zip(task_kinds(), (fin[:n_fin], gen[:n_gen])):
+        task_of |= {c["id"]: kind[i % len(kind)] for i, c in enumerate(kept) if kind}
     corpus = [
-        {"id": c["id"], "task": tasks[c["id"]], "documents": c["documents"],
+        {"id": c["id"], "task": task_of[c["id"]], "documents": c["documents"],
          "meta": {"doc_ids": c["doc_ids"], "tokens": c["tokens"], "financial": c["financial"]}}
-        for c in clusters if c["id"] in tasks
+        for c in clusters if c["id"] in task_of
     ]
     removed = [{"id": c["id"], "reason": "surplus_for_balance"}
-               for c in clusters if c["id"] not in tasks]
-    info = {t: sum(r["task"] == t for r in corpus) for t in TASKS}
+               for c in clusters if c["id"] not in task_of]
+    info = {t: sum(r["task"] == t for r in corpus) for t in tasks.TASKS}
     for i, rec in enumerate(corpus):
         check_corpus_record(rec, f"cluster {rec['id']} (record {i})")
     return corpus, removed, info

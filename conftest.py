@@ -28,9 +28,28 @@ import infra
 import spell
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fork", choices=("doc_msq", "summariser", "verifier_wording"),
+                     help="run the tests under one of tests/forks.py's forks (a new task type, a "
+                          "fourth role, the verifier's prompt reworded), applied before collection")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "stack: launches torchrun, vLLM or the embedded model's "
                             "export (the slow tier; the fast tier is -m \"not stack\")")
+    if name := config.getoption("--fork", None):
+        import tempfile
+
+        sys.path.insert(0, str(REPO / "tests"))
+        import forks
+
+        config.fork_patch = pytest.MonkeyPatch()
+        forks.FORKS[name](config.fork_patch, Path(tempfile.mkdtemp(prefix=f"fork-{name}-")))
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "fork_patch"):
+        config.fork_patch.undo()
 
 
 # Fixtures that export the embedded model or train the speaker: a test that uses one is a stack test
@@ -44,6 +63,28 @@ def pytest_collection_modifyitems(config, items):
         if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.stack)
     STACK_TESTS.update(item.nodeid for item in items if item.get_closest_marker("stack"))
+
+
+@pytest.fixture(autouse=True)
+def no_real_run(request, monkeypatch):
+    """No fast-tier test starts a run: spell.init_distributed, where a run, the eval and the
+    pre-flight begin, fails it instead. A test that checks input before the launch (spell.main on
+    a bad config) then fails at once where a change made its input valid, instead of training for
+    minutes. A test that stands in a process group of its own (torch.distributed's
+    init_process_group replaced) tests init_distributed itself and keeps it; a stack test keeps the
+    real one."""
+    if request.node.get_closest_marker("stack") is not None:
+        return
+    import torch.distributed as dist
+
+    real_init, real_group = spell.init_distributed, dist.init_process_group
+
+    def guarded(cfg):
+        if dist.init_process_group is real_group:
+            pytest.fail("this fast-tier test reached spell.init_distributed: it would start a "
+                        "real run (mark it stack, or stand in an init_distributed of its own)")
+        return real_init(cfg)
+    monkeypatch.setattr(spell, "init_distributed", guarded)
 
 
 def run_worker(workers: dict) -> None:
@@ -82,6 +123,29 @@ class CharTokenizer:
 
 
 GOOD_CLUSTER = {"id": "a", "task": "doc_qa", "documents": ["One report.", "Another report."]}
+
+
+UNSCRIPTED = ("Done.", "stop")  # what ScriptedEngine writes in a phase its script does not name
+
+
+class ScriptedEngine:
+    """spell.generate as a script plays it, the one stand-in for vLLM in the rollout phases: each
+    phase (the `desc` a role's function passes: questioner, grounding, responder, verifier, or a
+    fork's own) answers with its script's list of (text, finish_reason), sample j of a prompt
+    getting entry j (cycled); a phase the script does not name writes UNSCRIPTED, finished.
+    Sample j has 3 + j tokens. `calls` records (desc, prompts, n) per call, `prompts` the prompts
+    of each call as text (CharTokenizer's ids are characters)."""
+
+    def __init__(self, script: dict[str, list[tuple[str, str]]]):
+        self.script, self.calls, self.prompts = script, [], []
+
+    def __call__(self, llm, prompts, *, n, desc="", **_):
+        self.calls.append((desc, len(prompts), n))
+        self.prompts.append(["".join(map(chr, p)) for p in prompts])
+        outs = self.script.get(desc, [UNSCRIPTED])
+        return [[spell.Completion([7] * (3 + j), outs[j % len(outs)][0], None,
+                                  outs[j % len(outs)][1])
+                 for j in range(n)] for _ in prompts]
 
 
 QA_OBJECT = '{"question": "Who signed it?", "answer": "James Madison"}'
@@ -451,13 +515,12 @@ def demo_run(speaker, corpus_file, tmp_path_factory):
 
 
 def batch_counts(**given) -> dict:
-    """The counts select_batch returns for the log, zero but for those given."""
-    zero = dict.fromkeys(("que_pos", "que_floor", "que_neg", "que_all_or_none", "res_groups",
-                          "res_masked",
-                          "ver_groups", "ver_candidates", "sequences", "que_sequences",
-                          "res_sequences", "ver_sequences", "aepo_masking",
-                          "aepo_masked"), 0)
-    return {**zero, "que_all_or_none_adv": 0.0, **given}
+    """The counts select_batch returns for the log, zero but for those given: select_batch's own
+    counts of an empty step, so a role or a count it adds is here too."""
+    _, zero = spell.select_batch([], spell.Config(), np.random.default_rng(0))
+    unknown = set(given) - set(zero)
+    assert not unknown, f"select_batch counts no {sorted(unknown)}"
+    return {**zero, **given}
 
 
 def read_metrics(out_dir: Path) -> list[dict]:

@@ -1,4 +1,5 @@
-"""`spell.py eval` and `spell.py synth`: the policy at work outside the training loop.
+"""`spell.py eval` and `spell.py synth`, the policy at work on its own; and the held-out verifier
+check that spell.main runs inside the loop every log.verify_every steps (HeldOutCheck).
 
 eval scores a checkpoint (an HF folder) on long-context QA benchmarks by the paper's protocol
 (Appendix C.2): the responder's prompt per task, middle truncation to the max input, n samples,
@@ -51,8 +52,9 @@ def main(argv: Sequence[str]) -> None:
 # Departures from the paper and from the authors' eval code (Qwen-Doc/SPELL/eval):
 #  1. pass@k is the unbiased estimator of Eq. 11; the released code reports a bootstrap best@k
 #     (k draws with replacement), which is biased low.
-#  2. The QA rule is spell.rule_reward's CEM. The released eval read a metrics key that does not
-#     exist, so its QA rule score was always 0 and only the judge counted.
+#  2. The QA rule is spell.rule_reward, R_rule (an allow-list, spell.py's departure 1); the
+#     paper's cover exact match (tasks.paper_score) is reported beside it. The released eval read a
+#     metrics key that does not exist, so its QA rule score was always 0 and only the judge counted.
 #  3. LongBench v1 lists several gold answers: the rule takes the best over all of them
 #     (LongBench's own scorer); the judge sees answers[0] (the authors' choice).
 #  4. The judge is the evaluated model itself unless eval.judge_model names another; the paper used
@@ -76,8 +78,8 @@ NO_ANSWER = "(no final answer)"  # what the judge sees when tasks.extract_answer
 def eval_prompt(item: infra.EvalItem) -> str:
     """The responder prompt of the item's task, which is also the eval prompt (Appendix C.2)."""
     fields = dict(documents=item.context, question=item.question)
-    if item.task == "doc_mc":
-        fields.update(zip(("choice_A", "choice_B", "choice_C", "choice_D"), item.choices))
+    if tasks.TASKS[item.task].multiple_choice:
+        fields.update((f"choice_{k}", c) for k, c in zip(tasks.LETTERS, item.choices))
     return spell.render_prompt(f"responder_{item.task}", **fields)
 
 
@@ -123,7 +125,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def rule_score(response: str, item: infra.EvalItem) -> float:
-    """Rule score of one response (CEM, number rule or letter), best over the gold answers
+    """Rule score of one response (R_rule of the item's task), best over the gold answers
     (Appendix C.2)."""
     # LongBench keeps the best over its listed answers; the authors' eval used answers[0] only.
     return max(spell.rule_reward(response, answer, item.task) for answer in item.answers)
@@ -138,7 +140,7 @@ def paper_rule_score(response: str, item: infra.EvalItem) -> float:
 def needs_judge(item: infra.EvalItem, rule: float) -> bool:
     """The judge is asked only where the rule said wrong, and never for multiple choice
     (Appendix C.2)."""
-    return item.task != "doc_mc" and rule < 1.0
+    return not tasks.TASKS[item.task].multiple_choice and rule < 1.0
 
 
 def score_sample(item: infra.EvalItem, index: int, completion) -> dict:

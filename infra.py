@@ -381,11 +381,14 @@ MOVED_KEYS = {
 
 
 def bounded(default: Any, must: str, ok: typing.Callable[[Any], bool] | None = None):
-    """A config field: its default, and what its value must be, in the words of the error a bad
-    value gets ("KEY must be MUST, got VALUE"; check_every_key checks it). Without `ok`, `must`
-    starts with the bound every number of the value meets (each one of a tuple or a table):
+    """A config field: its default (or a function that makes it for each config), and what its
+    value must be, in the words of the error a bad value gets ("KEY must be MUST, got VALUE";
+    check_every_key checks it). Without `ok`, `must` starts with the bound every number of the
+    value meets (each one of a tuple or a table):
     ">= 1", "> 0", "<= 0", "in (0, 1]", "in [0, 2**31)"; the rest is the reason, for the reader."""
     meta = {"must": must, "ok": ok or number_bound(must)}
+    if callable(default):  # made when a config is: a table of every role reads ROLES then
+        return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -191,8 +191,8 @@ class Timing(NamedTuple):
 
 def rollout(llm, cfg: spell.Config, role: str, prompt: list[int],
             group: int) -> tuple[list[spell.Completion], Timing]:
-    """One prompt of a role through spell's generation, its samples each at the role's budget: 1
-    for the questioner, G for the responder, the votes of spell.sample_votes for the verifier; and
+    """One prompt of a role through spell's generation, its samples (spell.samples_per_prompt; the
+    verifier's through spell.sample_votes, both verdict orders) each at the role's budget; and
     its Timing (the prefill alone first, then the samples on the cached prompt)."""
     budget, engine = spell.max_new_tokens(cfg, role), FullBudget(llm)
     if len(prompt) + budget > spell.longest_sequence(cfg):
@@ -213,21 +213,14 @@ def rollout(llm, cfg: spell.Config, role: str, prompt: list[int],
     if role == "ver":
         [outs] = spell.sample_votes(engine, cfg, [prompt], seeds, desc=spell.ROLES[role])
     else:
-        n = cfg.rollout.group_size if role == "res" else 1
-        [outs] = spell.generate(engine, [prompt], n=n, seeds=seeds, logprobs=True,
-                                desc=spell.ROLES[role], **spell.sampling(cfg, role))
+        [outs] = spell.generate(engine, [prompt], n=spell.samples_per_prompt(cfg, role),
+                                seeds=seeds, logprobs=True, desc=spell.ROLES[role],
+                                **spell.sampling(cfg, role))
     if short := [len(c.token_ids) for c in outs if len(c.token_ids) < budget]:
         raise RuntimeError(f"vLLM ended {len(short)} of {len(outs)} samples before the budget "
                            f"of {budget} tokens (at {min(short)}): min_tokens was not honoured")
     return outs, Timing(prefill, time.perf_counter() - t0 - prefill, len(prompt), len(outs),
                         budget)
-
-
-def rollout_roles(cfg: spell.Config) -> list[str]:
-    """The roles whose generation a step runs, as spell.rollout_round runs them: no questioner
-    under RLVR (data.qa), no verifier under reward.judge = "rule"."""
-    return [r for r in spell.ROLES if not (r == "que" and cfg.data.qa)
-            and not (r == "ver" and cfg.reward.judge == "rule")]
 
 
 # ==================================================================================================
@@ -417,7 +410,7 @@ def remedies(cfg: spell.Config, on_gpu: bool) -> dict[str, str]:
         "launch checks": "free the machine's memory (nothing of the run has started yet)",
         "start vLLM": f"lower {share}, or the context ({lengths})",
         "load policy": f"lower {share} (vLLM took its share first), or {shard}",
-        "questioner": rollouts, "responder": rollouts, "verifier": rollouts,
+        **dict.fromkeys(spell.ROLES.values(), rollouts),  # each role's rollout phase
         "sleep": ("set engine.sleep_level = 2 (vLLM drops its weights instead of copying them to "
                   "host memory; the sync restores them)" if cfg.engine.sleep_level == 1
                   else f"lower {share}"),
@@ -811,7 +804,7 @@ def main(argv: Sequence[str]) -> None:
     for line in timeout_lines(timeouts, cfg.engine.collective_timeout_min):
         infra.print0(f"preflight: {line}")
     timings = {}
-    for role in rollout_roles(cfg):
+    for role in spell.playing_roles(cfg):  # the roles whose phases a step runs
         budget = spell.max_new_tokens(cfg, role)
         with run.phase(spell.ROLES[role], f"samples of {budget:,} tokens") as row:
             prompt = (verifier_prompt_ids(tok, cfg, corpus) if role == "ver" else

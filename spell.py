@@ -52,10 +52,12 @@ To fork, edit one place:
   a questioner reward .... a function + entry in recipes.QUESTIONER_MAPPINGS
   an advantage estimator . a function + entry in recipes.ADVANTAGES (also LOSS_NORMS,
                            POLICY_LOSSES, ROLLOUT_CORRECTIONS)
-  a task type, a rule .... tasks.TASKS (check, extract, rule), prompts/<family>_<task>.txt
+  a task type, a rule .... tasks.TASKS (check, extract, rule; flags), prompts/<family>_<task>.txt
   a prompt ............... prompts/*.txt (each file's header documents its placeholders)
-  a role ................. ROLES, its prompt, its phase in rollout_round, its selector in
-                           select_batch, role_sample, its metrics
+  a role ................. ROLES, its prompt, samples_per_prompt, its phase in rollout_round
+                           (playing_roles says when it plays), Rollout.completions, role_sample,
+                           its Summary fields, its selector in select_batch, its metrics
+                           (tests/forks.py holds one, a summariser)
   the batch (§4.3) ....... select_responder, select_questioner, select_verifier
   a metric ............... step_metrics (questioner_metrics, responder_metrics, ...)
   the loop ............... main
@@ -130,9 +132,8 @@ ROOT = Path(__file__).resolve().parent
 
 bounded = infra.bounded
 
-# The three roles one policy plays (§4.1), by the short names the config, the batch, the loss
-# normaliser and the metrics use. A fourth role is one more entry, its prompts, its phase in
-# rollout_round, its selector in select_batch and its sequences in training_sequences.
+# The roles one policy plays (§4.1), by the short names the config, the batch, the loss normaliser
+# and the metrics use; the only list of them. A fourth role: "to fork" in the docstring above.
 ROLES = {"que": "questioner", "res": "responder", "ver": "verifier"}
 
 
@@ -183,7 +184,7 @@ class RolloutConfig:
     max_new_tokens: int = bounded(4096, ">= 1")
     # a role's own budget instead: que, res (and the grounding check), ver; 0 = max_new_tokens
     role_max_new_tokens: dict[str, int] = bounded(
-        dict.fromkeys(ROLES, 0), ">= 0 for each role (0: rollout.max_new_tokens)")
+        lambda: dict.fromkeys(ROLES, 0), ">= 0 for each role (0: rollout.max_new_tokens)")
     # questioner prompts per generation round, over all ranks [code]
     clusters_per_round: int = bounded(480, ">= 1")
     # generation rounds per step before giving up on a full batch [code]
@@ -975,14 +976,19 @@ class Rollout:
     que_reward: float = 0.0  # r_que (Eq. 7)
     evicted: int = 0  # history entries forgotten so that the questioner's prompt fit
 
+    def completions(self) -> list[Completion]:
+        """Every completion sampled for this question, role by role: the question, the G
+        responses, each response's votes."""
+        return [self.que_output, *self.responses, *(v for vs in self.verdicts for v in vs)]
+
 
 def max_new_tokens(cfg, role: str | None = None) -> int:
     """The generation budget of a role (que, res, ver; the grounding check answers as a responder):
     rollout.role_max_new_tokens[role], where 0 means the shared rollout.max_new_tokens. With no
-    role, the largest of the three: what vLLM's context and the memory estimate make room for."""
+    role, the largest of them: what vLLM's context and the memory estimate make room for."""
     r = cfg.rollout
     if role is None:
-        return max(max_new_tokens(cfg, name) for name in r.role_max_new_tokens)
+        return max(max_new_tokens(cfg, name) for name in ROLES)
     return r.role_max_new_tokens[role] or r.max_new_tokens
 
 
@@ -990,6 +996,12 @@ def longest_sequence(cfg: Config) -> int:
     """The most tokens one rollout can hold: the longest prompt and the largest role's budget (what
     vLLM's context and the start-up memory estimate make room for)."""
     return cfg.rollout.max_prompt_tokens + max_new_tokens(cfg)
+
+
+def samples_per_prompt(cfg: Config, role: str) -> int:
+    """How many completions a role samples per prompt: one question (§4.1), G responses (§5.1),
+    G votes (Eq. 4; under bootstrap.verdict_order = "paired" each vote is two replies)."""
+    return {"que": 1, "res": cfg.rollout.group_size, "ver": votes_per_response(cfg)}[role]
 
 
 def sampling(cfg: Config, role: str) -> dict:
@@ -1054,8 +1066,9 @@ def run_questioner(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], hist
                                 status="format" if fits else "skipped"))
         letters.append(letter)
     todo = [(r, letter) for r, letter in zip(rollouts, letters) if r.status != "skipped"]
-    outs = generate(llm, [r.que_prompt for r, _ in todo], n=1, seeds=seeds[:len(todo)],
-                    **sampling(cfg, "que"), logprobs=True, desc="questioner")
+    outs = generate(llm, [r.que_prompt for r, _ in todo], n=samples_per_prompt(cfg, "que"),
+                    seeds=seeds[:len(todo)], **sampling(cfg, "que"), logprobs=True,
+                    desc="questioner")
     for (r, letter), (c,) in zip(todo, outs):
         r.que_output = c
         r.question = (parse_question(c.text, r.task, letter, cfg.rollout.max_answer_words)
@@ -1096,8 +1109,9 @@ def run_responder(llm, tok, cfg: Config, rollouts: list[Rollout], seeds: list[in
             r.status = "skipped"  # too long for the model: dropped without penalty [code]
         else:
             todo.append(r)
-    outs = generate(llm, [r.res_prompt for r in todo], n=cfg.rollout.group_size, logprobs=True,
-                    seeds=seeds[:len(todo)], **sampling(cfg, "res"), desc="responder")
+    outs = generate(llm, [r.res_prompt for r in todo], n=samples_per_prompt(cfg, "res"),
+                    logprobs=True, seeds=seeds[:len(todo)], **sampling(cfg, "res"),
+                    desc="responder")
     for r, cs in zip(todo, outs):
         r.responses = cs
         r.rules = [rule_reward(c.text, r.question["answer"], r.task) if finished(c, cfg) else 0.0
@@ -1135,7 +1149,7 @@ def sample_votes(llm, cfg: Config, prompts: list[list[int]], seeds: list[int],
     """n votes per verifier prompt (G of Eq. 4 unless given), each vote's text the reply as read:
     bootstrap.verifier_reply_prefix + what was sampled."""
     prefix = cfg.bootstrap.verifier_reply_prefix
-    outs = generate(llm, prompts, n=n or votes_per_response(cfg), seeds=seeds[:len(prompts)],
+    outs = generate(llm, prompts, n=n or samples_per_prompt(cfg, "ver"), seeds=seeds[:len(prompts)],
                     **sampling(cfg, "ver"), logprobs=True, desc=desc)
     return [[c._replace(text=prefix + c.text) for c in cs] if prefix else cs for cs in outs]
 
@@ -1275,14 +1289,16 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
                   rng: np.random.Generator, key: tuple, clock: infra.StepClock | None = None,
                   judge: contextlib.AbstractContextManager | None = None,
                   between: Callable[[], None] = lambda: None) -> list[Rollout]:
-    """One generation round on this rank: all four roles, each one batched vLLM call, then their
-    rewards. `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds
-    the engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
+    """One generation round on this rank: the phases of the roles that play (playing_roles; the
+    grounding check is the questioner's), each one batched vLLM call, then their rewards.
+
+    `clock`, if given, times each phase (que, ground, res, ver); `judge`, if given, holds the
+    engine's weights for the verifier phase (reward.judge = "frozen": FrozenJudge); `between`
     runs after each phase (main's stop_check, which raises Stopped on SIGTERM)."""
     clock = clock or infra.StepClock()
     clock.begin_phases()
-    n = len(drawn)
-    if cfg.data.qa:  # RLVR: the questions come from the static set
+    n, roles = len(drawn), playing_roles(cfg)
+    if "que" not in roles:  # RLVR: the questions come from the static set
         rollouts = pose_dataset_questions(drawn)
     else:
         rollouts = run_questioner(llm, tok, cfg, drawn, history, rng,
@@ -1296,7 +1312,7 @@ def rollout_round(llm, tok, cfg: Config, drawn: list[tuple[Cluster, str]], histo
     run_responder(llm, tok, cfg, rollouts, request_seeds(*key, "res", count=n))
     clock.phase("res")
     between()
-    if cfg.reward.judge != "rule":  # the policy votes, or under "frozen" its initial weights
+    if "ver" in roles:  # the policy votes, or under reward.judge = "frozen" its initial weights
         n_res = sum(len(r.responses) for r in rollouts)
         with judge or contextlib.nullcontext():
             run_verifier(llm, tok, cfg, rollouts, request_seeds(*key, "ver", count=max(n_res, 1)))
@@ -1366,9 +1382,7 @@ def summarize(r: Rollout, rank: int = 0, idx: int = 0) -> Summary:
         abstained=[sum(v is None for v in votes) for votes in r.votes],
         ver_lens=[[len(c.token_ids) for c in vs] for vs in r.verdicts],
         ver_cut=[[cut(c) for c in vs] for vs in r.verdicts],
-        nonfinite_logprobs=sum(c.nonfinite_logprobs for c in [r.que_output, *r.responses,
-                                                                *(v for vs in r.verdicts
-                                                                  for v in vs)]),
+        nonfinite_logprobs=sum(c.nonfinite_logprobs for c in r.completions()),
         no_majority=sum(bool(votes) and not strict_majority(votes) for votes in r.votes),
         labels=r.labels, masked=r.masked, votes=r.votes, split=r.split)
 
@@ -1465,16 +1479,19 @@ def frozen_roles(cfg: Config) -> list[str]:
     return [x.strip() for x in cfg.train.frozen_roles.split(",") if x.strip()]
 
 
+def playing_roles(cfg: Config) -> list[str]:
+    """The roles (ROLES, in order) whose phases a step runs: all, but the questioner when the
+    questions come from a static set (data.qa, RLVR) and the verifier when nobody votes
+    (reward.judge = "rule"). rollout_round, trained_roles and the pre-flight read it."""
+    sits_out = {"que": bool(cfg.data.qa), "ver": cfg.reward.judge == "rule"}
+    return [role for role in ROLES if not sits_out.get(role, False)]
+
+
 def trained_roles(cfg: Config) -> set[str]:
-    """The roles whose samples may enter the batch: the questioner unless the questions come from a
-    static set (data.qa), the verifier only when the policy judges (reward.judge = verifier: under
-    "frozen" the votes are the initial weights', so they never train), minus frozen roles."""
-    roles = {"res"}
-    if not cfg.data.qa:
-        roles.add("que")
-    if cfg.reward.judge == "verifier":
-        roles.add("ver")
-    return roles - set(frozen_roles(cfg))
+    """The roles whose samples may enter the batch: those that play, but frozen roles, and the
+    verifier under reward.judge = "frozen" (the initial weights vote: their votes never train)."""
+    untrained = set(frozen_roles(cfg)) | ({"ver"} if cfg.reward.judge == "frozen" else set())
+    return set(playing_roles(cfg)) - untrained
 
 
 def select_responder(summaries: list[Summary], cfg: Config,
@@ -1645,7 +1662,7 @@ def rollout_tokens(rollouts: list[Rollout]) -> Iterator[str | list[int]]:
     ranks of a tensor-parallel engine must agree on it)."""
     for r in rollouts:
         yield r.status
-        for c in [r.que_output, *r.responses, *(v for vs in r.verdicts for v in vs)]:
+        for c in r.completions():
             yield c.token_ids
 
 
@@ -3191,11 +3208,16 @@ def load_qa_set(path: str | os.PathLike) -> list[Cluster]:
             raise infra.CorpusError(f"{where}: fields {fields} do not form a {c.task} question "
                               "(see load_qa_set)")
         options = [c.qa["options"][k] for k in tasks.LETTERS] if "options" in c.qa else []
-        if options and (other := infra.repeated_gold_option(
-                options, tasks.LETTERS.index(c.qa["answer"]))) is not None:
-            raise infra.CorpusError(f"{where}: field 'options.{tasks.LETTERS[other]}' has the "
-                                    f"text of the answer, options.{c.qa['answer']}: two letters "
-                                    "would be right")
+        # each letter the answer names (one, or more where a task selects several) must be the
+        # only option with its text: a repeat of it under another letter would be right too
+        named = set(re.findall(r"[A-Z]", c.qa["answer"]))
+        golds = [i for i, k in enumerate(tasks.LETTERS) if k in named]
+        for gold in golds if options else []:
+            other = infra.repeated_gold_option(options, gold)
+            if other is not None and other not in golds:
+                raise infra.CorpusError(f"{where}: field 'options.{tasks.LETTERS[other]}' has "
+                                        f"the text of the answer, options.{tasks.LETTERS[gold]}: "
+                                        "two letters would be right")
     return clusters
 
 

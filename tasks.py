@@ -43,14 +43,18 @@ class Task(NamedTuple):
     two answers, whether the text after the reasoning holds the gold anywhere (alone, in a sentence
     or among other candidates: what the rule cannot tell apart, so the verifier's filter takes no
     label from it and §4.1's grounding check counts it as answered), whether it is multiple choice
-    (the questioner is then told which letter must be correct, and the prompts show the options),
-    and whether the rule alone decides r_i (Eq. 6 without the verifier's max, departure 13)."""
+    (the questioner is then told which letter must be correct, the prompts show the options, and
+    the evaluation asks no judge), whether the rule alone decides r_i (Eq. 6 without the verifier's
+    max, departure 13), whether its clusters are financial documents (build_corpus assigns them),
+    and the paper's own score of the text after a reply's reasoning (paper_score; None: R_rule)."""
     check: Callable[[str, str, dict, str | None, int], dict | None]
     extract: Callable[[str], str | None]
     rule: Callable[[str, str], bool]
     holds: Callable[[str, str], bool]
     multiple_choice: bool = False
     rule_decides: bool = False
+    financial: bool = False
+    paper: Callable[[str, str], bool] | None = None
 
 
 LETTERS = ("A", "B", "C", "D")
@@ -902,39 +906,54 @@ def rule_doc_mc(predicted: str, gold: str) -> bool:
     return predicted == gold.strip().strip("()").upper()
 
 
+def paper_doc_qa(body: str, gold: str) -> bool:
+    """The paper's doc_qa rule: cover exact match on word boundaries (§4.2)."""
+    predicted = extract_text_answer(body)
+    return predicted is not None and cover_exact_match(predicted, gold)
+
+
+def paper_fin_math(body: str, gold: str) -> bool:
+    """The paper's fin_math rule: the first number of the answer."""
+    predicted = extract_text_answer(body)
+    if predicted is None:
+        return False
+    p, g = parse_number(predicted), parse_number(gold)
+    return p is not None and g is not None and values_match(p, g)
+
+
+def paper_doc_mc(body: str, gold: str) -> bool:
+    """The paper's doc_mc rule: the letter the last answer statement starts with."""
+    mark = last_match(_MARKER, body)
+    if mark is None:
+        return False
+    letter = _LETTER_START.match(body, _OPEN_EDGE.match(body, mark.end()).end())
+    return letter is not None and _letter_of(letter[0]) == gold.strip().strip("()")
+
+
 # §5.1's three task types; data.task_weights draws among them in this order
 TASKS: dict[str, Task] = {
     "doc_qa": Task(check=check_doc_qa, extract=extract_text_answer, rule=rule_doc_qa,
-                   holds=text_holds_gold),
+                   holds=text_holds_gold, paper=paper_doc_qa),
     "fin_math": Task(check=check_fin_math, extract=extract_number_answer, rule=rule_fin_math,
-                     holds=numbers_hold_gold, rule_decides=True),
+                     holds=numbers_hold_gold, rule_decides=True, financial=True,
+                     paper=paper_fin_math),
     "doc_mc": Task(check=check_doc_mc, extract=extract_letter_answer, rule=rule_doc_mc,
-                   holds=letters_hold_gold, multiple_choice=True, rule_decides=True),
+                   holds=letters_hold_gold, multiple_choice=True, rule_decides=True,
+                   paper=paper_doc_mc),
 }
 
 
-
 def paper_score(response: str, gold: str, task: str) -> float:
-    """The score the paper's rule gives, without this file's hedge guards (departures 1, 2): cover
-    exact match on word boundaries for doc_qa (§4.2), the first number of the answer for fin_math,
-    the letter an answer statement starts with for doc_mc. Eval reports it beside R_rule, so a
-    reader sees when hedging inflates the paper's number."""
+    """The score the paper's rule gives, without this file's hedge guards (departures 1, 2): the
+    task's Task.paper (for a task the paper has no rule of its own for, R_rule). Eval reports it
+    beside R_rule, so a reader sees when hedging inflates the paper's number."""
     body = strip_reasoning(response)
     if body is None:
         return 0.0
-    if task == "doc_mc":
-        mark = last_match(_MARKER, body)
-        if mark is None:
-            return 0.0
-        letter = _LETTER_START.match(body, _OPEN_EDGE.match(body, mark.end()).end())
-        return float(letter is not None and _letter_of(letter[0]) == gold.strip().strip("()"))
-    predicted = extract_text_answer(body)
-    if predicted is None:
-        return 0.0
-    if task == "fin_math":
-        p, g = parse_number(predicted), parse_number(gold)
-        return float(p is not None and g is not None and values_match(p, g))
-    return float(cover_exact_match(predicted, gold))
+    kind = TASKS[task]
+    if kind.paper is None:
+        return float((answer := kind.extract(body)) is not None and kind.rule(answer, gold))
+    return float(kind.paper(body, gold))
 
 
 # ==================================================================================================

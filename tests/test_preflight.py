@@ -184,7 +184,7 @@ def test_each_groups_timeout_is_printed_and_a_shorter_one_warned_about():
 def test_every_phase_of_main_has_its_remedy(on_gpu):
     source = Path(preflight.__file__).read_text()
     phases = set(re.findall(r'run\.phase\("([^"]+)"', source)) | set(spell.ROLES.values())
-    assert len(phases) == 12 and set(preflight.remedies(config(), on_gpu)) == phases
+    assert set(preflight.remedies(config(), on_gpu)) == phases
 
 
 def test_the_estimate_beside_each_phase_is_infras_for_that_phase(tmp_path, monkeypatch):
@@ -289,11 +289,6 @@ def test_full_budget_makes_every_request_sample_its_whole_budget():
     assert preflight.FullBudget(llm).generate(["p", "q"], params, use_tqdm=False) == "out"
     assert [(p.min_tokens, p.ignore_eos) for p in seen[0][0]] == [(16, True), (384, True)]
     assert seen[0][1] == {"use_tqdm": False}
-
-
-def test_the_roles_a_step_runs():
-    assert preflight.rollout_roles(config()) == ["que", "res", "ver"]
-    assert preflight.rollout_roles(config(data__qa="set.jsonl", reward__judge="rule")) == ["res"]
 
 
 def test_clean_up_removes_the_scratch_folder_and_an_out_dir_it_made(tmp_path):
