@@ -17,8 +17,9 @@ overrides, starts what the run starts, and runs through spell.py's and infra.py'
   sleep           spell.sleep_engine: vLLM frees its memory for the update (GPU)
   update          spell.update_policy on one micro-batch of the largest packed row
                   (largest_row), an optimiser step included: AdamW's state is made here
-  compile         with FlexAttention, what else a run compiles (compile_like_a_run): the dummy
-                  row, a row not a multiple of 128 tokens and the largest, with and without grad
+  compile         with FlexAttention or engine.compile_layers, what a run compiles
+                  (compile_like_a_run): the dummy row, a row not a multiple of 128 tokens and the
+                  largest, with and without grad
   sync            spell.wake_and_sync: the new weights into vLLM
   save, load      spell.save_checkpoint, infra.resume_checkpoint and spell.load_checkpoint, in
                   <log.out_dir>/preflight.tmp, removed after: a run's own checkpoints are never
@@ -368,13 +369,16 @@ ODD_ROW = 3 * 128 + 1  # tokens: several of FlexAttention's 128-token blocks, an
 def compile_like_a_run(policy, cfg: spell.Config, device: torch.device, vocab: int) -> str:
     """Run compile_rows through the update's own loss (spell.micro_batch_loss, and its backward
     with grad; no optimiser step), so the compiled variants a run makes are made now, not hours
-    in; say how many each compiled function holds against infra.FLEX_RECOMPILE_LIMIT. Only
-    FlexAttention is compiled by the project: with another attention, nothing is."""
+    in; say how many each compiled function holds against its recompile limit. The project
+    compiles FlexAttention, and the decoder layers with engine.compile_layers: with neither,
+    nothing."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     impl = infra.attention_implementation(cfg, device.type == "cuda")
-    if impl != "flex_attention":
-        return f"compile: nothing (attention {impl}: the project compiles only FlexAttention)"
+    flex, layers = impl == "flex_attention", cfg.engine.compile_layers
+    if not flex and not layers:
+        return (f"compile: nothing (attention {impl}, engine.compile_layers off: the project "
+                "compiles only FlexAttention and, asked, the decoder layers)")
     for seqs, grad in compile_rows(cfg, vocab):
         with torch.set_grad_enabled(grad):
             loss = spell.micro_batch_loss(policy, seqs, None, cfg, device)[0]
@@ -383,10 +387,17 @@ def compile_like_a_run(policy, cfg: spell.Config, device: torch.device, vocab: i
             if grad and loss.requires_grad:
                 loss.backward()
         policy.zero_grad(set_to_none=True)
-    return (f"compile: flex_attention {infra.compiled_variants(flex_attention)} variant(s), the "
-            f"BlockMask builder {infra.compiled_variants(create_block_mask)}, of "
-            f"infra.FLEX_RECOMPILE_LIMIT = {infra.FLEX_RECOMPILE_LIMIT} each (rows of 2, "
-            f"{ODD_ROW} and {row_tokens(cfg):,} tokens, with and without grad)")
+    made = []
+    if flex:
+        made.append(f"flex_attention {infra.compiled_variants(flex_attention)} variant(s), the "
+                    f"BlockMask builder {infra.compiled_variants(create_block_mask)}, of "
+                    f"infra.FLEX_RECOMPILE_LIMIT = {infra.FLEX_RECOMPILE_LIMIT} each")
+    if layers:  # torch.compile's own limit: past it a layer runs eagerly (compile_decoder_layers)
+        forward = type(policy.model.layers[0]).forward
+        made.append(f"the decoder layer {infra.compiled_variants(forward)} variant(s) of dynamo's "
+                    f"recompile_limit = {torch._dynamo.config.recompile_limit}")
+    return (f"compile: {'; '.join(made)} (rows of 2, {ODD_ROW} and {row_tokens(cfg):,} tokens, "
+            "with and without grad)")
 
 
 # ==================================================================================================

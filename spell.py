@@ -383,6 +383,9 @@ class EngineConfig:
     # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
     attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
+    # torch.compile each decoder layer (infra.compile_decoder_layers): fuses the elementwise work
+    # between its GEMMs on a GPU. Off until a GPU measures it (bench/gpu_check.py part b)
+    compile_layers: bool = False
     # token budget of one packed micro-batch per rank
     micro_batch_tokens: int = bounded(32768, ">= 1")
     # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
@@ -2821,7 +2824,8 @@ def load_policy(cfg: Config, model_dir: str, device: torch.device, world: int):
         attn_implementation=infra.attention_implementation(cfg, device.type == "cuda"))
     policy = shard_policy(policy, infra.policy_mesh(cfg, device.type, world),
                           param_dtype=compute_dtype(device),
-                          gradient_checkpointing=cfg.engine.gradient_checkpointing)
+                          gradient_checkpointing=cfg.engine.gradient_checkpointing,
+                          compile_layers=cfg.engine.compile_layers)
     if (k := cfg.engine.sequence_parallel) > 1:  # collective: every rank, the same point
         attention = infra.attention_implementation(cfg, device.type == "cuda")
         infra.enable_sequence_parallel(policy, infra.sp_group(world, k), attention)
@@ -2931,9 +2935,10 @@ def to_completion(output, with_logprobs: bool) -> Completion:
 
 
 def shard_policy(model, mesh, *, param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = True):
+                 reduce_dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = True,
+                 compile_layers: bool = False):
     """Shard an HF causal LM with FSDP2: one group per decoder layer, then the root; checkpoint
-    activations.
+    activations; with `compile_layers`, compile each decoder layer (infra.compile_decoder_layers).
 
     Parameters stay fp32 (the master copy); `param_dtype` is what forward/backward compute in (bf16
     on GPU, fp32 in the CPU tests) and gradients are reduced in `reduce_dtype`. The root group holds
@@ -2949,6 +2954,8 @@ def shard_policy(model, mesh, *, param_dtype: torch.dtype,
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     infra.train_mode_without_dropout(model)
+    if compile_layers:
+        infra.compile_decoder_layers(model, mesh.device_type)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)

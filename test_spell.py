@@ -3258,6 +3258,27 @@ def test_a_nonfinite_gradient_skips_the_step_on_every_rank(tmp_path):
         assert good["skipped_steps"] == 0 and not good["unchanged"], (rank, good)
 
 
+@pytest.mark.stack
+def test_compiled_decoder_layers_take_the_same_step(tmp_path):
+    """engine.compile_layers: on 2 FSDP2 ranks, with checkpointing, the update through compiled
+    decoder layers (nn.Module.compile: dynamo, AOT autograd and its aot_eager backend on CPU, the
+    calls inductor gets on a GPU) takes the step the eager layers take, under the same parameter
+    names, and the layers really ran compiled."""
+    out = tmp_path / "compiled.pt"
+    torchrun(2, __file__, "compiled-layers", str(out))
+    res = torch.load(out)
+    assert res[True].keys() == res[False].keys()  # the module compiled in place: names unchanged
+    scale = max(t.abs().max().item() for t in res[False].values())
+    diff = max((res[True][n] - res[False][n]).abs().max().item() for n in res[False])
+    print(f"METRIC compiled_layers_max_abs_diff={diff:.3g} (step scale {scale:.3g})")
+    # the same fp32 ATen operations, a few decomposed by AOT autograd (sums of at most 256 terms
+    # in another order: ~sqrt(256) u32 x scale = 2e-6 x scale); the bound the eager variants meet
+    # against each other in test_update_policy_on_two_ranks_equals_one_rank
+    assert scale > 1e-3 and diff < 1e-5, (diff, scale)
+    # one compiled code serves both layers, and the micro-batches' lengths make no variant
+    # (dynamic shapes); measured 2: the first call's guards see a tensor where later calls pass None
+    assert 1 <= res["variants"] <= 2, res["variants"]
+
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_update_policy_mini_batches_let_the_clip_bind(mini_batches):
     """update_policy in one process on a plain tiny model (no process group: the collectives are a
@@ -5690,6 +5711,34 @@ def worker_update(out_file: str, shard_size: str = "0", sequence_parallel: str =
     end_worker()
 
 
+def worker_compiled_layers(out_file: str) -> None:
+    """Each rank: one checkpointed update_policy (SGD, lr 1) on its share of update_batch() with
+    the decoder layers eager, then on the same weights compiled (engine.compile_layers, dynamo's
+    aot_eager on CPU); rank 0 saves both steps and the compiled variants."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = rank_share(update_batch(), rank, world)
+    results = {}
+    for compiled in (False, True):
+        cfg = spell.Config()
+        cfg.rollout.temperature, cfg.engine.micro_batch_tokens = 0.7, 64
+        cfg.engine.logprob_impl, cfg.engine.compile_layers = "torch", compiled
+        model = tiny_llama().eval()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        policy = spell.shard_policy(model, worker_mesh("0", world), param_dtype=torch.float32,
+                                    compile_layers=cfg.engine.compile_layers)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        spell.update_policy(policy, optimizer, batch, cfg, world, torch.device("cpu"))
+        results[compiled] = {n: p.full_tensor().detach() - before[n]
+                             for n, p in policy.named_parameters()}
+    results["variants"] = infra.compiled_variants(type(policy.model.layers[0]).forward)
+    if rank == 0:
+        torch.save(results, out_file)
+    end_worker()
+
+
 def worker_nonfinite(out_file: str) -> None:
     """Each rank: AdamW on its FSDP2 shard, one update whose loss is NaN on rank 1 only, then one
     finite update; every rank reports whether its weights moved. (The first step is Adam's, so a
@@ -5723,4 +5772,4 @@ def worker_nonfinite(out_file: str) -> None:
 if __name__ == "__main__":
     run_worker({"big-batch": worker_big_batch, "parity": worker_parity,
                 "export-vllm": worker_export_vllm, "update": worker_update,
-                "nonfinite": worker_nonfinite})
+                "nonfinite": worker_nonfinite, "compiled-layers": worker_compiled_layers})

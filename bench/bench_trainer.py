@@ -94,7 +94,8 @@ def build_policy(config: Qwen2Config, cfg: spell.Config, mesh, param_dtype: torc
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn,
                                                  dtype=torch.float32)
     return spell.shard_policy(model, mesh, param_dtype=param_dtype,
-                              gradient_checkpointing=cfg.engine.gradient_checkpointing)
+                              gradient_checkpointing=cfg.engine.gradient_checkpointing,
+                              compile_layers=cfg.engine.compile_layers)
 
 
 def update_batch(T: int, micro_batches: int, vocab: int, cfg: spell.Config, seed: int,

@@ -41,7 +41,9 @@ d resets dynamo's cache last.
                    the optimiser step (phase_peaks); for the first length, the kernel time of one
                    update by kind (profiled_update, KERNEL_KINDS); for the last, what is alive at
                    the peak by allocation site (the CUDA allocator's trace replayed:
-                   peak_breakdown); then AdamW's three implementations timed on the same shards.
+                   peak_breakdown); then the first length again with the decoder layers
+                   compiled (engine.compile_layers: inductor, the compile in the warm-up); then
+                   AdamW's three implementations timed on the same shards.
   c. shared prefix spell.pack_sequences(shared=True) rows (two groups of 4 and 2 answers) through
                    a 2-layer Qwen2.5-7B-shaped decoder in bf16, tree mask from
                    infra.tree_attention_mask: FlexAttention's BlockMask against SDPA's dense mask,
@@ -171,7 +173,7 @@ def expected_rows(sh: Shapes) -> dict[str, list[str]]:
             "d": ["recompiles", "dense fallback"],
             "c": ["forward", "gradients"],
             "b": ["start"] + [f"update {T} tokens" for T in sh.update_tokens]
-                 + ["optimiser step"],
+                 + [f"update {min(sh.update_tokens)} tokens, compiled layers", "optimiser step"],
             "e": ["fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "training modes",
                   "loss variants"]}
 
@@ -1008,6 +1010,50 @@ def optimizer_steps(policy, cfg, device) -> list[dict]:
     return rows
 
 
+def update_row(rep: Report, case: str, policy, optimizer, cfg, config, sh: Shapes, device,
+               peak: float, T: int, held: float, device_gib: float, layers: int, attn: str,
+               log: DynamoLog) -> tuple | None:
+    """One timed case of part b: two packed rows of T tokens through spell.update_policy, its
+    tokens/s, MFU and peak against infra.memory_estimate; (the batch, the estimate), or None on
+    an OOM (written as the row)."""
+    cfg.engine.micro_batch_tokens = T
+    seqs = bench_trainer.update_batch(T, 2, config.vocab_size, cfg, seed=T)
+    longest = max(len(p) + len(c) for p, c, *_ in seqs)
+    est = infra.memory_estimate(cfg, config, world=1, device_gib=device_gib, longest=longest)
+    tokens = sum(len(p) + len(c) for p, c, *_ in seqs)
+    flops = bench_trainer.model_flops(config, seqs)
+    recompiles0, hits0 = len(log.recompiles), len(log.limit_hits)
+    try:
+        sec, mem, stats = bench_trainer.time_updates(policy, optimizer, seqs, cfg, device,
+                                                     sh.update_repeats)
+    except torch.OutOfMemoryError:
+        policy.reshard()  # FSDP2: drop what the failed forward or backward gathered
+        optimizer.zero_grad(set_to_none=True)
+        free_memory(device)
+        rep.add("b", case, "OOM", f"estimate {est['update_phase']:.1f} GiB",
+                estimate_gib=est["update_phase"])
+        return None
+    cuda = device.type == "cuda"
+    tflops = flops / sec / 1e12
+    own = None if mem is None else mem - held
+    ok = None if own is None else own <= est["update_phase"]
+    rep.add("b", case,
+            f"{tokens / sec:,.0f} tokens/s, MFU {100 * tflops / peak:.1f}%, peak "
+            f"{fmt(own, 1)} GiB vs estimate {est['update_phase']:.1f} GiB",
+            f"{sec:.2f} s/update of {stats['micro_batches']:.0f} x {T} tokens "
+            f"({len(seqs)} seqs); {layers} of 28 layers, {attn}, head "
+            f"{cfg.engine.logprob_impl} (one pass: {spell.fused_head(cfg)}); "
+            f"{tflops:.3g} model TFLOP/s; recompiles here "
+            f"{len(log.recompiles) - recompiles0}, recompile-limit hits "
+            f"{len(log.limit_hits) - hits0}"
+            + (f"; {held:.2f} GiB held by earlier parts" if held else ""),
+            ok, seconds=sec, tokens=tokens, tokens_per_s=tokens / sec, tflops=tflops,
+            mfu=tflops / peak, peak_gib=own, held_before_gib=held, estimate=est,
+            layers=layers, T=T,
+            reserved_gib=torch.cuda.max_memory_reserved() / GiB if cuda else None)
+    return seqs, est
+
+
 def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline,
                 layers: int, log: DynamoLog) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -1041,43 +1087,23 @@ def part_update(rep: Report, sh: Shapes, device, peak: float, deadline: Deadline
             if not deadline.fits(sh.case_seconds["b"]):
                 rep.add("b", case, "skipped: time budget")
                 continue
-            cfg.engine.micro_batch_tokens = T
-            seqs = bench_trainer.update_batch(T, 2, config.vocab_size, cfg, seed=T)
-            longest = max(len(p) + len(c) for p, c, *_ in seqs)
-            est = infra.memory_estimate(cfg, config, world=1, device_gib=device_gib,
-                                        longest=longest)
-            tokens = sum(len(p) + len(c) for p, c, *_ in seqs)
-            flops = bench_trainer.model_flops(config, seqs)
-            recompiles0, hits0 = len(log.recompiles), len(log.limit_hits)
-            try:
-                sec, mem, stats = bench_trainer.time_updates(policy, optimizer, seqs, cfg,
-                                                             device, sh.update_repeats)
-            except torch.OutOfMemoryError:
-                policy.reshard()  # FSDP2: drop what the failed forward or backward gathered
-                optimizer.zero_grad(set_to_none=True)
-                free_memory(device)
-                rep.add("b", case, "OOM", f"estimate {est['update_phase']:.1f} GiB",
-                        estimate_gib=est["update_phase"])
-                continue
-            tflops = flops / sec / 1e12
-            own = None if mem is None else mem - held
-            ok = None if own is None else own <= est["update_phase"]
-            rep.add("b", case,
-                    f"{tokens / sec:,.0f} tokens/s, MFU {100 * tflops / peak:.1f}%, peak "
-                    f"{fmt(own, 1)} GiB vs estimate {est['update_phase']:.1f} GiB",
-                    f"{sec:.2f} s/update of {stats['micro_batches']:.0f} x {T} tokens "
-                    f"({len(seqs)} seqs); {layers} of 28 layers, {attn}, head "
-                    f"{cfg.engine.logprob_impl} (one pass: {spell.fused_head(cfg)}); "
-                    f"{tflops:.3g} model TFLOP/s; recompiles here "
-                    f"{len(log.recompiles) - recompiles0}, recompile-limit hits "
-                    f"{len(log.limit_hits) - hits0}"
-                    + (f"; {held:.2f} GiB held by earlier parts" if held else ""),
-                    ok, seconds=sec, tokens=tokens, tokens_per_s=tokens / sec, tflops=tflops,
-                    mfu=tflops / peak, peak_gib=own, held_before_gib=held, estimate=est,
-                    layers=layers, T=T,
-                    reserved_gib=torch.cuda.max_memory_reserved() / GiB if cuda else None)
-            extras(rep, policy, optimizer, seqs, cfg, device, T, held, est, first=T == min(
-                sh.update_tokens), last=T == max(sh.update_tokens), deadline=deadline, sh=sh)
+            ran = update_row(rep, case, policy, optimizer, cfg, config, sh, device, peak, T,
+                             held, device_gib, layers, attn, log)
+            if ran is not None:
+                extras(rep, policy, optimizer, ran[0], cfg, device, T, held, ran[1],
+                       first=T == min(sh.update_tokens), last=T == max(sh.update_tokens),
+                       deadline=deadline, sh=sh)
+        # engine.compile_layers at the first length, on the same shards (nn.Module.compile works in
+        # place after fully_shard): inductor's compile of the layer, forward and backward, falls
+        # in time_updates' warm-up
+        T = min(sh.update_tokens)
+        case = f"update {T} tokens, compiled layers"
+        if not deadline.fits(3 * sh.case_seconds["b"]):
+            rep.add("b", case, "skipped: time budget")
+        else:
+            infra.compile_decoder_layers(policy, device.type)
+            update_row(rep, case, policy, optimizer, cfg, config, sh, device, peak, T, held,
+                       device_gib, layers, attn, log)
         if deadline.fits(sh.case_seconds["b"]):
             rows = optimizer_steps(policy, cfg, device)
             rep.add("b", "optimiser step", "; ".join(

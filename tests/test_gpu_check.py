@@ -31,7 +31,8 @@ EXPECTED = (
         "fp32 tau 0.7 offset", "forward tiles", "gemm then reduce", "training modes",
         "loss variants")]
     + [("b. update", "start"), ("b. update", "update 128 tokens"), ("b. update", "profile 128"),
-       ("b. update", "update 256 tokens"), ("b. update", "optimiser step"),
+       ("b. update", "update 256 tokens"), ("b. update", "update 128 tokens, compiled layers"),
+       ("b. update", "optimiser step"),
        ("c. shared prefix", "forward"), ("c. shared prefix", "gradients"),
        ("d. recompiles", "recompiles"), ("d. recompiles", "dense fallback")])
 # with no time at all: the rows each part writes whatever happens (the profile is an extra)
@@ -110,6 +111,10 @@ def test_dry_run_has_every_row_and_parities_within_the_arithmetic(tmp_path):
         b = row(doc, "b", f"update {T} tokens")["values"]
         assert b["tokens_per_s"] > 0 and b["peak_gib"] is None and b["T"] == T, b
         assert b["estimate"]["update_phase"] > 0, b
+
+    # and again with the decoder layers compiled (aot_eager on CPU), through the same calls
+    b = row(doc, "b", "update 128 tokens, compiled layers")["values"]
+    assert b["tokens_per_s"] > 0 and b["T"] == 128, b
 
     b = row(doc, "b", "optimiser step")["values"]["rows"]
     assert [r["impl"] for r in b] == ["fused", "foreach", "loop"] and all(

@@ -427,7 +427,8 @@ def test_the_disk_line_counts_the_checkpoints_kept_and_the_export_against_the_fr
 
 def test_without_flex_attention_nothing_is_compiled():
     assert preflight.compile_like_a_run(None, config(), torch.device("cpu"), 1000) == (
-        "compile: nothing (attention sdpa: the project compiles only FlexAttention)")
+        "compile: nothing (attention sdpa, engine.compile_layers off: the project compiles only "
+        "FlexAttention and, asked, the decoder layers)")
 
 
 def test_the_compile_rows_are_the_dummy_an_odd_row_and_the_largest_with_and_without_grad():
@@ -439,6 +440,43 @@ def test_the_compile_rows_are_the_dummy_an_odd_row_and_the_largest_with_and_with
     assert lengths == [2, 2, 385, 385, 1005] and [g for _, g in rows] == [False, True] * 2 + [False]
     assert 385 % 128 and rows[0][0] == [spell.dummy_sequence()]
 
+
+@pytest.mark.stack
+def test_after_the_preflight_compiled_layers_compile_nothing_new():
+    """engine.compile_layers: after the update phase's row and compile_like_a_run, rows of other
+    lengths, with and without grad, run on the decoder layer's variants the pre-flight made. A
+    tiny SDPA Llama with checkpointing, trained (SDPA has a backward on CPU), its layers compiled
+    as shard_policy compiles them (aot_eager on CPU)."""
+    from conftest import tiny_llama
+
+    cfg = config(rollout__max_prompt_tokens=200, rollout__max_new_tokens=60,
+                 engine__micro_batch_tokens=700, engine__compile_layers=True)
+    policy = tiny_llama()
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    infra.train_mode_without_dropout(policy)
+    infra.compile_decoder_layers(policy, "cpu")
+    forward = type(policy.model.layers[0]).forward
+    assert infra.compiled_variants(forward) == 0  # nothing before the first call
+    device = torch.device("cpu")
+    spell.micro_batch_loss(policy, preflight.largest_row(cfg, 1000), None, cfg, device)[0].backward()
+    line = preflight.compile_like_a_run(policy, cfg, device, 1000)
+    made = infra.compiled_variants(forward)
+    print(f"METRIC compiled_layer_variants={made}")
+    assert line == (f"compile: the decoder layer {made} variant(s) of dynamo's recompile_limit = "
+                    f"{torch._dynamo.config.recompile_limit} (rows of 2, 385 and 700 tokens, "
+                    "with and without grad)")
+    assert 0 < made < torch._dynamo.config.recompile_limit
+    g = np.random.default_rng(1)
+    for length in (97, 129, 640):
+        seqs = [spell.Seq(prompt=g.integers(1000, size=length - 20).tolist(),
+                          completion=g.integers(1000, size=20).tolist(), advantage=1.0,
+                          weight=0.05)]
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                loss = spell.micro_batch_loss(policy, seqs, None, cfg, device)[0]
+                if grad:
+                    loss.backward()
+    assert infra.compiled_variants(forward) == made
 
 @pytest.mark.stack
 def test_after_the_preflights_compile_a_runs_rows_compile_nothing_new(monkeypatch):
@@ -541,8 +579,8 @@ def test_demo_preflight_prints_every_phase_and_leaves_the_run_as_it_was(embedded
             "vLLM world:0 cpu", "vLLM tp:0 device"} <= set(groups.group(1).split(", "))
     assert re.search(r"compile\s+nothing\s", rows["compile"])
     *_, compiled, round_time, disk, last = proc.stdout.rstrip().splitlines()
-    assert compiled == ("compile: nothing (attention sdpa: the project compiles only "
-                        "FlexAttention)")
+    assert compiled == ("compile: nothing (attention sdpa, engine.compile_layers off: the "
+                        "project compiles only FlexAttention and, asked, the decoder layers)")
     # the demo's 48 clusters a round over 2 engines: 24 questions, their grounding checks, 24
     # prompts of 4 answers, and a request per vote (verdict_order "random"): 24 x 4 x 4
     assert re.fullmatch(r"a round of one engine: ~\d+\.\d min \(questioner 24 x [0-9.]+ s, "
