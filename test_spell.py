@@ -97,7 +97,8 @@ def test_config_errors(tmp_path, text, argv, message):
 
 def test_help_documents_every_config_key(capsys):
     """`spell.py --help` prints every key with its default and the comments on its dataclass field
-    (infra.field_docs): a key without a comment fails here."""
+    (infra.field_docs), and under a key naming a variant (spell.variants) its dict's keys: a key
+    without a comment fails here."""
     spell.main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("Launch:") and "torchrun --nproc_per_node=8 spell.py" in out
@@ -107,6 +108,9 @@ def test_help_documents_every_config_key(capsys):
             name = f"  {section.name}.{key.name} = "
             [at] = [i for i, line in enumerate(lines) if line.startswith(name)]
             assert len(lines[at + 1].strip()) > 8, f"{section.name}.{key.name} has no comment"
+            named = spell.variants().get(f"{section.name}.{key.name}")
+            # a key naming a variant lists its dict's keys, a variant a fork adds too
+            assert named is None or lines[at + 2] == f"      one of: {' | '.join(named)}"
     assert infra.field_docs(spell.TrainConfig)["clip_low"] == \
         "PPO clip range (Eq. 2): binds only off-policy (below)"
 
