@@ -126,7 +126,7 @@ ROOT = Path(__file__).resolve().parent
 # Config: one typed source of truth. config.toml holds the paper's recipe; unknown keys are errors.
 # A key says what it must be where it is declared: its Literal choices, or infra.bounded(default,
 # "what it must be"). A key that names a variant is checked against the dict of variants it looks
-# up (tasks.TASKS, QUESTIONER_MAPPINGS, ...), and rules that read several keys are in check_config.
+# up (variants(); tasks.TASKS), and rules that read several keys are in check_config.
 # The algorithm's sections come first; [engine] holds how the run uses its machines.
 # ==================================================================================================
 
