@@ -148,6 +148,15 @@ class ScriptedEngine:
                  for j in range(n)] for _ in prompts]
 
 
+PAPER_ROLES = ("que", "res", "ver")  # §4.1's three; a fork's roles follow them in spell.ROLES
+
+
+def fork_phases(cfg) -> list[str]:
+    """The phases (spell.ROLES' names) of the roles a fork adds that play under `cfg`, in order:
+    what a test pinning the paper's phases, called in the paper's order, expects after them."""
+    return [spell.ROLES[r] for r in spell.playing_roles(cfg) if r not in PAPER_ROLES]
+
+
 QA_OBJECT = '{"question": "Who signed it?", "answer": "James Madison"}'
 
 

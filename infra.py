@@ -504,18 +504,20 @@ def field_docs(section_class) -> dict[str, str]:
     return docs
 
 
-def config_reference(cfg) -> str:
-    """Every key of the config as `section.key = default`, with its documentation (field_docs):
-    what `spell.py --help` prints."""
+def config_reference(cfg, variants: dict[str, typing.Iterable[str]] | None = None) -> str:
+    """Every key of the config as `section.key = default`, with its documentation (field_docs) and,
+    for a key that names one of `variants[key]`, their names: what `spell.py --help` prints."""
     out = []
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
         docs = field_docs(type(sub))
         out.append(f"[{section.name}]")
         for f in dataclasses.fields(sub):
-            default = json.dumps(getattr(sub, f.name))
-            out.append(f"  {section.name}.{f.name} = {default}")
+            key, default = f"{section.name}.{f.name}", json.dumps(getattr(sub, f.name))
+            out.append(f"  {key} = {default}")
             out.append(f"      {docs.get(f.name, '')}")
+            if key in (variants or {}):
+                out.append(f"      one of: {' | '.join(variants[key])}")
     return "\n".join(out)
 
 

@@ -126,7 +126,7 @@ ROOT = Path(__file__).resolve().parent
 # Config: one typed source of truth. config.toml holds the paper's recipe; unknown keys are errors.
 # A key says what it must be where it is declared: its Literal choices, or infra.bounded(default,
 # "what it must be"). A key that names a variant is checked against the dict of variants it looks
-# up (tasks.TASKS, QUESTIONER_MAPPINGS, ...), and rules that read several keys are in check_config.
+# up (variants(); tasks.TASKS), and rules that read several keys are in check_config.
 # The algorithm's sections come first; [engine] holds how the run uses its machines.
 # ==================================================================================================
 
@@ -200,8 +200,8 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    # r_que from the responders' mean reward, a key of QUESTIONER_MAPPINGS: gaussian (Eq. 7), azr,
-    # rzero, spice (§5.4); the penalties below hold for all of them
+    # r_que from the responders' mean reward, a key of QUESTIONER_MAPPINGS (gaussian: Eq. 7; §5.4's
+    # others in recipes.py); the penalties below hold for all of them
     questioner_mapping: str = "gaussian"
     # centre of the questioner's Gaussian (Eq. 7; the gaussian mapping only)
     mu: float = bounded(0.5, "in [0, 1] (a solve rate)")
@@ -283,20 +283,15 @@ class TrainConfig:
     # optimiser steps per pass, each on a mini-batch of whole groups with its own Eq. 12 objective
     # (QwenLong-L1: 128 prompts, 32 a step); from the second step on, the ratio leaves 1
     mini_batches: int = bounded(1, ">= 1")
-    policy_loss: str = "grpo"  # a key of POLICY_LOSSES: grpo (Eq. 2) | gspo | cispo
-    # a key of LOSS_NORMS: role | group | token | sequence | constant | role_constant
-    loss_norm: str = "role"
-    # a key of ADVANTAGES: zscore (Eq. 8-9) | mean (Dr.GRPO) | task_std (QwenLong-L1.5 Eq. 7: the
-    # std over the batch's samples of the task) | task_mean (GoLongRL's TMN: the root mean group
-    # variance of the task)
-    advantage: str = "zscore"
+    policy_loss: str = "grpo"  # a key of POLICY_LOSSES (grpo: Eq. 2)
+    loss_norm: str = "role"  # a key of LOSS_NORMS (role: Eq. 10's per-role Eq. 12)
+    advantage: str = "zscore"  # a key of ADVANTAGES (zscore: Eq. 8-9)
     # AEPO (QwenLong-L1.5 §4.4): [low, high] bounds on the batch entropy (its Eq. 11, logged as
     # train/batch_entropy). Once an update's entropy exceeds high, the next batches leave out every
     # negative-advantage sample until an update's entropy falls below low. [0, 0] = off
     aepo: tuple[float, float] = (0.0, 0.0)
-    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs, a key of ROLLOUT_CORRECTIONS:
-    # none, the paper's on-policy loss | tis | mask (per token) | seq_mask | seq_mask_tis (a
-    # sequence whose geometric mean ratio leaves [1/C, C] drops whole); C = rollout_correction_cap
+    # vLLM's sampling (bf16 on GPU) vs the trainer's fp32 log-probs, a key of ROLLOUT_CORRECTIONS
+    # (none: the paper's on-policy loss); C = rollout_correction_cap
     rollout_correction: str = "none"
     # C >= 1 of ROLLOUT_CORRECTIONS
     rollout_correction_cap: float = bounded(2.0, ">= 1 (tokens are kept or weighed up to C, "
@@ -463,8 +458,6 @@ def check_config(cfg: Config) -> None:
          "it draws; draw more with rollout.max_rounds"),
         ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
          "non-negative numbers, not all zero"),
-        ("reward.questioner_mapping", w.questioner_mapping in QUESTIONER_MAPPINGS,
-         "|".join(QUESTIONER_MAPPINGS)),
         ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
          "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
         ("reward.overlong_buffer", 0 <= w.overlong_buffer < max_new_tokens(cfg, "res"),
@@ -488,17 +481,12 @@ def check_config(cfg: Config) -> None:
          or t.rollout_correction_cap > 1, f"> 1 with train.rollout_correction = "
          f"\"{t.rollout_correction}\" (it keeps the tokens or sequences with 1/C <= rho <= C: at "
          "C = 1 hardly any trains)"),
-        ("train.policy_loss", t.policy_loss in POLICY_LOSSES, "|".join(POLICY_LOSSES)),
         # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
         # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
         ("train.policy_loss", t.policy_loss != "gspo" or e.sequence_parallel == 1
          or t.ppo_epochs * t.mini_batches == 1,
          "grpo or cispo with engine.sequence_parallel > 1 past one optimiser step a batch (gspo's "
          "sequence ratio would read one rank's share of each sequence)"),
-        ("train.loss_norm", t.loss_norm in LOSS_NORMS, "|".join(LOSS_NORMS)),
-        ("train.advantage", t.advantage in ADVANTAGES, "|".join(ADVANTAGES)),
-        ("train.rollout_correction", t.rollout_correction in ROLLOUT_CORRECTIONS,
-         "|".join(ROLLOUT_CORRECTIONS)),
         # bounds a batch entropy can meet (recipes.AEPO_LOW_MIN, AEPO_HIGH_MAX); with the model's
         # folder here, infra.check_launch bounds high by ln V of its own vocabulary
         ("train.aepo", tuple(t.aepo) == (0, 0)
@@ -516,12 +504,22 @@ def check_config(cfg: Config) -> None:
          "\"paired\" with a bootstrap.verifier_reply_prefix that opens the verdict tag (departure "
          "11: a vote that copies the format line must not pay)"),
         ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
-         "\"\", \"que\", \"ver\" or \"que,ver\" (the responder always trains: §4.3's batch is "
-         "its groups)"),
+         f"comma-separated roles of {', '.join(r for r in ROLES if r != 'res')}, or \"\" (the "
+         "responder always trains: §4.3's batch is its groups)"),
+        # a key naming a variant: a key of its dict
+        *((key, value(key) in named, "|".join(named)) for key, named in variants().items()),
     ]
     for key, ok, must in rules:
         if not ok:
             raise infra.ConfigError(f"{key} must be {must}, got {infra.shown(value(key))}")
+
+
+def variants() -> dict[str, dict]:
+    """Each config key that names a variant, and the dict of variants it names (defined below):
+    check_config accepts the dict's keys, `spell.py --help` lists them."""
+    return {"reward.questioner_mapping": QUESTIONER_MAPPINGS, "train.policy_loss": POLICY_LOSSES,
+            "train.loss_norm": LOSS_NORMS, "train.advantage": ADVANTAGES,
+            "train.rollout_correction": ROLLOUT_CORRECTIONS}
 
 
 # ==================================================================================================
@@ -2588,7 +2586,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] in (["-h"], ["--help"]):  # the launch lines, then every config key documented
         print(__doc__[__doc__.index("Launch:"):__doc__.index("Symbols")].rstrip())
         print("  any key: --section.key=value (several --config files stack, later ones win)\n")
-        print(infra.config_reference(Config()))
+        print(infra.config_reference(Config(), variants()))
         return
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
         return evaluation.main(argv)

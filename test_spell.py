@@ -51,10 +51,11 @@ import recipes
 import spell
 from conftest import (CharTokenizer, GOLD_VOTES, GOOD_CLUSTER, QA_OBJECT, REPO, SMOLLM2,
                       SPEAKER_QUESTION, TEMPERATURE, TORCHRUN_TIMEOUT_S, ScriptedEngine,
-                      add_model_files, batch_counts, deadline, demo_args, end_worker, gold_items,
-                      held_out_metrics, logged_inputs, logged_metrics, make_tiny_model, metrics,
-                      protocol_corpus, qa_record, read_metrics, reply, role_sequences, run_worker,
-                      snapshot, start_torchrun, stop_torchrun, tiny_llama, torchrun, worker_mesh)
+                      add_model_files, batch_counts, deadline, demo_args, end_worker, fork_phases,
+                      gold_items, held_out_metrics, logged_inputs, logged_metrics,
+                      make_tiny_model, metrics, protocol_corpus, qa_record, read_metrics, reply,
+                      role_sequences, run_worker, snapshot, start_torchrun, stop_torchrun,
+                      tiny_llama, torchrun, worker_mesh)
 import tasks
 from spell import (HistoryMemory, group_advantages, majority_vote, parse_question, parse_verdict,
                    questioner_reward, questioner_samples_to_keep, responder_groups_to_keep,
@@ -96,7 +97,8 @@ def test_config_errors(tmp_path, text, argv, message):
 
 def test_help_documents_every_config_key(capsys):
     """`spell.py --help` prints every key with its default and the comments on its dataclass field
-    (infra.field_docs): a key without a comment fails here."""
+    (infra.field_docs), and under a key naming a variant (spell.variants) its dict's keys: a key
+    without a comment fails here."""
     spell.main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("Launch:") and "torchrun --nproc_per_node=8 spell.py" in out
@@ -106,6 +108,9 @@ def test_help_documents_every_config_key(capsys):
             name = f"  {section.name}.{key.name} = "
             [at] = [i for i, line in enumerate(lines) if line.startswith(name)]
             assert len(lines[at + 1].strip()) > 8, f"{section.name}.{key.name} has no comment"
+            named = spell.variants().get(f"{section.name}.{key.name}")
+            # a key naming a variant lists its dict's keys, a variant a fork adds too
+            assert named is None or lines[at + 2] == f"      one of: {' | '.join(named)}"
     assert infra.field_docs(spell.TrainConfig)["clip_low"] == \
         "PPO clip range (Eq. 2): binds only off-policy (below)"
 
@@ -259,7 +264,8 @@ def test_stacked_presets_name_the_key_in_conflict():
             spell.load_config(paths, argv)
         assert str(e.value).startswith("rollout.history_size must be 0 with "
                                        "rollout.questioner_template 'challenger'"), e.value
-        assert str(e.value).endswith("challenger_doc_mc_history.txt'], got 3"), e.value
+        missing = [f"challenger_{task}_history.txt" for task in tasks.TASKS]  # every one weighed
+        assert str(e.value).endswith(f"missing {missing}, got 3"), e.value
     cfg = spell.load_config([spice, config], ["--rollout.history_size=0"])
     assert cfg.rollout.history_size == 0
 
@@ -1274,8 +1280,9 @@ def test_rollout_round_plays_the_four_phases_and_scores_them(monkeypatch):
                             ("The correct answer is red.", "stop")],
               "verifier": [("[[YES]]", "stop"), ("[[NO]]", "stop"), ("[[NO]]", "stop")]}
     r, calls = scripted_round(monkeypatch, cfg, script)
-    assert [d for d, _ in calls] == ["questioner", "grounding", "responder", "verifier"]
-    (_, [que]), (_, [ground]), (_, [res]), (_, ver) = calls
+    assert [d for d, _ in calls] == ["questioner", "grounding", "responder", "verifier",
+                                     *fork_phases(cfg)]
+    (_, [que]), (_, [ground]), (_, [res]), (_, ver) = calls[:4]
     assert sum(doc in que for doc in GATE.documents) == 1  # m = 1 new document, no history yet
     assert not any(doc in ground for doc in GATE.documents) and "Empty" in ground
     assert all(doc in res for doc in GATE.documents)  # the whole cluster, distractors included
@@ -1380,7 +1387,8 @@ def test_grounding_filter_off_skips_the_no_document_check(monkeypatch):
     assert r.status == "ungrounded" and r.que_reward == cfg.reward.ungrounded_penalty
     cfg.rollout.grounding_filter = False
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
-    assert r.status == "ok" and [d for d, _ in calls] == ["questioner", "responder", "verifier"]
+    assert r.status == "ok" and [d for d, _ in calls] == ["questioner", "responder", "verifier",
+                                                          *fork_phases(cfg)]
 
 
 def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
@@ -1393,7 +1401,7 @@ def test_rule_judge_runs_no_verifier_and_trains_none(monkeypatch):
     assert r.res_rewards == [1.0, 1.0, 1.0, 1.0]
     cfg.reward.judge = "rule"
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
-    assert [d for d, _ in calls] == ["questioner", "responder"]
+    assert [d for d, _ in calls] == ["questioner", "responder", *fork_phases(cfg)]
     assert r.res_rewards == r.rules == [1.0, 0.0, 0.0, 0.0] and r.majorities == [None] * 4
     items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
     assert {it.role for it in items} == {"res", "que"} and counts["ver_groups"] == 0
@@ -1601,7 +1609,7 @@ def test_frozen_judge_holds_the_engine_for_the_verifier_phase_only(monkeypatch):
     monkeypatch.setattr(spell, "generate", generate)
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0), judge=Judge())
-    assert events == ["questioner", "responder", "enter", "verifier", "exit"]
+    assert events == ["questioner", "responder", "enter", "verifier", "exit", *fork_phases(cfg)]
     assert r.majorities == [1] * 4 and r.res_rewards == [1.0] * 4  # the judge's YES majority pays
     assert "ver" not in spell.trained_roles(cfg)
     items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
@@ -1656,8 +1664,8 @@ def test_spice_challenger_sees_one_document_and_the_reasoner_none(monkeypatch):
     cfg = spell.load_config([str(REPO / "config.toml"), str(REPO / "presets" / "spice.toml")],
                             ["--rollout.group_size=4"])
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT)
-    assert [d for d, _ in calls] == ["questioner", "responder"]
-    (_, [challenger]), (_, [reasoner]) = calls
+    assert [d for d, _ in calls] == ["questioner", "responder", *fork_phases(cfg)]
+    (_, [challenger]), (_, [reasoner]) = calls[:2]
     assert (sum(doc in challenger for doc in GATE.documents) == 1
             and "single document" not in challenger)
     assert (not any(doc in reasoner for doc in GATE.documents)
@@ -1681,7 +1689,7 @@ def test_rlvr_rollouts_answer_the_set_questions(monkeypatch):
     item = spell.Cluster("q0", "doc_qa", GATE.documents,
                          {"question": "Which colour was the north gate?", "answer": "blue"})
     r, calls = scripted_round(monkeypatch, cfg, SELF_PLAY_SCRIPT, drawn=[(item, "doc_qa")])
-    assert ([d for d, _ in calls] == ["responder"]
+    assert ([d for d, _ in calls] == ["responder", *fork_phases(cfg)]
             and all(doc in calls[0][1][0] for doc in GATE.documents))
     assert r.question == item.qa and r.res_rewards == [1.0, 0.0, 0.0, 0.0]
     items, counts = spell.select_batch([spell.summarize(r)], cfg, np.random.default_rng(0))
@@ -1829,8 +1837,9 @@ def test_each_phase_samples_with_its_roles_budget(monkeypatch, roles, expected):
     [r] = spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                               np.random.default_rng(0), key=(0, 1, 0, 0))
     assert r.status == "ok" and r.verdicts[0]  # every phase ran
-    assert engine.budgets == dict(zip(("questioner", "grounding", "responder", "verifier"),
-                                      expected))
+    assert engine.budgets == {**dict(zip(("questioner", "grounding", "responder", "verifier"),
+                                         expected)),
+                              **{phase: 100 for phase in fork_phases(cfg)}}  # the shared budget
 
 
 @pytest.mark.parametrize("prefix, stop", [("", ()), ("Decision: [[", ("]]",)),
@@ -1848,7 +1857,8 @@ def test_a_vote_ends_where_the_reply_prefix_s_tag_closes(monkeypatch, prefix, st
     monkeypatch.setattr(spell, "generate", engine)
     spell.rollout_round(None, CharTokenizer(), cfg, [(GATE, "doc_qa")], HistoryMemory(3),
                         np.random.default_rng(0), key=(0, 1, 0, 0))
-    assert engine.stops == {"questioner": (), "grounding": (), "responder": (), "verifier": stop}
+    assert engine.stops == {"questioner": (), "grounding": (), "responder": (), "verifier": stop,
+                            **dict.fromkeys(fork_phases(cfg), ())}
     assert spell.vote_stop(spell.load_config(str(spell.ROOT / "presets" / "demo.toml"))) == ("]]",)
 
 

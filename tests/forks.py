@@ -40,6 +40,8 @@ def add_prompts(mp: pytest.MonkeyPatch, folder: Path, files: dict[str, str]) -> 
 # ---- fork 1: a task type, doc_msq (select every correct option)
 
 MSQ_LETTERS = re.compile(r"\b([A-D])\b")
+# a gold of letters alone: "C", "A, C", "(A) and (D)"; each repeat takes a letter (linear time)
+MSQ_GOLD = re.compile(r"\(?[A-D]\)?(?:\s*(?:(?:,|and)\s*)?\(?[A-D]\)?)*", re.I)
 
 
 def msq_letters(text: str) -> str | None:
@@ -49,17 +51,16 @@ def msq_letters(text: str) -> str | None:
 
 
 def check_doc_msq(question: str, answer: str, obj: dict, letter, max_words: int) -> dict | None:
-    """Options A-D, and an answer naming one or more of them (the drawn letter among them)."""
-    options = obj.get("options")
-    if not isinstance(options, dict) or sorted(options) != list(tasks.LETTERS):
+    """Options A-D as doc_mc reads them, and a gold of one or more of their letters (the drawn
+    letter among them)."""
+    mc = tasks.check_doc_mc(question, letter or tasks.LETTERS[0], obj, letter, max_words)
+    gold = tasks.normalize_unicode(answer).strip()
+    if mc is None or not MSQ_GOLD.fullmatch(gold):
         return None
-    if not all(isinstance(options[k], str) and options[k].strip() for k in tasks.LETTERS):
+    gold = msq_letters(gold)
+    if letter is not None and letter not in gold.split(","):
         return None
-    gold = msq_letters(answer)
-    if gold is None or (letter is not None and letter not in gold.split(",")):
-        return None
-    return {"question": question, "options": {k: options[k].strip() for k in tasks.LETTERS},
-            "answer": gold}
+    return {**mc, "answer": gold}
 
 
 def extract_msq(body: str) -> str | None:

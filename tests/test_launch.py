@@ -326,7 +326,7 @@ NODE_LOCAL = ("/tmp/", "/dev/shm/", "$TMPDIR", "${TMPDIR", "$SLURM_TMPDIR", "${S
 def slurm_example() -> list[str]:
     """docs/gpu.md's SLURM script, a line per command (continued lines joined)."""
     text = (REPO / "docs" / "gpu.md").read_text()
-    found = re.search(r"\*\*On a SLURM cluster\.\*\*.*?```bash\n(.*?)```", text, flags=re.S)
+    found = re.search(r"## On a SLURM cluster\n.*?```bash\n(.*?)```", text, flags=re.S)
     assert found, "docs/gpu.md has no SLURM example"
     return found.group(1).replace("\\\n", " ").splitlines()
 
