@@ -441,6 +441,21 @@ def test_the_compile_rows_are_the_dummy_an_odd_row_and_the_largest_with_and_with
     assert 385 % 128 and rows[0][0] == [spell.dummy_sequence()]
 
 
+def train_rows_of_other_lengths(policy, cfg: spell.Config, backward: bool) -> None:
+    """Rows of 97, 129 and 640 tokens, none of the pre-flight's lengths, each without and with
+    grad as a run trains them (the backward too, where asked)."""
+    g = np.random.default_rng(1)
+    for length in (97, 129, 640):
+        seqs = [spell.Seq(prompt=g.integers(1000, size=length - 20).tolist(),
+                          completion=g.integers(1000, size=20).tolist(), advantage=1.0,
+                          weight=0.05)]
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                loss = spell.micro_batch_loss(policy, seqs, None, cfg, torch.device("cpu"))[0]
+                if grad and backward:
+                    loss.backward()
+
+
 @pytest.mark.stack
 def test_after_the_preflight_compiled_layers_compile_nothing_new():
     """engine.compile_layers: after the update phase's row and compile_like_a_run, rows of other
@@ -466,17 +481,9 @@ def test_after_the_preflight_compiled_layers_compile_nothing_new():
                     f"{torch._dynamo.config.recompile_limit} (rows of 2, 385 and 700 tokens, "
                     "with and without grad)")
     assert 0 < made < torch._dynamo.config.recompile_limit
-    g = np.random.default_rng(1)
-    for length in (97, 129, 640):
-        seqs = [spell.Seq(prompt=g.integers(1000, size=length - 20).tolist(),
-                          completion=g.integers(1000, size=20).tolist(), advantage=1.0,
-                          weight=0.05)]
-        for grad in (False, True):
-            with torch.set_grad_enabled(grad):
-                loss = spell.micro_batch_loss(policy, seqs, None, cfg, device)[0]
-                if grad:
-                    loss.backward()
+    train_rows_of_other_lengths(policy, cfg, backward=True)
     assert infra.compiled_variants(forward) == made
+
 
 @pytest.mark.stack
 def test_after_the_preflights_compile_a_runs_rows_compile_nothing_new(monkeypatch):
@@ -501,14 +508,7 @@ def test_after_the_preflights_compile_a_runs_rows_compile_nothing_new(monkeypatc
     assert line == (f"compile: flex_attention {made[0]} variant(s), the BlockMask builder "
                     f"{made[1]}, of infra.FLEX_RECOMPILE_LIMIT = {infra.FLEX_RECOMPILE_LIMIT} "
                     f"each (rows of 2, 385 and 700 tokens, with and without grad)")
-    g = np.random.default_rng(1)
-    for length in (97, 129, 640):
-        seqs = [spell.Seq(prompt=g.integers(1000, size=length - 20).tolist(),
-                          completion=g.integers(1000, size=20).tolist(), advantage=1.0,
-                          weight=0.05)]
-        for grad in (False, True):
-            with torch.set_grad_enabled(grad):
-                spell.micro_batch_loss(policy, seqs, None, cfg, device)
+    train_rows_of_other_lengths(policy, cfg, backward=False)
     assert (infra.compiled_variants(flex_attention),
             infra.compiled_variants(create_block_mask)) == made
 
