@@ -245,7 +245,8 @@ def round_requests(cfg: spell.Config, groups: int, timings: dict[str, Timing]) -
     """What one engine generates in a round (spell.rollout_round), every question well formed and
     every answer read. Prompts at their longest; the grounding check's (a question alone) at the
     questioner's budget, scaled from the responder's request (its budget). Under verdict_order
-    "random" a request per vote, its prompt one of two (the two orders of the verdicts)."""
+    "random" a request per vote, its prompt one of two (the two orders of the verdicts); under
+    "paired" two requests of G replies an answer, one per order."""
     r, k = cfg.rollout, max(1, cfg.rollout.clusters_per_round // groups)  # as main's per_round
     que, res = spell.max_new_tokens(cfg, "que"), spell.max_new_tokens(cfg, "res")
     out = []
@@ -260,8 +261,10 @@ def round_requests(cfg: spell.Config, groups: int, timings: dict[str, Timing]) -
         if cfg.bootstrap.verdict_order == "random":  # spell.sample_answer_votes
             out.append(Requests("verifier", answers * votes, answers * min(votes, 2), ver.prompt,
                                 1, budget, ver))
-        else:
-            out.append(Requests("verifier", answers, answers, ver.prompt, votes, budget, ver))
+        else:  # a request of G replies per verdict order the answer's votes are read in
+            per = 2 if cfg.bootstrap.verdict_order == "paired" else 1
+            out.append(Requests("verifier", answers * per, answers * per, ver.prompt, votes,
+                                budget, ver))
     return out
 
 

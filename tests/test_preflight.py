@@ -382,6 +382,10 @@ def test_a_rounds_requests_are_what_rollout_round_generates_on_one_engine():
     assert [r[:5] for r in preflight.round_requests(cfg, 8, t)][1:] == [
         ("responder", 60, 60, 16384, 8), ("verifier", 3840, 960, 1000, 1)]
     assert [r.name for r in preflight.round_requests(config(), 8, {"res": REF})] == ["responder"]
+    # paired votes (spell.sample_answer_votes): a request of 8 replies per verdict order, two
+    # prompts an answer
+    cfg = config(bootstrap__verdict_order="paired")
+    assert preflight.round_requests(cfg, 8, t)[-1][:5] == ("verifier", 960, 960, 1000, 8)
 
 
 def test_a_round_past_half_the_collective_timeout_is_a_warning_naming_the_keys():
@@ -582,9 +586,10 @@ def test_demo_preflight_prints_every_phase_and_leaves_the_run_as_it_was(embedded
     assert compiled == ("compile: nothing (attention sdpa, engine.compile_layers off: the "
                         "project compiles only FlexAttention and, asked, the decoder layers)")
     # the demo's 48 clusters a round over 2 engines: 24 questions, their grounding checks, 24
-    # prompts of 4 answers, and a request per vote (verdict_order "random"): 24 x 4 x 4
+    # prompts of 4 answers, and two requests of 4 replies an answer (verdict_order "paired"):
+    # 24 x 4 x 2
     assert re.fullmatch(r"a round of one engine: ~\d+\.\d min \(questioner 24 x [0-9.]+ s, "
-                        r"grounding 24 x [0-9.]+ s, responder 24 x [0-9.]+ s, verifier 384 x "
+                        r"grounding 24 x [0-9.]+ s, responder 24 x [0-9.]+ s, verifier 192 x "
                         r"[0-9.]+ "
                         r"s; from the measured prefill and decode, [0-9,]+ tokens of KV cache\) "
                         r"against engine.collective_timeout_min = 120: (within half of it|past "
