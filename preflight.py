@@ -262,7 +262,7 @@ def round_requests(cfg: spell.Config, groups: int, timings: dict[str, Timing]) -
             out.append(Requests("verifier", answers * votes, answers * min(votes, 2), ver.prompt,
                                 1, budget, ver))
         else:  # a request of G replies per verdict order the answer's votes are read in
-            per = 2 if cfg.bootstrap.verdict_order == "paired" else 1
+            per = len(set(spell.vote_orders(cfg)))  # spell.sample_answer_votes
             out.append(Requests("verifier", answers * per, answers * per, ver.prompt, votes,
                                 budget, ver))
     return out
