@@ -22,7 +22,7 @@ Symbols in shape comments: B clusters (questions) per step, G group size, N sequ
 (packed), V vocabulary, H hidden size, L history size, m documents per questioner draw.
 
 The paper in this file, top to bottom:
-  §5.1, App. C.3: the recipe ............. Config, check_config (values: config.toml)
+  §5.1, App. C.3: the recipe ............. Config (values: config.toml)
   §4.1 roles, App. F prompts ............. ROLES, questioner_prompt, responder_prompt, ...
   §5.1 task types ........................ tasks.TASKS (tasks.py: answer readers, rule checks)
   Alg. 1 lines 2-3, 20-21, §4.1: H_C ..... HistoryMemory (questioner_context, push)
@@ -63,9 +63,10 @@ To fork, edit one place:
   the loop ............... main
   a config key ........... the dataclasses below: a comment documents it for `spell.py --help`,
                            infra.bounded says what it must be
-Below main() is the machine room: the simple, obviously correct versions of processes, vLLM, FSDP2,
-weight sync, packing, data reading, checkpoints; their fast or defensive twins are in infra.py,
-called as infra.X, which never imports this file and takes plain values.
+Below main() is the machine room: the config's machine sections ([log], [eval], [engine]) and
+check_config's rules across keys, then the simple, obviously correct versions of processes, vLLM,
+FSDP2, weight sync, packing, data reading, checkpoints; their fast or defensive twins are in
+infra.py, called as infra.X, which never imports this file and takes plain values.
 
 Departures from the paper and from the authors' code (a VeRL fork), on purpose; their reasons and
 numbers are in docs/reference.md, "Departures":
@@ -127,7 +128,8 @@ ROOT = Path(__file__).resolve().parent
 # A key says what it must be where it is declared: its Literal choices, or infra.bounded(default,
 # "what it must be"). A key that names a variant is checked against the dict of variants it looks
 # up (variants(); tasks.TASKS), and rules that read several keys are in check_config.
-# The algorithm's sections come first; [engine] holds how the run uses its machines.
+# Here the algorithm's sections; [log], [eval], [engine] (how the run logs, evaluates and uses its
+# machines) and check_config are in the machine room, below main.
 # ==================================================================================================
 
 bounded = infra.bounded
@@ -303,105 +305,6 @@ class TrainConfig:
 
 
 @dataclass
-class LogConfig:
-    out_dir: str = bounded("runs/spell", "a folder name", ok=bool)  # metrics.jsonl, checkpoints/...
-    # checkpoint every N steps (and at the end, and on SIGTERM)
-    save_every: int = bounded(10, ">= 1")
-    # resumable checkpoints kept in <out_dir>/checkpoints: once a save is complete, the oldest
-    # beyond this many are deleted (never the one just written, never the HF export); 0 = keep
-    # every one. A checkpoint is 12 bytes a parameter (91 GB for a 7B model), and config.toml
-    # saves 100 of them; `spell.py preflight` compares what is kept with the free disk
-    keep_checkpoints: int = bounded(2, ">= 0 (0: keep every checkpoint)")
-    # print a table of sample rollouts every N steps
-    sample_every: int = bounded(5, ">= 0 (0: no sample tables)")
-    # vLLM's own console log; INFO brings back its start-up report
-    vllm_log_level: str = bounded("ERROR", "DEBUG|INFO|WARNING|ERROR|CRITICAL",
-                                  ok=lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR",
-                                                             "CRITICAL"))
-    tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
-    # also every metric to Weights & Biases (the `wandb` package; WANDB_MODE=offline keeps the run
-    # in <out_dir>/wandb for `wandb sync`), the run named after out_dir; --resume continues it
-    wandb: bool = False
-    wandb_project: str = "spell"  # the W&B project of log.wandb's runs
-    # the policy as verifier judges data.verify_set every N steps and before the first update
-    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
-    # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
-    # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 33-118 s (learn.toml)
-    verify_every: int = bounded(0, ">= 0 (0: no held-out verifier check)")
-    # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
-    # and run); 0 = all of them
-    verify_items: int = bounded(0, ">= 0 (0: every item of data.verify_set)")
-    # a console warning when ver/gold_yes_on_wrong, the share of wrong candidates the verifier's
-    # majority accepts, is above this (its YES then pays wrong answers); 1 = never
-    verify_warn_yes_on_wrong: float = bounded(0.2, "in [0, 1] (a share of the wrong candidates)")
-
-
-@dataclass
-class EvalConfig:
-    data: str = ""  # comma-separated benchmark files, each PATH or BENCHMARK:PATH (evaluation.py)
-    out_dir: str = ""  # "" = <log.out_dir>/eval-<max_input_len>
-    n: int = bounded(8, ">= 1")  # samples per question (Appendix C.2)
-    temperature: float = bounded(0.7, ">= 0")  # sampling of the n answers (Appendix C.2)
-    top_p: float = bounded(0.95, "in (0, 1]")  # and its nucleus
-    # middle-truncated to this; the paper also reports 100000
-    max_input_len: int = bounded(16384, ">= 1")
-    # 20000 for reasoning models (Appendix C.2); also the judge's budget
-    max_output_len: int = bounded(4096, ">= 1")
-    judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
-    # eval has no trainer on the GPU
-    gpu_memory_utilization: float = bounded(0.9, "in (0, 1]")
-
-
-@dataclass
-class EngineConfig:
-    """How the run uses its machines: vLLM's memory and precision, the trainer's attention, kernels,
-    micro-batches and sharding. None of these keys changes the algorithm: they change speed, memory
-    and rounding, and rollout_dtype / cpu_bf16 the precision vLLM samples in."""
-    # vLLM's share of device memory (GPU) while it rolls out; it sleeps during the update, so the
-    # rollout phase alone bounds it (infra.memory_estimate: a 7B model on 80 GB fits 0.75)
-    gpu_memory_utilization: float = bounded(0.75, "in (0, 1]")
-    kv_cache_gb: int = bounded(1, ">= 1")  # vLLM's KV cache in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
-    # ranks per vLLM engine, consecutive (infra.engine_groups)
-    tensor_parallel_size: int = bounded(1, ">= 1 (ranks an engine)")
-    # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
-    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
-    # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
-    cpu_bf16: bool = False
-    # GPU: vLLM sleeps during the update; 2 drops its weights (the sync after the update writes
-    # them anew), 1 copies them to pinned host RAM and back each step (a 7B model: 14 GiB each
-    # way a rank), 0 = off
-    sleep_level: Literal[0, 1, 2] = 2
-    # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
-    sync_bucket_mb: int = bounded(512, ">= 0 (0: one all-gather per tensor)")
-    # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
-    # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
-    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
-    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
-    # torch.compile each decoder layer (infra.compile_decoder_layers): fuses the elementwise work
-    # between its GEMMs on a GPU. Off until a GPU measures it (bench/gpu_check.py part b)
-    compile_layers: bool = False
-    # token budget of one packed micro-batch per rank
-    micro_batch_tokens: int = bounded(32768, ">= 1")
-    # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
-    # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
-    shared_prefix: bool = True
-    # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S, its gradients all-reduced
-    # across the groups once a step; 1 = a full replica on every rank (the CPU quickstart's)
-    fsdp_shard_size: int = bounded(0, ">= 0 (0: shard over every rank)")
-    # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
-    # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
-    sequence_parallel: int = bounded(1, ">= 1 (1: off)")
-    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
-    logprob_impl: Literal["torch", "triton"] = "torch"
-    # how long a rank waits in a collective for the slowest one before the run stops (the process
-    # group's timeout). NCCL's own default is 10 minutes, gloo's 30: a rank whose questions all
-    # failed the format reaches the end of a 128K round, an eval's gather or the export's barrier
-    # far sooner than the others, and must not be killed for it
-    collective_timeout_min: float = bounded(120.0, "> 0 (minutes)")
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -409,9 +312,11 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    # how the run logs, evaluates and uses its machines: sections a reader of the algorithm can
+    # skip, defined in the machine room below main (hence the lambdas: looked up when made)
+    log: LogConfig = field(default_factory=lambda: LogConfig())
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig())
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig())
 
 
 def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> Config:
@@ -421,105 +326,6 @@ def load_config(paths: str | Sequence[str] | None, argv: Sequence[str] = ()) -> 
     infra.read_config(cfg, paths, argv)
     check_config(cfg)
     return cfg
-
-
-def check_config(cfg: Config) -> None:
-    """Fail early, naming the key, on a value that is meaningless alone or with the others.
-
-    infra.check_every_key checks each key alone (finite numbers, a Literal's choices, the rule its
-    field declares with bounded); the rules here read several keys, or a dict of variants.
-    """
-    infra.check_every_key(cfg)
-    d, r, w, t, e = cfg.data, cfg.rollout, cfg.reward, cfg.train, cfg.engine
-    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
-    for key in ("rollout.questioner_template", "rollout.responder_template"):
-        # a file name under prompts/: no path, and short (5000 characters fail the file system)
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value(key)):
-            raise infra.ConfigError(f"{key} must be a prompt family, 1 to 64 letters, digits, '_' "
-                                    f"or '-' (prompts/<family>_<task>.txt), got "
-                                    f"{infra.shown(value(key))}")
-    agree = cfg.reward.verifier_agreement
-    rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
-    needs = {role: missing_templates(cfg, role, rlvr)
-             for role in ("questioner", "history", "responder")}
-    rules = [  # (key, holds, what the key must be)
-        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
-        ("train.weight_decay", t.lr * t.weight_decay < 1,
-         f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
-         "1 - lr x weight_decay per step: at 0 or below it wipes or flips them)"),
-        # loss_weights deals a step's groups to this many optimiser steps, one loop pass each;
-        # past batch_groups some mini-batches hold no responder group, and 1e12 of them never end
-        ("train.mini_batches", t.mini_batches <= t.batch_groups,
-         f"<= train.batch_groups ({t.batch_groups}): each mini-batch needs a responder group"),
-        # a round tokenises every drawn prompt, keeps it and hands them all to vLLM at once;
-        # rollout.max_rounds is how a step draws more (the paper draws 480 for 128 groups)
-        ("rollout.clusters_per_round", r.clusters_per_round <= 100 * t.batch_groups,
-         f"<= 100 x train.batch_groups ({100 * t.batch_groups}): one round holds every prompt "
-         "it draws; draw more with rollout.max_rounds"),
-        ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
-         "non-negative numbers, not all zero"),
-        ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
-         "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
-        ("reward.overlong_buffer", 0 <= w.overlong_buffer < max_new_tokens(cfg, "res"),
-         "in [0, the responder's budget) (rollout.role_max_new_tokens.res or max_new_tokens)"),
-        ("data.phases", plan is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
-         "lengths, the first at step 1, e.g. \"1:4096,21:8192\""),
-        ("data.phases", not d.phases or rlvr, "\"\" without data.qa (phases order a QA set)"),
-        ("data.phases", (plan or [(1, 0)])[-1][1] <= r.max_prompt_tokens,
-         "phases whose last length fits rollout.max_prompt_tokens (longer prompts are skipped)"),
-        ("data.phases", (plan or [(1, 0)])[-1][0] <= t.steps, "phases that start by train.steps"),
-        ("rollout.questioner_template", needs["questioner"] == [],
-         f"a prompt family with a file per task in use; missing {needs['questioner']}"),
-        ("rollout.history_size", needs["history"] == [], f"0 with rollout.questioner_template "
-         f"{r.questioner_template!r}: it has no history prompts; missing {needs['history']}"),
-        ("rollout.responder_template", needs["responder"] == [],
-         f"a prompt family with a file per task in use; missing {needs['responder']}"),
-        ("rollout.grounding_filter", not r.grounding_filter
-         or "documents" in template_fields(f"{r.responder_template}_{next(iter(tasks.TASKS))}"),
-         "false when the responder answers without documents (the check would be the responder)"),
-        ("train.rollout_correction_cap", t.rollout_correction not in MASKING_CORRECTIONS
-         or t.rollout_correction_cap > 1, f"> 1 with train.rollout_correction = "
-         f"\"{t.rollout_correction}\" (it keeps the tokens or sequences with 1/C <= rho <= C: at "
-         "C = 1 hardly any trains)"),
-        # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
-        # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
-        ("train.policy_loss", t.policy_loss != "gspo" or e.sequence_parallel == 1
-         or t.ppo_epochs * t.mini_batches == 1,
-         "grpo or cispo with engine.sequence_parallel > 1 past one optimiser step a batch (gspo's "
-         "sequence ratio would read one rank's share of each sequence)"),
-        # bounds a batch entropy can meet (recipes.AEPO_LOW_MIN, AEPO_HIGH_MAX); with the model's
-        # folder here, infra.check_launch bounds high by ln V of its own vocabulary
-        ("train.aepo", tuple(t.aepo) == (0, 0)
-         or recipes.AEPO_LOW_MIN <= t.aepo[0] <= t.aepo[1] < recipes.AEPO_HIGH_MAX,
-         f"[low, high] with 0 < low <= high, in nats: low >= {recipes.AEPO_LOW_MIN:g} (below it "
-         "fp32 rounding decides whether the entropy fell: masking for good) and high < "
-         f"{recipes.AEPO_HIGH_MAX:.2f} (ln 2^32: no vocabulary's entropy reaches it, so masking "
-         "never starts), or [0, 0] (off)"),
-        # the held-out check asked for, with nothing to check it on, would be off without a word
-        ("log.verify_every", cfg.log.verify_every == 0 or d.verify_set != "",
-         "0 with data.verify_set = \"\" (there is no item to check the verifier on)"),
-        # a vote cut at "]]" reads a copy of the reply-format line as the verdict listed first;
-        # in one order the copies would say YES to every answer, and Eq. 6 would pay it
-        ("bootstrap.verdict_order", cfg.bootstrap.verdict_order == "paired" or not vote_stop(cfg),
-         "\"paired\" with a bootstrap.verifier_reply_prefix that opens the verdict tag (departure "
-         "11: a vote that copies the format line must not pay)"),
-        ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
-         f"comma-separated roles of {', '.join(r for r in ROLES if r != 'res')}, or \"\" (the "
-         "responder always trains: §4.3's batch is its groups)"),
-        # a key naming a variant: a key of its dict
-        *((key, value(key) in named, "|".join(named)) for key, named in variants().items()),
-    ]
-    for key, ok, must in rules:
-        if not ok:
-            raise infra.ConfigError(f"{key} must be {must}, got {infra.shown(value(key))}")
-
-
-def variants() -> dict[str, dict]:
-    """Each config key that names a variant, and the dict of variants it names (defined below):
-    check_config accepts the dict's keys, `spell.py --help` lists them."""
-    return {"reward.questioner_mapping": QUESTIONER_MAPPINGS, "train.policy_loss": POLICY_LOSSES,
-            "train.loss_norm": LOSS_NORMS, "train.advantage": ADVANTAGES,
-            "train.rollout_correction": ROLLOUT_CORRECTIONS}
 
 
 # ==================================================================================================
@@ -2584,10 +2390,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):  # the launch lines, then every config key documented
-        print(__doc__[__doc__.index("Launch:"):__doc__.index("Symbols")].rstrip())
-        print("  any key: --section.key=value (several --config files stack, later ones win)\n")
-        print(infra.config_reference(Config(), variants()))
-        return
+        return print_help()
     if argv[:1] in (["eval"], ["synth"]):  # the policy at work outside training: evaluation.py
         return evaluation.main(argv)
     if argv[:1] == ["preflight"]:  # one of each phase at the config's largest sizes: preflight.py
@@ -2597,19 +2400,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(paths, overrides)  # bad input stops here, before any process or file exists
     corpus = load_data(cfg)  # D: the document clusters, or RLVR's static QA set (data.qa)
     gold = evaluation.load_verify_set(cfg)  # held-out verifier items (log.verify_every)
-    infra.check_model_path(cfg.model.path)  # a model's folder (not a run's), or a hub name
-    # vLLM's engines: groups of engine.tensor_parallel_size ranks (the world torchrun starts)
-    _, groups = infra.engine_groups(cfg, int(os.environ.get("RANK", "0")),
-                                    int(os.environ.get("WORLD_SIZE", "1")))
-    if (folder := infra.local_model_dir(cfg)) is not None:  # what it bounds, if its folder is here
-        check_lengths(cfg, folder)
-        check_aepo_bound(cfg, folder)
-        infra.check_weights(folder)
-        tok = infra.load_tokenizer(folder)
-        check_clusters_fit(cfg, corpus, tok, groups)  # each engine's share of the data fits
-        evaluation.fitting_gold_prompts(tok, cfg, gold)  # and some held-out verifier item
-    # the ranks' layout, and the checkpoint --resume continues
-    ckpt = infra.check_launch(cfg, corpus, resume)
+    # the model, the data's fit, the ranks' layout: every check that needs no process; and the
+    # checkpoint --resume continues
+    ckpt, folder = check_before_start(cfg, corpus, gold, resume)
     rank, world, device = init_distributed(cfg)
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     log = infra.RunLog(cfg, paths, rank, world, device)
@@ -2697,12 +2490,244 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 # ==================================================================================================
-# Machine room: processes, models and vLLM, FSDP2, weight sync, packing, data, checkpoints, logging.
+# Machine room: the machine's config, processes, models and vLLM, FSDP2, weight sync, packing, data,
+# checkpoints, logging.
 # The simple, obviously correct versions; their fast or defensive twins are in infra.py.
 #                                                                                    [machine room]
 # ==================================================================================================
 
+# ---- config: the machine's sections ([log], [eval], [engine]); the rules that read several keys
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = bounded("runs/spell", "a folder name", ok=bool)  # metrics.jsonl, checkpoints/...
+    # checkpoint every N steps (and at the end, and on SIGTERM)
+    save_every: int = bounded(10, ">= 1")
+    # resumable checkpoints kept in <out_dir>/checkpoints: once a save is complete, the oldest
+    # beyond this many are deleted (never the one just written, never the HF export); 0 = keep
+    # every one. A checkpoint is 12 bytes a parameter (91 GB for a 7B model), and config.toml
+    # saves 100 of them; `spell.py preflight` compares what is kept with the free disk
+    keep_checkpoints: int = bounded(2, ">= 0 (0: keep every checkpoint)")
+    # print a table of sample rollouts every N steps
+    sample_every: int = bounded(5, ">= 0 (0: no sample tables)")
+    # vLLM's own console log; INFO brings back its start-up report
+    vllm_log_level: str = bounded("ERROR", "DEBUG|INFO|WARNING|ERROR|CRITICAL",
+                                  ok=lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR",
+                                                             "CRITICAL"))
+    tensorboard: bool = False  # also every metric to <out_dir>/tensorboard
+    # also every metric to Weights & Biases (the `wandb` package; WANDB_MODE=offline keeps the run
+    # in <out_dir>/wandb for `wandb sync`), the run named after out_dir; --resume continues it
+    wandb: bool = False
+    wandb_project: str = "spell"  # the W&B project of log.wandb's runs
+    # the policy as verifier judges data.verify_set every N steps and before the first update
+    # (ver/gold_*: accuracy, YES on wrong answers, NO on right ones; under reward.judge = frozen
+    # the policy too, and the judge's own score is step 0's); 0 = off. Off by default, so
+    # the CPU quickstart does not pay it: on 2 CPU cores 32 items took 33-118 s (learn.toml)
+    verify_every: int = bounded(0, ">= 0 (0: no held-out verifier check)")
+    # judge this many items of data.verify_set, a fixed random subset (seed 0, the same every step
+    # and run); 0 = all of them
+    verify_items: int = bounded(0, ">= 0 (0: every item of data.verify_set)")
+    # a console warning when ver/gold_yes_on_wrong, the share of wrong candidates the verifier's
+    # majority accepts, is above this (its YES then pays wrong answers); 1 = never
+    verify_warn_yes_on_wrong: float = bounded(0.2, "in [0, 1] (a share of the wrong candidates)")
+
+
+@dataclass
+class EvalConfig:
+    data: str = ""  # comma-separated benchmark files, each PATH or BENCHMARK:PATH (evaluation.py)
+    out_dir: str = ""  # "" = <log.out_dir>/eval-<max_input_len>
+    n: int = bounded(8, ">= 1")  # samples per question (Appendix C.2)
+    temperature: float = bounded(0.7, ">= 0")  # sampling of the n answers (Appendix C.2)
+    top_p: float = bounded(0.95, "in (0, 1]")  # and its nucleus
+    # middle-truncated to this; the paper also reports 100000
+    max_input_len: int = bounded(16384, ">= 1")
+    # 20000 for reasoning models (Appendix C.2); also the judge's budget
+    max_output_len: int = bounded(4096, ">= 1")
+    judge_model: str = ""  # "" = the evaluated model judges itself; else an HF model run after
+    # eval has no trainer on the GPU
+    gpu_memory_utilization: float = bounded(0.9, "in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    """How the run uses its machines: vLLM's memory and precision, the trainer's attention, kernels,
+    micro-batches and sharding. None of these keys changes the algorithm: they change speed, memory
+    and rounding, and rollout_dtype / cpu_bf16 the precision vLLM samples in."""
+    # vLLM's share of device memory (GPU) while it rolls out; it sleeps during the update, so the
+    # rollout phase alone bounds it (infra.memory_estimate: a 7B model on 80 GB fits 0.75)
+    gpu_memory_utilization: float = bounded(0.75, "in (0, 1]")
+    kv_cache_gb: int = bounded(1, ">= 1")  # vLLM's KV cache in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)
+    # ranks per vLLM engine, consecutive (infra.engine_groups)
+    tensor_parallel_size: int = bounded(1, ">= 1 (ranks an engine)")
+    # vLLM's weights: auto = bfloat16 on GPU, float32 on CPU (infra.rollout_dtype says why)
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # true: "auto" is bfloat16 on a CPU with AMX too, compiled (vLLM-cpu's eager bf16 decodes
+    # wrong tokens): about half fp32's generation time, for a minute or more of compile at start
+    cpu_bf16: bool = False
+    # GPU: vLLM sleeps during the update; 2 drops its weights (the sync after the update writes
+    # them anew), 1 copies them to pinned host RAM and back each step (a 7B model: 14 GiB each
+    # way a rank), 0 = off
+    sleep_level: Literal[0, 1, 2] = 2
+    # weight sync: MiB per all-gather; 0 = one per tensor (the twin)
+    sync_bucket_mb: int = bounded(512, ">= 0 (0: one all-gather per tensor)")
+    # attention over packed rows (infra.attention_implementation): auto = flash-attn's varlen kernel
+    # on GPU when installed, else FlexAttention; SDPA with a dense mask on CPU
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2"] = "auto"
+    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward
+    # torch.compile each decoder layer (infra.compile_decoder_layers): fuses the elementwise work
+    # between its GEMMs on a GPU. Off until a GPU measures it (bench/gpu_check.py part b)
+    compile_layers: bool = False
+    # token budget of one packed micro-batch per rank
+    micro_batch_tokens: int = bounded(32768, ">= 1")
+    # a group's prompt encoded once for its G answers (responder) or votes (verifier), not G times:
+    # the same log-probs and gradients (pack_sequences); off with flash-attn (infra.check_launch)
+    shared_prefix: bool = True
+    # ranks per FSDP2 shard group; 0 = all (FSDP), S = HSDP over S, its gradients all-reduced
+    # across the groups once a step; 1 = a full replica on every rank (the CPU quickstart's)
+    fsdp_shard_size: int = bounded(0, ">= 0 (0: shard over every rank)")
+    # Ulysses sequence parallelism: groups of k consecutive ranks split each packed row's tokens
+    # (a row holds k x micro_batch_tokens), heads swapped in around attention (infra.py); 1 = off
+    sequence_parallel: int = bounded(1, ">= 1 (1: off)")
+    # torch: the chunked reference | triton: the fused kernel, in one pass on-policy (fused_head)
+    logprob_impl: Literal["torch", "triton"] = "torch"
+    # how long a rank waits in a collective for the slowest one before the run stops (the process
+    # group's timeout). NCCL's own default is 10 minutes, gloo's 30: a rank whose questions all
+    # failed the format reaches the end of a 128K round, an eval's gather or the export's barrier
+    # far sooner than the others, and must not be killed for it
+    collective_timeout_min: float = bounded(120.0, "> 0 (minutes)")
+
+
+def check_config(cfg: Config) -> None:
+    """Fail early, naming the key, on a value that is meaningless alone or with the others.
+
+    infra.check_every_key checks each key alone (finite numbers, a Literal's choices, the rule its
+    field declares with bounded); the rules here read several keys, or a dict of variants.
+    """
+    infra.check_every_key(cfg)
+    d, r, w, t, e = cfg.data, cfg.rollout, cfg.reward, cfg.train, cfg.engine
+    value = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in ("rollout.questioner_template", "rollout.responder_template"):
+        # a file name under prompts/: no path, and short (5000 characters fail the file system)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value(key)):
+            raise infra.ConfigError(f"{key} must be a prompt family, 1 to 64 letters, digits, '_' "
+                                    f"or '-' (prompts/<family>_<task>.txt), got "
+                                    f"{infra.shown(value(key))}")
+    agree = cfg.reward.verifier_agreement
+    rlvr, plan, weights = bool(d.qa), phase_plan(d.phases), d.task_weights.values()
+    needs = {role: missing_templates(cfg, role, rlvr)
+             for role in ("questioner", "history", "responder")}
+    rules = [  # (key, holds, what the key must be)
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step
+        ("train.weight_decay", t.lr * t.weight_decay < 1,
+         f"below 1 / train.lr = {1 / max(t.lr, 1e-300):.4g} (AdamW scales every weight by "
+         "1 - lr x weight_decay per step: at 0 or below it wipes or flips them)"),
+        # loss_weights deals a step's groups to this many optimiser steps, one loop pass each;
+        # past batch_groups some mini-batches hold no responder group, and 1e12 of them never end
+        ("train.mini_batches", t.mini_batches <= t.batch_groups,
+         f"<= train.batch_groups ({t.batch_groups}): each mini-batch needs a responder group"),
+        # a round tokenises every drawn prompt, keeps it and hands them all to vLLM at once;
+        # rollout.max_rounds is how a step draws more (the paper draws 480 for 128 groups)
+        ("rollout.clusters_per_round", r.clusters_per_round <= 100 * t.batch_groups,
+         f"<= 100 x train.batch_groups ({100 * t.batch_groups}): one round holds every prompt "
+         "it draws; draw more with rollout.max_rounds"),
+        ("data.task_weights", min(weights) >= 0 and sum(weights) > 0,
+         "non-negative numbers, not all zero"),
+        ("reward.verifier_agreement", len(agree) == 2 and 0 <= agree[0] <= agree[1] <= 1,
+         "[low, high] with 0 <= low <= high <= 1 (a reversed range keeps no verifier group)"),
+        ("reward.overlong_buffer", 0 <= w.overlong_buffer < max_new_tokens(cfg, "res"),
+         "in [0, the responder's budget) (rollout.role_max_new_tokens.res or max_new_tokens)"),
+        ("data.phases", plan is not None, "\"\" or STEP:TOKENS pairs with rising steps and "
+         "lengths, the first at step 1, e.g. \"1:4096,21:8192\""),
+        ("data.phases", not d.phases or rlvr, "\"\" without data.qa (phases order a QA set)"),
+        ("data.phases", (plan or [(1, 0)])[-1][1] <= r.max_prompt_tokens,
+         "phases whose last length fits rollout.max_prompt_tokens (longer prompts are skipped)"),
+        ("data.phases", (plan or [(1, 0)])[-1][0] <= t.steps, "phases that start by train.steps"),
+        ("rollout.questioner_template", needs["questioner"] == [],
+         f"a prompt family with a file per task in use; missing {needs['questioner']}"),
+        ("rollout.history_size", needs["history"] == [], f"0 with rollout.questioner_template "
+         f"{r.questioner_template!r}: it has no history prompts; missing {needs['history']}"),
+        ("rollout.responder_template", needs["responder"] == [],
+         f"a prompt family with a file per task in use; missing {needs['responder']}"),
+        ("rollout.grounding_filter", not r.grounding_filter
+         or "documents" in template_fields(f"{r.responder_template}_{next(iter(tasks.TASKS))}"),
+         "false when the responder answers without documents (the check would be the responder)"),
+        ("train.rollout_correction_cap", t.rollout_correction not in MASKING_CORRECTIONS
+         or t.rollout_correction_cap > 1, f"> 1 with train.rollout_correction = "
+         f"\"{t.rollout_correction}\" (it keeps the tokens or sequences with 1/C <= rho <= C: at "
+         "C = 1 hardly any trains)"),
+        # GSPO's ratio is a mean over a whole sequence, which sequence parallelism splits over
+        # ranks; on-policy (one optimiser step a batch) every ratio is 1 and nothing is split
+        ("train.policy_loss", t.policy_loss != "gspo" or e.sequence_parallel == 1
+         or t.ppo_epochs * t.mini_batches == 1,
+         "grpo or cispo with engine.sequence_parallel > 1 past one optimiser step a batch (gspo's "
+         "sequence ratio would read one rank's share of each sequence)"),
+        # bounds a batch entropy can meet (recipes.AEPO_LOW_MIN, AEPO_HIGH_MAX); with the model's
+        # folder here, infra.check_launch bounds high by ln V of its own vocabulary
+        ("train.aepo", tuple(t.aepo) == (0, 0)
+         or recipes.AEPO_LOW_MIN <= t.aepo[0] <= t.aepo[1] < recipes.AEPO_HIGH_MAX,
+         f"[low, high] with 0 < low <= high, in nats: low >= {recipes.AEPO_LOW_MIN:g} (below it "
+         "fp32 rounding decides whether the entropy fell: masking for good) and high < "
+         f"{recipes.AEPO_HIGH_MAX:.2f} (ln 2^32: no vocabulary's entropy reaches it, so masking "
+         "never starts), or [0, 0] (off)"),
+        # the held-out check asked for, with nothing to check it on, would be off without a word
+        ("log.verify_every", cfg.log.verify_every == 0 or d.verify_set != "",
+         "0 with data.verify_set = \"\" (there is no item to check the verifier on)"),
+        # a vote cut at "]]" reads a copy of the reply-format line as the verdict listed first;
+        # in one order the copies would say YES to every answer, and Eq. 6 would pay it
+        ("bootstrap.verdict_order", cfg.bootstrap.verdict_order == "paired" or not vote_stop(cfg),
+         "\"paired\" with a bootstrap.verifier_reply_prefix that opens the verdict tag (departure "
+         "11: a vote that copies the format line must not pay)"),
+        ("train.frozen_roles", set(frozen_roles(cfg)) <= set(ROLES) - {"res"},
+         f"comma-separated roles of {', '.join(r for r in ROLES if r != 'res')}, or \"\" (the "
+         "responder always trains: §4.3's batch is its groups)"),
+        # a key naming a variant: a key of its dict
+        *((key, value(key) in named, "|".join(named)) for key, named in variants().items()),
+    ]
+    for key, ok, must in rules:
+        if not ok:
+            raise infra.ConfigError(f"{key} must be {must}, got {infra.shown(value(key))}")
+
+
+def variants() -> dict[str, dict]:
+    """Each config key that names a variant, and the dict of variants it names (defined below):
+    check_config accepts the dict's keys, `spell.py --help` lists them."""
+    return {"reward.questioner_mapping": QUESTIONER_MAPPINGS, "train.policy_loss": POLICY_LOSSES,
+            "train.loss_norm": LOSS_NORMS, "train.advantage": ADVANTAGES,
+            "train.rollout_correction": ROLLOUT_CORRECTIONS}
+
+
 # ---- processes and the launch
+
+
+def print_help() -> None:
+    """`spell.py --help`: the docstring's launch lines, then every config key with its comment."""
+    print(__doc__[__doc__.index("Launch:"):__doc__.index("Symbols")].rstrip())
+    print("  any key: --section.key=value (several --config files stack, later ones win)\n")
+    print(infra.config_reference(Config(), variants()))
+
+
+def check_before_start(cfg: Config, corpus: list[Cluster], gold: list, resume: bool
+                       ) -> tuple[Path | None, str | None]:
+    """Whatever a launch can get wrong that needs no process, model or file of the run, so that it
+    stops in seconds: model.path names a model's folder (not a run's) or a hub name; if the folder
+    is here, the lengths and bounds its config sets, its weights, and that each vLLM engine's share
+    of the data and some held-out verifier item fit; then infra.check_launch (the ranks' layout,
+    log.out_dir). Returns the checkpoint --resume continues and the model's local folder (None for
+    a hub name: main checks the data's fit once the engine has its tokenizer)."""
+    import evaluation
+    infra.check_model_path(cfg.model.path)
+    # vLLM's engines: groups of engine.tensor_parallel_size ranks (the world torchrun starts)
+    _, groups = infra.engine_groups(cfg, int(os.environ.get("RANK", "0")),
+                                    int(os.environ.get("WORLD_SIZE", "1")))
+    if (folder := infra.local_model_dir(cfg)) is not None:
+        check_lengths(cfg, folder)
+        check_aepo_bound(cfg, folder)
+        infra.check_weights(folder)
+        tok = infra.load_tokenizer(folder)
+        check_clusters_fit(cfg, corpus, tok, groups)  # each engine's share of the data fits
+        evaluation.fitting_gold_prompts(tok, cfg, gold)  # and some held-out verifier item
+    return infra.check_launch(cfg, corpus, resume), folder
 
 
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
