@@ -2353,9 +2353,13 @@ def test_a_model_path_that_holds_no_model_stops_before_anything_starts(
         launch(tmp_path, monkeypatch, "--model.path=some-org/some-model")
 
 
-def test_a_hub_name_the_hub_does_not_have_names_the_key():
+def test_a_hub_name_the_hub_does_not_have_names_the_key(monkeypatch):
     """model.path as a hub name that neither the hub nor its cache (offline) holds: the first read
-    of its config.json stops with one line naming the key, not transformers' traceback."""
+    of its config.json stops with one line naming the key, not transformers' traceback. Offline, as
+    HF_HUB_OFFLINE=1 makes it: where the hub is unreachable (CI), asking it first waits 24 s."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(infra.ConfigError, match=r"^model\.path 'spell-tests/no-such-model': cannot "
                                                 r"read its config\.json \(.+\)$"):
         infra.model_config("spell-tests/no-such-model", "")
