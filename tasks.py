@@ -446,15 +446,16 @@ _NUMBER_IN_PARENTHESES = re.compile(r"\(\s*(?:[$€£¥₹＄￡￥]\s*)?(?:\d|\
 
 def clean_answer(line: str) -> str | None:
     """An answer line without markdown, quotes, trailing dots, TeX math delimiters and the
-    template's parentheses (not those around a number); None when empty or still the template's
-    placeholder."""
+    template's parentheses (not those around a number); None when empty, still the template's
+    placeholder, or without a letter or digit (")" of "The answer is (The answer is)" states
+    nothing, and must not pass as an answer: bootstrap.responder_format_penalty reads it)."""
     line = line.replace("*", "").strip().strip('"\u201c\u201d\'').strip().rstrip(".").strip()
     if m := _MATH_PAIR.fullmatch(line):
         line = next(g for g in m.groups() if g is not None).strip()
     if (line.startswith("(") and line.endswith(")")
             and not _NUMBER_IN_PARENTHESES.match(line)):  # the template's parentheses, copied
         line = line[1:-1].strip()
-    if not line or _PLACEHOLDER_ANSWER in line.lower():
+    if not any(ch.isalnum() for ch in line) or _PLACEHOLDER_ANSWER in line.lower():
         return None
     return line
 

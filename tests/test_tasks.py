@@ -39,6 +39,10 @@ from tasks import cover_exact_match, extract_answer, numbers_match, parse_number
     ("The correct answer is (James Madison).", "doc_qa", "James Madison"),
     ("The answer is x.\nActually the correct answer is **Paris**.\nMore text", "doc_qa", "Paris"),
     ("The correct answer is (insert answer here).", "doc_qa", None),
+    # the statement nested in its own parentheses leaves the last "answer is" only ")": the trained
+    # 135M model's most common held-out answer (2026-11-29, docs/cpu-runs.md), no answer at all
+    ("The correct answer is (The correct answer is)", "doc_qa", None),
+    ("The answer is: ...", "doc_qa", None),
     ("I do not know.", "doc_qa", None),
     ("<think>The answer is A</think>So the answer is B", "doc_qa", "B"),
     ("<think>The answer is A", "doc_qa", None),
