@@ -2356,7 +2356,7 @@ def test_a_model_path_that_holds_no_model_stops_before_anything_starts(
 def test_a_hub_name_the_hub_does_not_have_names_the_key(monkeypatch):
     """model.path as a hub name that neither the hub nor its cache (offline) holds: the first read
     of its config.json stops with one line naming the key, not transformers' traceback. Offline, as
-    HF_HUB_OFFLINE=1 makes it: where the hub is unreachable (CI), asking it first waits 24 s."""
+    HF_HUB_OFFLINE=1 makes it (.ci/run sets it): where the hub is unreachable, asking waits 24 s."""
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
